@@ -16,6 +16,18 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
+def rope_from_config_dict(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from a config.json of either transformers generation: v4 writes
+    top-level `rope_theta`/`rope_scaling`, v5 writes one `rope_parameters` dict (rope_type
+    "default" = no scaling)."""
+    params = d.get("rope_parameters") or {}
+    theta = d.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = d.get("rope_scaling")
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    return float(theta), scaling
+
+
 def vllm_layer_ids(sglang_ids: list[int]) -> list[int]:
     """vLLM captures the *input* of layer j for id j; SGLang's id k is the *output* of layer k,
     i.e. the input of layer k+1. Same tensors, ids shifted by one."""
@@ -89,7 +101,7 @@ class Eagle3Config:
             ids = [k - 1 for k in d["eagle_aux_hidden_state_layer_ids"]]  # vLLM convention
         known = set(cls.__dataclass_fields__) | {
             "architectures", "model_type", "num_hidden_layers", "tie_word_embeddings",
-            "eagle_config", "eagle_aux_hidden_state_layer_ids",
+            "eagle_config", "eagle_aux_hidden_state_layer_ids", "rope_parameters", "dtype",
         }  # fmt: skip
         return cls(
             hidden_size=d["hidden_size"],
@@ -102,8 +114,8 @@ class Eagle3Config:
             target_hidden_size=d.get("target_hidden_size") or d["hidden_size"],
             aux_layer_ids=list(ids) if ids is not None else [],
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=d.get("rope_theta", 10000.0),
-            rope_scaling=d.get("rope_scaling"),
+            rope_theta=rope_from_config_dict(d)[0],
+            rope_scaling=rope_from_config_dict(d)[1],
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             hidden_act=d.get("hidden_act", "silu"),
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),

@@ -1,0 +1,143 @@
+"""The drafter model: golden numbers, learning, and training/serving parity."""
+
+from __future__ import annotations
+
+import torch
+
+from eagle3.config import Eagle3Config
+from eagle3.model import DrafterCache, Eagle3Drafter, rope_parameters
+from eagle3.vocab import build_vocab_map, target_soft_labels
+
+
+def tiny_cfg(**kw) -> Eagle3Config:
+    base = dict(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=100, draft_vocab_size=50, target_hidden_size=24,
+        aux_layer_ids=[1, 2, 3],
+    )  # fmt: skip
+    base.update(kw)
+    return Eagle3Config(**base)
+
+
+def fixed_drafter(cfg: Eagle3Config, seed: int = 0) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    model = Eagle3Drafter(cfg, torch.randn(cfg.vocab_size, cfg.hidden_size))
+    model.d2t.copy_(torch.arange(cfg.draft_vocab_size))  # draft i -> target 2i
+    return model
+
+
+def packed_batch(cfg: Eagle3Config, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    cu = [0, 12, 20]
+    T = cu[-1]
+    ids = torch.randint(0, cfg.vocab_size, (T,), generator=g)
+    aux = torch.randn(T, 3 * cfg.target_hidden_size, generator=g)
+    tp = torch.softmax(torch.randn(T, cfg.draft_vocab_size, generator=g), -1)
+    pos = torch.cat([torch.arange(12), torch.arange(8)])
+    return ids, aux, tp, torch.ones(T, dtype=torch.bool), cu, pos
+
+
+def test_golden_loss_with_fixed_init():
+    cfg = tiny_cfg()
+    model = fixed_drafter(cfg)
+    out = model.ttt_forward(*packed_batch(cfg), ttt_length=3)
+    # Positions counted per step: each sample of length L yields L-2-i predictions at step i.
+    assert out.counted.tolist() == [16.0, 14.0, 12.0]
+    # Golden numbers pin the numerics of the reference path (fp32, CPU).
+    torch.testing.assert_close(out.loss, torch.tensor(GOLDEN_LOSS), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.stack(out.step_losses), torch.tensor(GOLDEN_STEPS), rtol=1e-5, atol=1e-5)
+
+
+GOLDEN_LOSS = 10.057046890258789
+GOLDEN_STEPS = [4.116865634918213, 4.136316776275635, 4.1111369132995605]
+
+
+def test_training_and_serving_paths_agree():
+    """Step i of TTT at index t equals the cached serving path drafting i tokens after slot t."""
+    cfg = tiny_cfg()
+    model = fixed_drafter(cfg)
+    ids, aux, tp, valid, cu, pos = packed_batch(cfg)
+    out = model.ttt_forward(ids, aux, tp, valid, cu, pos, ttt_length=3, return_logits=True)
+    L = 12
+    cache = DrafterCache(cfg, batch=1, capacity=64)
+    _, logits = model.forward_step(ids[1:L][None], aux[: L - 1][None], torch.arange(L - 1)[None], cache)
+    torch.testing.assert_close(logits[0], out.step_logits[0][: L - 1], rtol=1e-4, atol=1e-5)
+    for t in (0, 4, 8):
+        cache = DrafterCache(cfg, batch=1, capacity=64)
+        h, _ = model.forward_step(ids[1 : t + 2][None], aux[: t + 1][None], torch.arange(t + 1)[None], cache)
+        h = h[:, -1:]
+        for i in (1, 2):
+            tok = ids[t + 1 + i].view(1, 1)
+            h, lg = model.forward_step(tok, h, torch.tensor([[t + i]]), cache)
+            torch.testing.assert_close(lg[0, 0], out.step_logits[i][t], rtol=1e-4, atol=1e-5)
+
+
+def test_batched_serving_matches_single_rows_with_padding():
+    cfg = tiny_cfg()
+    model = fixed_drafter(cfg)
+    ids, aux, *_ = packed_batch(cfg)
+    lens = [7, 4]
+    single = []
+    for n in lens:
+        cache = DrafterCache(cfg, 1, 32)
+        _, lg = model.forward_step(ids[1 : n + 1][None], aux[:n][None], torch.arange(n)[None], cache)
+        single.append(lg[0, n - 1])
+    n = max(lens)
+    write = torch.tensor([[j < n_ for j in range(n)] for n_ in lens])
+    cache = DrafterCache(cfg, 2, 32)
+    tok = torch.stack([ids[1 : n + 1], ids[1 : n + 1]])
+    hid = torch.stack([aux[:n], aux[:n]])
+    pos = torch.arange(n).expand(2, n).clone()
+    _, lg = model.forward_step(tok, hid, pos, cache, write)
+    torch.testing.assert_close(lg[0, lens[0] - 1], single[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lg[1, lens[1] - 1], single[1], rtol=1e-4, atol=1e-5)
+
+
+def test_ttt_learns_a_toy_rule():
+    """Next token = previous + 1: loss must fall and step accuracies rise."""
+    cfg = tiny_cfg(vocab_size=40, draft_vocab_size=40)
+    torch.manual_seed(0)
+    model = Eagle3Drafter(cfg, torch.randn(40, 32))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    first = last = None
+    for step in range(120):
+        starts = torch.randint(0, 40, (4,), generator=g)
+        seqs = [(s + torch.arange(16)) % 40 for s in starts]
+        ids = torch.cat(seqs)
+        T = ids.numel()
+        aux = torch.randn(T, 72, generator=g) * 0.1
+        tp = torch.nn.functional.one_hot(torch.roll(ids, -1), 40).float()  # target at j predicts x_{j+1}
+        cu = [0, 16, 32, 48, 64]
+        pos = torch.arange(16).repeat(4)
+        out = model.ttt_forward(ids, aux, tp, torch.ones(T, dtype=torch.bool), cu, pos, ttt_length=3)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        if step == 0:
+            first = out.loss.item()
+        last, acc = out.loss.item(), (out.correct / out.counted)
+    assert last < 0.3 * first
+    assert acc.min() > 0.9
+
+
+def test_rope_scalings():
+    plain, f = rope_parameters(tiny_cfg())
+    assert f == 1.0
+    l3, _ = rope_parameters(tiny_cfg(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}))
+    assert torch.equal(l3[:1], plain[:1]) and l3[-1] < plain[-1]  # high freqs kept, low freqs scaled
+    yarn, fy = rope_parameters(tiny_cfg(rope_scaling={"type": "yarn", "factor": 32.0,
+                                                      "original_max_position_embeddings": 64}))
+    assert fy > 1.0 and yarn[-1] < plain[-1] and torch.isfinite(yarn).all()
+
+
+def test_vocab_map_and_soft_labels():
+    counts = torch.tensor([5, 0, 9, 1, 7, 0])
+    d2t, t2d = build_vocab_map(counts, 3)
+    assert (torch.arange(3) + d2t).tolist() == [0, 2, 4] and t2d.tolist() == [1, 0, 1, 0, 1, 0]
+    lm = torch.eye(6)
+    fh = torch.tensor([[0.0, 0, 5, 0, 0, 0], [0, 9, 0, 0, 0, 0]])
+    p, inside = target_soft_labels(fh, lm, d2t, t2d)
+    assert inside.tolist() == [True, False]
+    assert p.shape == (2, 3) and p[0].argmax() == 1
