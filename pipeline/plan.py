@@ -117,17 +117,30 @@ def _fmt(x: Any) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.plan", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m pipeline.plan", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--baseline-tps", type=float, required=True, help="plain decoding tok/s (T0)")
     ap.add_argument("--verify-ms", type=float, required=True, help="one verify forward (ms)")
-    ap.add_argument("--draft-ms", type=float, default=0.0, help="one draft step (ms); needs --steps")
+    ap.add_argument(
+        "--draft-ms", type=float, default=0.0, help="one draft step (ms); needs --steps"
+    )
     ap.add_argument("--steps", type=int, default=None, help="draft steps per cycle (k)")
     ap.add_argument("--target-tps", type=float, default=None, help="tok/s you want (T)")
-    ap.add_argument("--accept-len", type=float, default=None, help="predict tok/s for this accept_len")
+    ap.add_argument(
+        "--accept-len", type=float, default=None, help="predict tok/s for this accept_len"
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     try:
-        res = plan(args.baseline_tps, args.verify_ms, args.draft_ms, args.steps, args.target_tps, args.accept_len)
+        res = plan(
+            args.baseline_tps,
+            args.verify_ms,
+            args.draft_ms,
+            args.steps,
+            args.target_tps,
+            args.accept_len,
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

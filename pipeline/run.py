@@ -1,0 +1,70 @@
+"""Entry point of the loop: `python pipeline/run.py --config configs/smollm2-cpu.yaml`.
+
+Submitted with `ray job submit --working-dir . -- python pipeline/run.py --config ...` it joins
+the job's cluster (RAY_ADDRESS is set by Ray); run directly it starts a local Ray on loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+# Run as a script from the job's working dir: make that copy of the code the one imported.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipeline.config import ConfigError, load_config  # noqa: E402
+from pipeline.rules import format_table  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--config", required=True, help="YAML config (see configs/)")
+    ap.add_argument("--run-dir", default=None, help="run directory (default runs/<name>); re-run to resume")
+    ap.add_argument("--set", action="append", default=[], metavar="a.b=v", help="override a config field")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.config, args.set)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    run_dir = Path(args.run_dir or f"runs/{cfg.name}").resolve()
+
+    import ray
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()  # inside `ray job submit`: the job's runtime_env (see job_runtime_env) applies
+    else:
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, runtime_env=cfg.runtime_env or None)
+
+    from pipeline.loop import run_loop
+
+    summary = run_loop(cfg, run_dir)
+    print(format_table(summary["rounds"]))
+    print(f"stopped because: {summary['stopped_because']}")
+    print(json.dumps({"run_dir": str(run_dir), "champion": summary["champion"]}))
+    return 0
+
+
+def job_runtime_env(config: str, working_dir: str = ".") -> dict:
+    """The runtime_env to submit a job with: the config's own plus the working dir, without the
+    local virtualenv and run outputs (they must not be uploaded)."""
+    cfg = load_config(config)
+    env = dict(cfg.runtime_env)
+    env.setdefault("working_dir", working_dir)
+    env.setdefault("excludes", [".venv/", ".git/", "runs/", "demo-run/", "*.db", "mlartifacts/"])
+    vars_ = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **dict(env.get("env_vars") or {})}
+    env["env_vars"] = vars_
+    return env
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "runtime-env":  # used by scripts/demo.sh
+        print(json.dumps(job_runtime_env(sys.argv[2])))
+        sys.exit(0)
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""The run directory's persisted state: which stages of which round are done, with their outputs.
+
+`state.json` is rewritten atomically after every stage, so a killed loop resumes at the first
+stage not recorded as done, and reuses the MLflow run ids it created instead of making new ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+STAGES = ("generate", "train", "bench")
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str))
+    os.replace(tmp, path)
+
+
+@dataclass
+class RoundState:
+    index: int
+    mlflow_run_id: str | None = None
+    done: dict[str, dict[str, Any]] = field(default_factory=dict)  # stage -> its result record
+
+    def is_done(self, stage: str) -> bool:
+        return stage in self.done
+
+
+@dataclass
+class RunState:
+    config_digest: str
+    parent_run_id: str | None = None
+    rounds: list[RoundState] = field(default_factory=list)
+    elapsed_s: float = 0.0  # wall time spent in earlier invocations
+    baseline: dict[str, Any] | None = None
+    stopped_because: str | None = None
+    champion: dict[str, Any] | None = None
+
+    @classmethod
+    def load_or_new(cls, run_dir: Path, digest: str) -> RunState:
+        path = run_dir / "state.json"
+        if not path.exists():
+            return cls(config_digest=digest)
+        raw = json.loads(path.read_text())
+        if raw["config_digest"] != digest:
+            raise ValueError(
+                f"{path}: this run directory was made with another config (digest "
+                f"{raw['config_digest']} != {digest}); use a new --run-dir or restore the config"
+            )
+        rounds = [RoundState(**r) for r in raw.pop("rounds")]
+        return cls(**raw, rounds=rounds)
+
+    def save(self, run_dir: Path) -> None:
+        write_json_atomic(run_dir / "state.json", asdict(self))
+
+    def round(self, i: int) -> RoundState:
+        while len(self.rounds) <= i:
+            self.rounds.append(RoundState(index=len(self.rounds)))
+        return self.rounds[i]
+
+
+class Clock:
+    """Wall time of the loop across resumed invocations."""
+
+    def __init__(self, state: RunState):
+        self.state, self.t0, self.base = state, time.monotonic(), state.elapsed_s
+
+    def elapsed(self) -> float:
+        return self.base + time.monotonic() - self.t0
+
+    def commit(self) -> None:
+        self.state.elapsed_s = self.elapsed()

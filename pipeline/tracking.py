@@ -1,0 +1,95 @@
+"""The one place that talks to MLflow.
+
+Runs are addressed by id through `MlflowClient`, never through MLflow's global "active run", so a
+caller that already has an outer run open (a notebook, an outer pipeline) is not disturbed and a
+resumed loop reopens exactly the runs it created. Child runs carry `mlflow.parentRunId`, which is
+what `mlflow.start_run(parent_run_id=...)` sets.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import Metric, Param
+from mlflow.tracking import MlflowClient
+
+from pipeline.config import TrackingConfig
+
+_SECRET = re.compile(r"(token|secret|password|api_key|apikey|credential)", re.IGNORECASE)
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested config -> dotted params, secrets redacted."""
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = "***" if _SECRET.search(key) else str(v)[:6000]
+    return out
+
+
+class Tracker:
+    def __init__(self, cfg: TrackingConfig):
+        self.cfg = cfg
+        self.client = MlflowClient(tracking_uri=cfg.tracking_uri)
+        exp = self.client.get_experiment_by_name(cfg.experiment)
+        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(cfg.experiment)
+
+    def start_run(self, name: str, parent_id: str | None = None, params: dict[str, Any] | None = None) -> str:
+        tags = {"mlflow.parentRunId": parent_id} if parent_id else {}
+        run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)
+        if params:
+            flat = flatten(params)
+            items = [Param(k, v) for k, v in flat.items()]
+            for i in range(0, len(items), 100):
+                self.client.log_batch(run.info.run_id, params=items[i : i + 100])
+        return run.info.run_id
+
+    def run_exists(self, run_id: str | None) -> bool:
+        if not run_id:
+            return False
+        try:
+            return self.client.get_run(run_id).info.lifecycle_stage == "active"
+        except Exception:
+            return False
+
+    def log(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+        """All metrics go through here, with namespaced keys (data/, train/, bench/)."""
+        items = [
+            Metric(k, float(v), 0, step)
+            for k, v in metrics.items()
+            if isinstance(v, int | float) and math.isfinite(float(v))
+        ]
+        for i in range(0, len(items), 500):
+            self.client.log_batch(run_id, metrics=items[i : i + 500])
+
+    def log_artifact(self, run_id: str, path: Path, artifact_path: str | None = None) -> None:
+        path = Path(path)
+        if path.is_dir():
+            self.client.log_artifacts(run_id, str(path), artifact_path)
+        elif path.exists():
+            self.client.log_artifact(run_id, str(path), artifact_path)
+
+    def finish(self, run_id: str, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status)
+
+    def register_champion(self, run_id: str, artifact_path: str = "drafter") -> str:
+        """Register the run's drafter as a new version and point alias `champion` at it."""
+        name = self.cfg.registered_model
+        try:
+            self.client.get_registered_model(name)
+        except Exception:
+            self.client.create_registered_model(name)
+        source = f"{self.client.get_run(run_id).info.artifact_uri}/{artifact_path}"
+        for mv in self.client.search_model_versions(f"name='{name}' and run_id='{run_id}'"):
+            version = mv.version  # already registered (a resumed loop): reuse it
+            break
+        else:
+            version = self.client.create_model_version(name, source, run_id=run_id).version
+        self.client.set_registered_model_alias(name, "champion", str(version))
+        return str(version)
