@@ -1,0 +1,68 @@
+"""Stop rules, run state and the MLflow seam (real MLflow on sqlite)."""
+
+from __future__ import annotations
+
+import mlflow
+import pytest
+
+from pipeline.config import StopConfig, TrackingConfig
+from pipeline.rules import stop_reason
+from pipeline.state import RunState
+from pipeline.tracking import Tracker
+
+
+def rows(*acc):
+    return [{"round": i, "accept_len": a, "tok_per_s": 10.0, "baseline_tok_per_s": 8.0, "speedup": 1.25,
+             "train_tokens": 1} for i, a in enumerate(acc)]  # fmt: skip
+
+
+BENCH = {"baseline_tok_per_s": 82.5, "verify_ms": 30.0, "draft_ms": 0.0, "steps": None}
+
+
+def test_stop_rules_in_order():
+    s = StopConfig(accept_len=2.5, plateau_eps=0.05, plateau_rounds=2, max_rounds=5)
+    assert stop_reason(s, rows(2.0), BENCH, 0) is None
+    assert stop_reason(s, rows(2.0, 2.6), BENCH, 0).startswith("target: accept_len")
+    assert stop_reason(s, rows(2.0, 2.02, 2.03), BENCH, 0).startswith("plateau")
+    assert stop_reason(s, rows(1.5, 1.8, 2.0, 2.2, 2.4), BENCH, 0).startswith("budget: 5 rounds")
+    s2 = StopConfig(accept_len=None, max_rounds=9, max_wall_minutes=1)
+    assert stop_reason(s2, rows(1.5), BENCH, 61).startswith("budget: wall time")
+
+
+def test_tok_per_s_goal_uses_the_planner():
+    # 150 tok/s at 82.5 tok/s baseline and 30 ms verify needs accept_len 4.5.
+    s = StopConfig(accept_len=None, tok_per_s=150, max_rounds=9)
+    assert stop_reason(s, rows(4.4), BENCH, 0) is None
+    assert "tok/s goal" in stop_reason(s, rows(4.55), BENCH, 0)
+
+
+def test_state_refuses_other_config(tmp_path):
+    st = RunState.load_or_new(tmp_path, "abc")
+    st.round(1).done["generate"] = {"manifest": "m"}
+    st.save(tmp_path)
+    again = RunState.load_or_new(tmp_path, "abc")
+    assert again.rounds[1].is_done("generate") and not again.rounds[0].is_done("generate")
+    with pytest.raises(ValueError, match="another config"):
+        RunState.load_or_new(tmp_path, "zzz")
+
+
+def test_tracker_with_an_outer_run_active(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    mlflow.set_tracking_uri(uri)
+    with mlflow.start_run(run_name="outer") as outer:
+        t = Tracker(TrackingConfig(tracking_uri=uri, experiment="e", registered_model="m"))
+        parent = t.start_run("loop", params={"train": {"lr": 0.1}, "hf_token": "s3cret"})
+        child = t.start_run("round-0", parent_id=parent)
+        t.log(child, {"bench/accept_len": 2.0, "train/loss": float("nan")})
+        (tmp_path / "drafter").mkdir()
+        (tmp_path / "drafter" / "config.json").write_text("{}")
+        t.log_artifact(child, tmp_path / "drafter", "drafter")
+        v1 = t.register_champion(child)
+        assert t.register_champion(child) == v1  # resume does not add versions
+        assert mlflow.active_run().info.run_id == outer.info.run_id
+    c = t.client.get_run(child)
+    assert c.data.tags["mlflow.parentRunId"] == parent
+    assert c.data.metrics == {"bench/accept_len": 2.0}
+    p = t.client.get_run(parent)
+    assert p.data.params["train.lr"] == "0.1" and p.data.params["hf_token"] == "***"
+    assert t.client.get_model_version_by_alias("m", "champion").run_id == child
