@@ -130,7 +130,16 @@ def test_tied_target_without_lm_head(tmp_path):
     assert torch.equal(got["lm_head"], embed) and torch.equal(got["norm"], norm)
 
 
-def test_unknown_layout_and_missing_paths_name_the_fix(tmp_path):
+@pytest.fixture
+def hub_offline(monkeypatch):
+    """HF_HUB_OFFLINE=1 as huggingface_hub reads it (at call time); without it each download
+    retries an unreachable Hub for ~25 s before failing."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def test_unknown_layout_and_missing_paths_name_the_fix(tmp_path, hub_offline):
     folder = tmp_path / "odd"
     folder.mkdir()
     (folder / "config.json").write_text(

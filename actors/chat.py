@@ -1,0 +1,87 @@
+"""Conversations → token ids with the target's chat template, and the assistant loss mask.
+
+The mask marks exactly the assistant tokens: each assistant message's content plus the
+end-of-turn token right after it, never the role header. Spans are found on the rendered text: the
+conversation up to an assistant turn, rendered with ``add_generation_prompt=True``, is a prefix
+of the full rendering, so the content starts right after it; token offsets then map character
+spans to tokens. This works for templates without ``{% generation %}`` markers (SmolLM2's has none).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Conversation = list[dict[str, str]]
+
+
+def check_chat_template(tokenizer: Any) -> None:
+    """Raise a clear error when the target's tokenizer cannot format conversations."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"target.model: tokenizer of {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template; "
+            "use an instruct/chat model or add a chat_template to its tokenizer_config.json"
+        )
+
+
+def render(tokenizer: Any, messages: Conversation, add_generation_prompt: bool = False) -> str:
+    check_chat_template(tokenizer)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def encode_conversation(
+    tokenizer: Any, messages: Conversation, max_length: int, *, add_generation_prompt: bool = False
+) -> tuple[list[int], list[int]]:
+    """Token ids of the templated conversation and a 0/1 mask over the assistant tokens (content +
+    end-of-turn token), both truncated to ``max_length``.
+
+    With ``add_generation_prompt`` the ids end with the assistant header, ready for generation
+    (earlier assistant turns are still masked)."""
+    text = render(tokenizer, messages, add_generation_prompt)
+    spans = _assistant_spans(tokenizer, messages, text)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])[:max_length]
+    offsets = enc["offset_mapping"][:max_length]
+    mask = [int(any(s <= a and b <= e and a < b for s, e in spans)) for a, b in offsets]
+    return ids, mask
+
+
+def prompt_ids(tokenizer: Any, messages: Conversation) -> list[int]:
+    """Token ids of a prompt conversation followed by the assistant header (for generation)."""
+    text = render(tokenizer, messages, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _assistant_spans(tokenizer: Any, messages: Conversation, text: str) -> list[tuple[int, int]]:
+    """Character spans [start, end) of each assistant content + its end-of-turn token in ``text``."""
+    specials = sorted(_special_strings(tokenizer), key=len, reverse=True)
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    for i, msg in enumerate(messages):
+        if msg["role"] != "assistant":
+            continue
+        head = render(tokenizer, messages[:i], add_generation_prompt=True)
+        # Normally the header render is a prefix of the full text; templates that rewrite earlier
+        # turns (e.g. strip reasoning) are not, and then the search starts after the last span.
+        start = len(head) if text.startswith(head) else cursor
+        content = msg["content"].strip()
+        pos = text.find(content, start) if content else start
+        if pos < 0:
+            raise ValueError(
+                f"target.model: the chat template does not render assistant message {i} verbatim; "
+                "cannot locate its tokens for the loss mask"
+            )
+        end = pos + len(content)
+        eot = next((s for s in specials if text.startswith(s, end)), None)
+        if eot is not None:
+            end += len(eot)
+        spans.append((pos, end))
+        cursor = end
+    return spans
+
+
+def _special_strings(tokenizer: Any) -> set[str]:
+    out = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    for tok in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values():
+        if getattr(tok, "special", False):
+            out.add(str(tok.content) if hasattr(tok, "content") else str(tok))
+    return {s for s in out if s}

@@ -1,0 +1,350 @@
+"""Prompts for the generate stage: load them, hold some out for the benchmark, hand out fresh ones
+per round.
+
+A prompt is a conversation: a list of ``{"role", "content"}`` dicts that ends with a user turn. The
+target regenerates the assistant reply, so any assistant turns after the last user turn of a
+source record are dropped.
+
+Sources (``DataConfig.source``):
+- ``builtin``: an offline English set built on any machine from the Python standard library's
+  docstrings, templated word problems, unit conversions, writing tasks and explain/compare
+  questions; deterministic for a seed, a few thousand distinct short prompts.
+- ``jsonl``: one record per line, ``{"conversations": [{"role", "content"}...]}`` (or
+  ``"messages"``), ShareGPT ``{"conversations": [{"from", "value"}...]}``, or ``{"prompt": "..."}``.
+- ``hf``: an HF dataset by name (``DataConfig.path``, ``DataConfig.split``) whose rows have one of
+  the shapes above; needs the optional ``datasets`` package.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import random
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import DataConfig
+
+Conversation = list[dict[str, str]]
+
+ACCEPTED_FORMATS = (
+    '{"conversations": [{"role": "user", "content": "..."}, ...]} (or "messages"), '
+    'ShareGPT {"conversations": [{"from": "human", "value": "..."}, ...]}, '
+    'or {"prompt": "..."}'
+)
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}  # fmt: skip
+
+
+class PromptFormatError(ValueError):
+    """A prompt record that no accepted format matches."""
+
+
+def load_prompts(data: DataConfig) -> list[Conversation]:
+    """All prompts of ``data.source``, each a conversation ending with a user turn."""
+    if data.source == "builtin":
+        return builtin_prompts(data.seed)
+    if data.source == "jsonl":
+        return _load_jsonl(Path(data.path or ""))
+    if data.source == "hf":
+        return _load_hf(data)
+    raise ValueError(f"data.source: unknown source {data.source!r}; use builtin, jsonl or hf")
+
+
+def prompt_key(conv: Conversation) -> str:
+    """The text that makes two prompts the same (roles and contents)."""
+    return "\n".join(f"{m['role']}: {m['content']}" for m in conv)
+
+
+def split_prompts(
+    prompts: list[Conversation], heldout: int, seed: int
+) -> tuple[list[Conversation], list[Conversation]]:
+    """Deterministically pick ``heldout`` prompts for the benchmark; the rest (distinct by text from
+    every held-out prompt, duplicates removed) is training material in a seeded order."""
+    unique: dict[str, Conversation] = {}
+    for conv in prompts:
+        unique.setdefault(prompt_key(conv), conv)
+    if heldout >= len(unique):
+        raise ValueError(
+            f"data.heldout_prompts: {heldout} leaves no training prompts out of {len(unique)} "
+            "distinct ones; lower it or add prompts"
+        )
+    keys = sorted(unique)  # input order must not matter, only the seed
+    random.Random(seed).shuffle(keys)
+    return [unique[k] for k in keys[heldout:]], [unique[k] for k in keys[:heldout]]
+
+
+def round_prompts(train: list[Conversation], round_index: int, n: int) -> list[Conversation]:
+    """The ``n`` prompts of round ``round_index``: consecutive, non-overlapping slices of ``train``;
+    wraps around (with a warning) once every training prompt has been used."""
+    if not train:
+        raise ValueError("round_prompts: no training prompts")
+    if n > len(train):
+        warnings.warn(f"data.prompts_per_round={n} > {len(train)} training prompts; using all of them", stacklevel=2)
+        n = len(train)
+    start = round_index * n
+    if start + n > len(train):
+        warnings.warn(
+            f"round {round_index}: the {len(train)} training prompts are exhausted after "
+            f"{len(train) // n} rounds of {n}; reusing prompts (add prompts for fresh data)",
+            stacklevel=2,
+        )
+    return [train[(start + i) % len(train)] for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Records from files and datasets
+
+
+def parse_record(rec: Any, where: str) -> Conversation:
+    """One record in any accepted format → a conversation ending with its last user turn."""
+    if not isinstance(rec, dict):
+        raise PromptFormatError(f"{where}: expected a JSON object; accepted formats: {ACCEPTED_FORMATS}")
+    if isinstance(rec.get("prompt"), str):
+        conv = [{"role": "user", "content": rec["prompt"]}]
+    else:
+        turns = rec.get("conversations", rec.get("messages"))
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, dict) for t in turns):
+            raise PromptFormatError(
+                f"{where}: unknown record format (keys {sorted(rec)[:8]}); accepted formats: {ACCEPTED_FORMATS}"
+            )
+        conv = [_turn(t, where) for t in turns]
+    last_user = max((i for i, m in enumerate(conv) if m["role"] == "user"), default=-1)
+    if last_user < 0:
+        raise PromptFormatError(f"{where}: the conversation has no user turn to answer")
+    return conv[: last_user + 1]
+
+
+def _turn(t: dict[str, Any], where: str) -> dict[str, str]:
+    if "role" in t and "content" in t and isinstance(t["content"], str):
+        return {"role": str(t["role"]), "content": t["content"]}
+    if "from" in t and "value" in t and isinstance(t["value"], str):
+        role = _SHAREGPT_ROLES.get(str(t["from"]).lower())
+        if role is None:
+            raise PromptFormatError(
+                f"{where}: unknown ShareGPT speaker {t['from']!r}; use one of {sorted(_SHAREGPT_ROLES)}"
+            )
+        return {"role": role, "content": t["value"]}
+    raise PromptFormatError(
+        f"{where}: unknown turn format (keys {sorted(t)}); accepted formats: {ACCEPTED_FORMATS}"
+    )
+
+
+def _load_jsonl(path: Path) -> list[Conversation]:
+    if not path.is_file():
+        raise FileNotFoundError(f"data.path: prompt file {path} does not exist; point data.path at a JSONL file")
+    out = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PromptFormatError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            out.append(parse_record(rec, f"{path}:{lineno}"))
+    if not out:
+        raise ValueError(f"data.path: prompt file {path} is empty; add one JSON record per line")
+    return out
+
+
+def _load_hf(data: DataConfig) -> list[Conversation]:
+    try:
+        datasets = importlib.import_module("datasets")
+    except ImportError:
+        raise ImportError(
+            f"data.source=hf (data.path={data.path!r}) needs the `datasets` package: "
+            "pip install datasets, or export the prompts to JSONL and use data.source=jsonl"
+        ) from None
+    ds = datasets.load_dataset(data.path, split=data.split)
+    out = [parse_record(dict(row), f"{data.path}[{data.split}] row {i}") for i, row in enumerate(ds)]
+    if not out:
+        raise ValueError(f"data.path: dataset {data.path!r} split {data.split!r} has no rows")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The built-in offline set
+
+_STDLIB = (
+    "string textwrap itertools functools collections os.path json math statistics random re "
+    "datetime heapq bisect shutil pathlib csv urllib.parse hashlib base64 difflib fractions "
+    "decimal operator copy glob fnmatch zipfile gzip secrets uuid time calendar enum dataclasses "
+    "os subprocess tempfile logging argparse pickle struct array queue threading socket html "
+    "sqlite3 io contextlib inspect unicodedata shlex pprint cmath zlib binascii ipaddress "
+    "email.utils platform weakref abc numbers colorsys keyword ast traceback warnings timeit "
+    "asyncio concurrent.futures mimetypes configparser tarfile bz2 lzma hmac filecmp linecache "
+    "codecs graphlib reprlib types shelve zoneinfo"
+).split()
+_STDLIB_QUESTIONS = (
+    "What does `{q}` do in Python? Show a short example.",
+    "Explain the Python {kind} `{q}` in a few sentences.",
+    'The Python documentation says of `{q}`: "{doc}" What does this mean in plain words?',
+    "When would I use `{q}` in a Python program, and what is a common mistake with it?",
+    "Write a short Python snippet that demonstrates `{q}` and explain the output.",
+    "Describe `{q}` from Python's {mod} module to a beginner.",
+)
+_NAMES = "Ana Ben Chloe Dev Emma Farid Grace Hugo Iris Jamal Kai Lena Marco Nora Omar Priya Quinn Rosa Sam Tariq Uma Victor Wen Yusuf Zoe".split()
+_ITEMS = "apples marbles stickers books pencils cookies stamps shells cards coins eggs balloons".split()
+_WORD_PROBLEMS = (
+    "{n1} has {a} {it}. {n2} gives {n1} {b} more, and then {n1} gives away {c}. How many {it} does {n1} have now?",
+    "A box holds {a} {it}. How many {it} are in {b} boxes?",
+    "{n1} shares {prod} {it} equally among {b} friends. How many does each friend get?",
+    "A shop sells {it} at ${a} each. {n1} buys {b} and pays with ${big}. How much change does {n1} get?",
+    "{n1} reads {a} pages a day. How many days does it take to read a book of {prod} pages?",
+    "A train travels at {a} km/h for {b} hours. How far does it go?",
+    "{n1} saves ${a} every week. How many weeks until {n1} has ${prod}?",
+    "A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter?",
+    "{n1} had {big} {it} and lost {c}% of them. How many are left?",
+    "There are {a} students in a class and {b} classes in a school. If {c} students are absent, how many are present?",
+)
+_CONVERSIONS = (
+    ("kilometers", "miles"), ("miles", "kilometers"), ("kilograms", "pounds"), ("pounds", "kilograms"),
+    ("degrees Celsius", "degrees Fahrenheit"), ("degrees Fahrenheit", "degrees Celsius"),
+    ("liters", "US gallons"), ("meters", "feet"), ("feet", "meters"), ("inches", "centimeters"),
+    ("hours", "seconds"), ("days", "minutes"), ("megabytes", "kilobytes"), ("ounces", "grams"),
+    ("square meters", "square feet"), ("kilometers per hour", "meters per second"),
+    ("cups", "milliliters"), ("years", "days"), ("hectares", "acres"), ("knots", "kilometers per hour"),
+)  # fmt: skip
+_CONVERSION_FORMS = (
+    "Convert {x} {a} to {b}.",
+    "How many {b} are in {x} {a}? Show the calculation.",
+    "I have {x} {a}. What is that in {b}?",
+)
+_TOPICS = (
+    "the ocean", "autumn leaves", "a lost umbrella", "city traffic", "a first day at school", "coffee",
+    "the night sky", "a garden in spring", "friendship", "a rainy Monday", "space travel", "an old library",
+    "learning to ride a bike", "mountains", "a birthday party", "recycling", "a robot that learns to cook",
+    "the smell of bread", "a long train ride", "winter mornings", "a busy kitchen", "volunteering",
+    "a lighthouse", "homework", "a football match", "moving to a new city", "a thunderstorm", "honeybees",
+    "an unexpected letter", "the internet", "a quiet lake", "grandparents", "a street market", "sleep",
+    "a haunted house", "climate change", "a chess game", "a music festival", "the first snow", "a cat",
+    "time management", "a bakery", "a desert", "electric cars", "a museum visit", "gratitude",
+    "public libraries", "a marathon", "a camping trip", "video games", "the moon landing", "rivers",
+    "a job interview", "a picnic", "kindness", "a broken phone", "a new puppy", "sunrise", "teamwork",
+    "a small village", "healthy breakfasts", "a science fair",
+)  # fmt: skip
+_FORMS = (
+    "Write a haiku about {t}.", "Write a short poem about {t}.", "Write a two-sentence story about {t}.",
+    "Write a limerick about {t}.", "Write a short motivational message about {t}.",
+    "Write a tweet about {t}.", "Write a short email to a friend about {t}.",
+    "Write a product description inspired by {t}.", "Write the opening line of a novel about {t}.",
+    "Write a short dialogue between two people about {t}.", "Give three fun facts related to {t}.",
+    "Write a short diary entry about {t}.", "Describe {t} using all five senses.",
+    "Write a short news headline and summary about {t}.", "Write a riddle whose answer is {t}.",
+)  # fmt: skip
+_CONCEPTS = (
+    "photosynthesis", "inflation", "gravity", "machine learning", "the water cycle", "compound interest",
+    "vaccines", "plate tectonics", "supply and demand", "DNA", "black holes", "democracy", "recursion",
+    "encryption", "the greenhouse effect", "evolution", "electricity", "blockchain", "the immune system",
+    "opportunity cost", "climate", "a hash table", "the stock market", "antibiotics", "the speed of light",
+    "entropy", "a neural network", "the Pythagorean theorem", "probability", "a recession", "tides",
+    "the Renaissance", "cloud computing", "nuclear fusion", "the scientific method", "sorting algorithms",
+    "version control", "interest rates", "the food chain", "magnetism", "an operating system", "memory in computers",
+    "time zones", "the Roman Empire", "renewable energy", "rainbows", "sound waves", "taxes", "a database index",
+    "the placebo effect",
+)  # fmt: skip
+_AUDIENCES = ("a five-year-old", "a high school student", "a busy manager", "someone new to the topic", "an expert, briefly")
+_EXPLAIN = (
+    "Explain {c} to {a}.", "What is {c}? Answer for {a}.", "Why does {c} matter? Explain it to {a}.",
+    "Give a simple analogy for {c} that would help {a}.",
+)  # fmt: skip
+_PAIRS = (
+    ("a list", "a tuple in Python"), ("weather", "climate"), ("a virus", "a bacterium"), ("TCP", "UDP"),
+    ("speed", "velocity"), ("stocks", "bonds"), ("RAM", "storage"), ("a simile", "a metaphor"),
+    ("mitosis", "meiosis"), ("HTTP", "HTTPS"), ("an atom", "a molecule"), ("a compiler", "an interpreter"),
+    ("debit cards", "credit cards"), ("renting", "buying a home"), ("tea", "coffee"), ("a lake", "a sea"),
+    ("SQL", "NoSQL databases"), ("baking soda", "baking powder"), ("a crocodile", "an alligator"),
+    ("weight", "mass"), ("AC", "DC current"), ("a democracy", "a republic"), ("git merge", "git rebase"),
+    ("a process", "a thread"), ("empathy", "sympathy"), ("latitude", "longitude"), ("a hurricane", "a tornado"),
+    ("affect", "effect"), ("machine learning", "traditional programming"), ("a star", "a planet"),
+    ("classical", "operant conditioning"), ("an LED", "an incandescent bulb"), ("Python", "JavaScript"),
+    ("saving", "investing"), ("a frog", "a toad"), ("breadth-first", "depth-first search"),
+)  # fmt: skip
+_COMPARE = ("What is the difference between {x} and {y}?", "Compare {x} and {y} in a short table.", "When should I choose {x} over {y}?")
+_CODE_TASKS = (
+    "reverses a string", "checks whether a number is prime", "counts the words in a sentence",
+    "finds the largest number in a list", "removes duplicates from a list while keeping order",
+    "converts Celsius to Fahrenheit", "checks whether a string is a palindrome", "computes the factorial of n",
+    "merges two sorted lists", "returns the n-th Fibonacci number", "flattens a nested list",
+    "counts vowels in a string", "finds the most common element in a list", "validates an email address",
+    "computes the average of a list of numbers", "transposes a matrix", "groups words by their first letter",
+    "returns the second largest number in a list", "checks if two strings are anagrams",
+    "converts a Roman numeral to an integer", "computes the greatest common divisor of two numbers",
+    "splits a list into chunks of size n", "capitalizes every word in a sentence", "sums the digits of a number",
+    "reads a CSV file and prints each row", "generates a random password", "sorts a list of dicts by a key",
+)  # fmt: skip
+_CODE_FORMS = ("Write a Python function that {t}.", "Write a JavaScript function that {t}.", "How would you write a function that {t}? Explain the approach.")
+_HOWTO = (
+    "boil an egg", "write a good resume", "start running as a beginner", "learn a new language",
+    "save money on groceries", "fall asleep faster", "prepare for a job interview", "plant tomatoes",
+    "change a flat tire", "make a budget", "give a good presentation", "clean a laptop keyboard",
+    "take better photos with a phone", "stay focused while studying", "make friends in a new city",
+    "brew good coffee at home", "organize a small closet", "write a thank-you note", "plan a road trip",
+    "reduce screen time", "care for a houseplant", "negotiate a salary", "learn to touch type",
+    "keep a conversation going", "back up my files", "start a vegetable garden", "make pancakes",
+    "deal with stress before exams", "pack a suitcase efficiently", "set goals for the new year",
+)  # fmt: skip
+_HOWTO_FORMS = ("How do I {t}?", "Give me five tips to {t}.", "What is the easiest way to {t}?")
+
+
+def builtin_prompts(seed: int = 0) -> list[Conversation]:
+    """The built-in offline prompt set: distinct, short English prompts in a seeded order."""
+    rng = random.Random(seed)
+    texts = _stdlib_questions(rng, limit=1000)
+    texts += [_word_problem(rng) for _ in range(600)]
+    for _ in range(300):
+        a, b = rng.choice(_CONVERSIONS)
+        x = rng.choice([rng.randint(2, 500), round(rng.uniform(0.5, 100), 1)])
+        texts.append(rng.choice(_CONVERSION_FORMS).format(x=x, a=a, b=b))
+    texts += [f.format(t=t) for f in _FORMS for t in _TOPICS]
+    texts += [rng.choice(_EXPLAIN).format(c=c, a=a) for c in _CONCEPTS for a in _AUDIENCES]
+    texts += [f.format(x=x, y=y) for f in _COMPARE for x, y in _PAIRS]
+    texts += [f.format(t=t) for f in _CODE_FORMS for t in _CODE_TASKS]
+    texts += [f.format(t=t) for f in _HOWTO_FORMS for t in _HOWTO]
+    unique = sorted(set(texts))
+    rng.shuffle(unique)
+    return [[{"role": "user", "content": t}] for t in unique]
+
+
+def _word_problem(rng: random.Random) -> str:
+    n1, n2 = rng.sample(_NAMES, 2)
+    a, b = rng.randint(3, 60), rng.randint(2, 12)
+    return rng.choice(_WORD_PROBLEMS).format(
+        n1=n1, n2=n2, it=rng.choice(_ITEMS), a=a, b=b, c=rng.randint(1, min(a, 50)),
+        prod=a * b, big=rng.choice([v for v in (100, 200, 500, 1000, 2000) if v > a * b]),
+    )  # fmt: skip
+
+
+def _stdlib_questions(rng: random.Random, limit: int) -> list[str]:
+    """Questions about public functions and classes of stdlib modules, from their docstrings."""
+    out = []
+    for mod_name in _STDLIB:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:  # platform-specific modules are simply skipped
+            continue
+        for name, obj in _public_members(mod):
+            doc = " ".join((inspect.getdoc(obj) or "").strip().split("\n\n")[0].split())
+            if not 20 <= len(doc) <= 200 or "`" in doc:
+                continue
+            kind = "class" if inspect.isclass(obj) else "function"
+            q = f"{mod_name}.{name}"
+            out.append(rng.choice(_STDLIB_QUESTIONS).format(q=q, kind=kind, doc=doc, mod=mod_name))
+    rng.shuffle(out)
+    return out[:limit]
+
+
+def _public_members(mod: Any) -> Iterable[tuple[str, Any]]:
+    names = getattr(mod, "__all__", None)
+    for name in sorted(names if names is not None else vars(mod)):
+        obj = getattr(mod, name, None)
+        if name.startswith("_") or not (inspect.isroutine(obj) or inspect.isclass(obj)):
+            continue
+        # without __all__, keep only what the module itself defines (not its imports)
+        if names is None and getattr(obj, "__module__", "").lstrip("_") not in (mod.__name__, mod.__name__.lstrip("_")):
+            continue
+        yield name, obj
