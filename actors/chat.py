@@ -63,8 +63,11 @@ def _assistant_spans(tokenizer: Any, messages: Conversation, text: str) -> list[
         # Normally the header render is a prefix of the full text; templates that rewrite earlier
         # turns (e.g. strip reasoning) are not, and then the search starts after the last span.
         start = len(head) if text.startswith(head) else cursor
-        content = msg["content"].strip()
-        pos = text.find(content, start) if content else start
+        content = msg["content"]
+        pos = text.find(content, start)
+        if pos < 0:  # templates that trim the content
+            content = content.strip()
+            pos = text.find(content, start)
         if pos < 0:
             raise ValueError(
                 f"target.model: the chat template does not render assistant message {i} verbatim; "

@@ -94,7 +94,9 @@ class Eagle3Config:
         ]
         missing = [k for k in required if k not in d]
         if missing:
-            raise ValueError(f"{source}: missing field(s) {missing}; an EAGLE-3 drafter config needs them")
+            raise ValueError(
+                f"{source}: missing field(s) {missing}; an EAGLE-3 drafter config needs them"
+            )
         heads = d["num_attention_heads"]
         ids = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         if ids is None and "eagle_aux_hidden_state_layer_ids" in d:

@@ -66,7 +66,9 @@ def rope_parameters(cfg: Eagle3Config) -> tuple[Tensor, float]:
             m, m_all = rs.get("mscale", 1.0), rs.get("mscale_all_dim", 0.0)
             att = mscale(factor, m) / mscale(factor, m_all) if m_all else mscale(factor, 1.0)
         return inv.float(), float(att)
-    raise ValueError(f"rope_scaling.rope_type={kind!r} is not supported; use default, linear, llama3 or yarn")
+    raise ValueError(
+        f"rope_scaling.rope_type={kind!r} is not supported; use default, linear, llama3 or yarn"
+    )
 
 
 def rope_cos_sin(inv_freq: Tensor, factor: float, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -101,7 +103,11 @@ class Attention(nn.Module):
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.n_heads, self.n_kv, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            hd,
+        )
         self.q_proj = nn.Linear(2 * h, self.n_heads * hd, bias=False)
         self.k_proj = nn.Linear(2 * h, self.n_kv * hd, bias=False)
         self.v_proj = nn.Linear(2 * h, self.n_kv * hd, bias=False)
@@ -297,7 +303,9 @@ class DrafterCache:
     position p. A query at position p attends to slots 0..p of its row. Padding entries are written
     to a spare slot at the end, which no query reaches."""
 
-    def __init__(self, cfg: Eagle3Config, batch: int, capacity: int, device=None, dtype=torch.float32):
+    def __init__(
+        self, cfg: Eagle3Config, batch: int, capacity: int, device=None, dtype=torch.float32
+    ):
         shape = (batch, cfg.num_key_value_heads, capacity + 1, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -306,7 +314,9 @@ class DrafterCache:
 
     def write(self, k: Tensor, v: Tensor, positions: Tensor, write: Tensor | None) -> None:
         if int(positions.max()) >= self.capacity:
-            raise ValueError(f"drafter cache holds {self.capacity} positions; got {int(positions.max())}")
+            raise ValueError(
+                f"drafter cache holds {self.capacity} positions; got {int(positions.max())}"
+            )
         slots = positions if write is None else torch.where(write, positions, self.capacity)
         b = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(slots)
         # k [B, Hkv, n, d] -> index [B, n] into [B, Hkv, S, d]
@@ -320,7 +330,9 @@ class DrafterCache:
         k = _expand_kv(self.k[:, :, :top], H)
         v = _expand_kv(self.v[:, :, :top], H)
         visible = torch.arange(top, device=q.device)[None, None, :] <= positions[:, :, None]
-        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=visible[:, None])
+        out = F.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=visible[:, None]
+        )
         return out.transpose(1, 2).reshape(B, n, H * d)
 
     def reset(self) -> None:
@@ -339,8 +351,12 @@ def init_from_target(model: Eagle3Drafter, lm_head: Tensor, norm: Tensor | None)
             model.norm.weight.copy_(norm.to(model.norm.weight))
 
 
-def drafter_from_state(cfg: Eagle3Config, state: dict[str, Tensor], embed_weight: Tensor) -> Eagle3Drafter:
+def drafter_from_state(
+    cfg: Eagle3Config, state: dict[str, Tensor], embed_weight: Tensor
+) -> Eagle3Drafter:
     """Build a drafter from a checkpoint's state dict and the target's embedding (strict names)."""
     model = Eagle3Drafter(cfg, embed_weight)
-    model.load_state_dict({k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()})
+    model.load_state_dict(
+        {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()}
+    )
     return model

@@ -17,9 +17,13 @@ def build_vocab_map(token_counts: Tensor, draft_vocab_size: int) -> tuple[Tensor
     Tokens never seen fill the remaining slots in id order, so N is always met."""
     vocab = token_counts.numel()
     if draft_vocab_size > vocab:
-        raise ValueError(f"draft_vocab_size {draft_vocab_size} > target vocab {vocab}; lower drafter.draft_vocab_size")
+        raise ValueError(
+            f"draft_vocab_size {draft_vocab_size} > target vocab {vocab}; lower drafter.draft_vocab_size"
+        )
     # Stable order: by count descending, ties by id, so the map is deterministic.
-    order = torch.argsort(-token_counts.to(torch.float64) + torch.arange(vocab) * 1e-9 / vocab, stable=True)
+    order = torch.argsort(
+        -token_counts.to(torch.float64) + torch.arange(vocab) * 1e-9 / vocab, stable=True
+    )
     used = torch.sort(order[:draft_vocab_size]).values
     d2t = used - torch.arange(draft_vocab_size)
     t2d = torch.zeros(vocab, dtype=torch.bool)

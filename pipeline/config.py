@@ -214,7 +214,9 @@ class Config(_Strict):
 
     def digest(self) -> str:
         """Stable hash of the resolved config (recorded in manifests)."""
-        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+        return hashlib.sha256(
+            json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        ).hexdigest()[:16]
 
 
 class ConfigError(ValueError):
@@ -243,7 +245,9 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Load YAML, apply `a.b=value` overrides (YAML-parsed values), validate once."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"--config {p}: no such file; pass a YAML file such as configs/smollm2-cpu.yaml")
+        raise ConfigError(
+            f"--config {p}: no such file; pass a YAML file such as configs/smollm2-cpu.yaml"
+        )
     data = yaml.safe_load(p.read_text()) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: top level must be a mapping of sections (target:, data:, ...)")

@@ -42,7 +42,9 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
         for r in range(cfg.stop.max_rounds):
             rs = state.round(r)
             if not tracker.run_exists(rs.mlflow_run_id):
-                rs.mlflow_run_id = tracker.start_run(f"round-{r}", state.parent_run_id, cfg.model_dump(mode="json"))
+                rs.mlflow_run_id = tracker.start_run(
+                    f"round-{r}", state.parent_run_id, cfg.model_dump(mode="json")
+                )
                 state.save(run_dir)
             child = rs.mlflow_run_id
             if not rs.is_done("generate"):
@@ -56,7 +58,7 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 rs.done["bench"] = _bench(cfg, run_dir, state, r, heldout, server, tracker, child)
                 tracker.finish(child)
                 _commit(state, clock, run_dir)
-            reason = stop_reason(cfg.stop, _rows(state), rs.done["bench"], clock.elapsed())
+            reason = stop_reason(cfg.stop, _rows(state)[: r + 1], rs.done["bench"], clock.elapsed())
             _write_summary(state, run_dir)
             if reason:
                 state.stopped_because = reason
@@ -80,10 +82,18 @@ def preflight(cfg: Config) -> None:
     from eagle3.target_weights import resolve_target
     from pipeline.compat import check_compat
 
-    report = check_compat(cfg.drafter.init, resolve_target(cfg.target.model, cfg.target.gguf_file))
+    model, gguf = resolve_target(cfg.target.model, cfg.target.gguf_file)
+    report = check_compat(
+        cfg.drafter.init, model, target_revision=cfg.target.revision, gguf_file=gguf
+    )
     if not report.compatible:
-        lines = "\n".join(f"  {m['field']}: drafter {m['left']!r} vs target {m['right']!r}" for m in report.mismatches)
-        raise SystemExit(f"drafter.init {cfg.drafter.init!r} does not fit target.model {cfg.target.model!r}:\n{lines}")
+        lines = "\n".join(
+            f"  {m['field']}: drafter {m['left']!r} vs target {m['right']!r}"
+            for m in report.mismatches
+        )
+        raise SystemExit(
+            f"drafter.init {cfg.drafter.init!r} does not fit target.model {cfg.target.model!r}:\n{lines}"
+        )
 
 
 def _prompts(cfg: Config) -> tuple[list, list]:
@@ -92,18 +102,24 @@ def _prompts(cfg: Config) -> tuple[list, list]:
     return split_prompts(load_prompts(cfg.data), cfg.data.heldout_prompts, cfg.data.seed)
 
 
-def _generate(cfg: Config, run_dir: Path, r: int, train_prompts: list, tracker: Tracker, child: str) -> dict:
+def _generate(
+    cfg: Config, run_dir: Path, r: int, train_prompts: list, tracker: Tracker, child: str
+) -> dict:
     from actors.generate import run_generate
     from actors.prompts import round_prompts
 
     prompts = round_prompts(train_prompts, r, cfg.data.prompts_per_round)
-    res = run_generate(cfg.target, cfg.data, prompts, run_dir / "data" / f"round-{r:03d}", cfg.digest())
+    res = run_generate(
+        cfg.target, cfg.data, prompts, run_dir / "data" / f"round-{r:03d}", cfg.digest()
+    )
     rec = _record(res)
     tracker.log(child, {f"data/{k}": v for k, v in rec.items()})
     return rec
 
 
-def _train(cfg: Config, run_dir: Path, state: RunState, r: int, tracker: Tracker, child: str) -> dict:
+def _train(
+    cfg: Config, run_dir: Path, state: RunState, r: int, tracker: Tracker, child: str
+) -> dict:
     from pipeline.train import run_train
 
     data_dirs = [Path(state.rounds[i].done["generate"]["manifest"]).parent for i in range(r + 1)]
@@ -137,7 +153,16 @@ def _serve(cfg: Config, state: RunState, r: int, server):
     return server
 
 
-def _bench(cfg: Config, run_dir: Path, state: RunState, r: int, heldout: list, server, tracker: Tracker, child: str) -> dict:
+def _bench(
+    cfg: Config,
+    run_dir: Path,
+    state: RunState,
+    r: int,
+    heldout: list,
+    server,
+    tracker: Tracker,
+    child: str,
+) -> dict:
     from serve.bench import run_bench
 
     res = run_bench(
@@ -177,7 +202,11 @@ def _finish(cfg: Config, state: RunState, run_dir: Path, tracker: Tracker) -> No
         for p in _plots(state, run_dir):
             tracker.log_artifact(state.parent_run_id, p, "plots")
         for row in rows:
-            tracker.log(state.parent_run_id, {f"bench/{k}": v for k, v in row.items() if k != "round"}, step=row["round"])
+            tracker.log(
+                state.parent_run_id,
+                {f"bench/{k}": v for k, v in row.items() if k != "round"},
+                step=row["round"],
+            )
     tracker.log_artifact(state.parent_run_id, run_dir / "summary.json")
     tracker.finish(state.parent_run_id)
     log.info("stopped because %s\n%s", summary["stopped_because"], format_table(rows))
@@ -205,7 +234,11 @@ def _read_metrics(path: Path):
 
 
 def _rows(state: RunState) -> list[dict[str, Any]]:
-    return [round_row(rs.index, rs.done["bench"], rs.done["train"]) for rs in state.rounds if rs.is_done("bench")]
+    return [
+        round_row(rs.index, rs.done["bench"], rs.done["train"])
+        for rs in state.rounds
+        if rs.is_done("bench")
+    ]
 
 
 def _write_summary(state: RunState, run_dir: Path) -> dict[str, Any]:
@@ -247,7 +280,9 @@ def _plots(state: RunState, run_dir: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.plot([r["round"] for r in rows], [r["tok_per_s"] for r in rows], "o-", label="speculative")
-    ax.plot([r["round"] for r in rows], [r["baseline_tok_per_s"] for r in rows], "s--", label="baseline")
+    ax.plot(
+        [r["round"] for r in rows], [r["baseline_tok_per_s"] for r in rows], "s--", label="baseline"
+    )
     ax.set(xlabel="round", ylabel="output tok/s", title="tok/s vs baseline")
     ax.legend()
     paths.append(out / "tok_per_s.png")

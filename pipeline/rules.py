@@ -35,7 +35,9 @@ def required_accept_len(stop: StopConfig, bench: dict[str, Any]) -> float | None
     return p["required_accept_len"]
 
 
-def stop_reason(stop: StopConfig, rows: list[dict[str, Any]], last_bench: dict[str, Any], elapsed_s: float) -> str | None:
+def stop_reason(
+    stop: StopConfig, rows: list[dict[str, Any]], last_bench: dict[str, Any], elapsed_s: float
+) -> str | None:
     """Why the loop stops after the last recorded round, or None to go on. First match wins, in
     the order: goal reached, plateau, budget."""
     if not rows:
@@ -47,9 +49,14 @@ def stop_reason(stop: StopConfig, rows: list[dict[str, Any]], last_bench: dict[s
     if need is not None and last["accept_len"] >= need:
         return f"target: tok/s goal {stop.tok_per_s} met (accept_len {last['accept_len']:.3f} >= required {need:.3f})"
     if len(rows) > stop.plateau_rounds:
-        gains = [rows[-i]["accept_len"] - rows[-i - 1]["accept_len"] for i in range(1, stop.plateau_rounds + 1)]
+        gains = [
+            rows[-i]["accept_len"] - rows[-i - 1]["accept_len"]
+            for i in range(1, stop.plateau_rounds + 1)
+        ]
         if all(g < stop.plateau_eps for g in gains):
-            return f"plateau: accept_len gained < {stop.plateau_eps} for {stop.plateau_rounds} rounds"
+            return (
+                f"plateau: accept_len gained < {stop.plateau_eps} for {stop.plateau_rounds} rounds"
+            )
     if len(rows) >= stop.max_rounds:
         return f"budget: {stop.max_rounds} rounds"
     if stop.max_wall_minutes is not None and elapsed_s / 60 >= stop.max_wall_minutes:

@@ -23,10 +23,16 @@ from pipeline.rules import format_table  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--config", required=True, help="YAML config (see configs/)")
-    ap.add_argument("--run-dir", default=None, help="run directory (default runs/<name>); re-run to resume")
-    ap.add_argument("--set", action="append", default=[], metavar="a.b=v", help="override a config field")
+    ap.add_argument(
+        "--run-dir", default=None, help="run directory (default runs/<name>); re-run to resume"
+    )
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="a.b=v", help="override a config field"
+    )
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         cfg = load_config(args.config, args.set)
     except ConfigError as err:
@@ -40,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("RAY_ADDRESS"):
         ray.init()  # inside `ray job submit`: the job's runtime_env (see job_runtime_env) applies
     else:
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, runtime_env=cfg.runtime_env or None)
+        ray.init(
+            _node_ip_address="127.0.0.1",
+            include_dashboard=False,
+            runtime_env=cfg.runtime_env or None,
+        )
 
     from pipeline.loop import run_loop
 

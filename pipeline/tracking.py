@@ -38,9 +38,13 @@ class Tracker:
         self.cfg = cfg
         self.client = MlflowClient(tracking_uri=cfg.tracking_uri)
         exp = self.client.get_experiment_by_name(cfg.experiment)
-        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(cfg.experiment)
+        self.experiment_id = (
+            exp.experiment_id if exp else self.client.create_experiment(cfg.experiment)
+        )
 
-    def start_run(self, name: str, parent_id: str | None = None, params: dict[str, Any] | None = None) -> str:
+    def start_run(
+        self, name: str, parent_id: str | None = None, params: dict[str, Any] | None = None
+    ) -> str:
         tags = {"mlflow.parentRunId": parent_id} if parent_id else {}
         run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)
         if params:

@@ -31,7 +31,9 @@ def chat_tokenizer_dir(tmp_path_factory) -> Path:
     return out
 
 
-def build_tiny_llama(out: Path, tokenizer_dir: Path, *, layers: int = 4, hidden: int = 64, seed: int = 0) -> Path:
+def build_tiny_llama(
+    out: Path, tokenizer_dir: Path, *, layers: int = 4, hidden: int = 64, seed: int = 0
+) -> Path:
     """A random-init Llama saved like a hub checkpoint (config, safetensors, tokenizer)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 

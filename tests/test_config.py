@@ -23,7 +23,11 @@ def test_kimi_config_is_the_seed_scenario():
     assert cfg.target.model == "moonshotai/Kimi-K2.5" and cfg.target.tp_size == 8
     assert cfg.drafter.init == "AQ-MedAI/Kimi-K2-Instruct-eagle3"
     assert cfg.stop.accept_len == 4.5
-    assert cfg.runtime_env["env_vars"] == {"NCCL_PROTO": "LL", "NCCL_ALGO": "Ring", "NCCL_P2P_LEVEL": "SYS"}
+    assert cfg.runtime_env["env_vars"] == {
+        "NCCL_PROTO": "LL",
+        "NCCL_ALGO": "Ring",
+        "NCCL_P2P_LEVEL": "SYS",
+    }
 
 
 def test_all_problems_reported_at_once_with_paths(tmp_path):

@@ -32,7 +32,9 @@ def _free_port() -> int:
 def ray_head(tmp_path_factory):
     """A real `ray start --head` on loopback, as users run it."""
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # the job's `python` is this venv's
+    env["PATH"] = (
+        f"{Path(sys.executable).parent}:{env['PATH']}"  # the job's `python` is this venv's
+    )
     bindir = Path(sys.executable).parent
     dash, gcs = _free_port(), _free_port()
     temp = tmp_path_factory.mktemp("ray")
@@ -65,16 +67,28 @@ def _config(tmp: Path, tiny_target: Path) -> Path:
     return path
 
 
-def _submit(head, config: Path, run_dir: Path, wait: bool = True) -> subprocess.Popen | subprocess.CompletedProcess:
+def _submit(
+    head, config: Path, run_dir: Path, wait: bool = True
+) -> subprocess.Popen | subprocess.CompletedProcess:
     renv = subprocess.run(
         [sys.executable, "pipeline/run.py", "runtime-env", str(config)],
         cwd=REPO, env=head["env"], capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
-    cmd = [str(head["bin"] / "ray"), "job", "submit", "--address", head["address"], "--runtime-env-json", renv]
+    cmd = [
+        str(head["bin"] / "ray"),
+        "job",
+        "submit",
+        "--address",
+        head["address"],
+        "--runtime-env-json",
+        renv,
+    ]
     if not wait:
         cmd.append("--no-wait")
     cmd += ["--", "python", "pipeline/run.py", "--config", str(config), "--run-dir", str(run_dir)]
-    return subprocess.run(cmd, cwd=REPO, env=head["env"], capture_output=True, text=True, timeout=1500)
+    return subprocess.run(
+        cmd, cwd=REPO, env=head["env"], capture_output=True, text=True, timeout=1500
+    )
 
 
 def _child_runs(tmp: Path) -> list:
@@ -87,7 +101,9 @@ def _child_runs(tmp: Path) -> list:
 
 
 def _manifests(run_dir: Path) -> dict[str, str]:
-    return {p.parent.name: p.read_text() for p in sorted((run_dir / "data").glob("*/manifest.json"))}
+    return {
+        p.parent.name: p.read_text() for p in sorted((run_dir / "data").glob("*/manifest.json"))
+    }
 
 
 def test_two_rounds_then_kill_and_resume(ray_head, tiny_target, tmp_path):
@@ -99,7 +115,13 @@ def test_two_rounds_then_kill_and_resume(ray_head, tiny_target, tmp_path):
     assert [r["round"] for r in summary["rounds"]] == [0, 1]
     assert summary["stopped_because"].startswith("budget: 2 rounds")
     for row in summary["rounds"]:
-        assert set(row) >= {"accept_len", "tok_per_s", "baseline_tok_per_s", "speedup", "train_tokens"}
+        assert set(row) >= {
+            "accept_len",
+            "tok_per_s",
+            "baseline_tok_per_s",
+            "speedup",
+            "train_tokens",
+        }
         assert 1.0 <= row["accept_len"] <= 3.0
     assert len(_child_runs(tmp_path)) == 2
 
@@ -109,9 +131,17 @@ def test_two_rounds_then_kill_and_resume(ray_head, tiny_target, tmp_path):
     job_id = next(w for w in job.stdout.split() if w.startswith("raysubmit_"))
     deadline = time.time() + 900
     while time.time() < deadline:
-        state = json.loads((run_b / "state.json").read_text()) if (run_b / "state.json").exists() else {}
+        state = (
+            json.loads((run_b / "state.json").read_text())
+            if (run_b / "state.json").exists()
+            else {}
+        )
         rounds = state.get("rounds", [])
-        if len(rounds) > 1 and "generate" in rounds[1]["done"] and list((run_b / "train").glob("round-001/*")):
+        if (
+            len(rounds) > 1
+            and "generate" in rounds[1]["done"]
+            and list((run_b / "train").glob("round-001/*"))
+        ):
             break
         time.sleep(2)
     else:

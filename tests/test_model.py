@@ -45,7 +45,9 @@ def test_golden_loss_with_fixed_init():
     assert out.counted.tolist() == [16.0, 14.0, 12.0]
     # Golden numbers pin the numerics of the reference path (fp32, CPU).
     torch.testing.assert_close(out.loss, torch.tensor(GOLDEN_LOSS), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(torch.stack(out.step_losses), torch.tensor(GOLDEN_STEPS), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch.stack(out.step_losses), torch.tensor(GOLDEN_STEPS), rtol=1e-5, atol=1e-5
+    )
 
 
 GOLDEN_LOSS = 10.057046890258789
@@ -60,11 +62,15 @@ def test_training_and_serving_paths_agree():
     out = model.ttt_forward(ids, aux, tp, valid, cu, pos, ttt_length=3, return_logits=True)
     L = 12
     cache = DrafterCache(cfg, batch=1, capacity=64)
-    _, logits = model.forward_step(ids[1:L][None], aux[: L - 1][None], torch.arange(L - 1)[None], cache)
+    _, logits = model.forward_step(
+        ids[1:L][None], aux[: L - 1][None], torch.arange(L - 1)[None], cache
+    )
     torch.testing.assert_close(logits[0], out.step_logits[0][: L - 1], rtol=1e-4, atol=1e-5)
     for t in (0, 4, 8):
         cache = DrafterCache(cfg, batch=1, capacity=64)
-        h, _ = model.forward_step(ids[1 : t + 2][None], aux[: t + 1][None], torch.arange(t + 1)[None], cache)
+        h, _ = model.forward_step(
+            ids[1 : t + 2][None], aux[: t + 1][None], torch.arange(t + 1)[None], cache
+        )
         h = h[:, -1:]
         for i in (1, 2):
             tok = ids[t + 1 + i].view(1, 1)
@@ -80,7 +86,9 @@ def test_batched_serving_matches_single_rows_with_padding():
     single = []
     for n in lens:
         cache = DrafterCache(cfg, 1, 32)
-        _, lg = model.forward_step(ids[1 : n + 1][None], aux[:n][None], torch.arange(n)[None], cache)
+        _, lg = model.forward_step(
+            ids[1 : n + 1][None], aux[:n][None], torch.arange(n)[None], cache
+        )
         single.append(lg[0, n - 1])
     n = max(lens)
     write = torch.tensor([[j < n_ for j in range(n)] for n_ in lens])
@@ -107,10 +115,14 @@ def test_ttt_learns_a_toy_rule():
         ids = torch.cat(seqs)
         T = ids.numel()
         aux = torch.randn(T, 72, generator=g) * 0.1
-        tp = torch.nn.functional.one_hot(torch.roll(ids, -1), 40).float()  # target at j predicts x_{j+1}
+        tp = torch.nn.functional.one_hot(
+            torch.roll(ids, -1), 40
+        ).float()  # target at j predicts x_{j+1}
         cu = [0, 16, 32, 48, 64]
         pos = torch.arange(16).repeat(4)
-        out = model.ttt_forward(ids, aux, tp, torch.ones(T, dtype=torch.bool), cu, pos, ttt_length=3)
+        out = model.ttt_forward(
+            ids, aux, tp, torch.ones(T, dtype=torch.bool), cu, pos, ttt_length=3
+        )
         opt.zero_grad()
         out.loss.backward()
         opt.step()
@@ -124,11 +136,25 @@ def test_ttt_learns_a_toy_rule():
 def test_rope_scalings():
     plain, f = rope_parameters(tiny_cfg())
     assert f == 1.0
-    l3, _ = rope_parameters(tiny_cfg(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}))
-    assert torch.equal(l3[:1], plain[:1]) and l3[-1] < plain[-1]  # high freqs kept, low freqs scaled
-    yarn, fy = rope_parameters(tiny_cfg(rope_scaling={"type": "yarn", "factor": 32.0,
-                                                      "original_max_position_embeddings": 64}))
+    l3, _ = rope_parameters(
+        tiny_cfg(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        )
+    )
+    assert (
+        torch.equal(l3[:1], plain[:1]) and l3[-1] < plain[-1]
+    )  # high freqs kept, low freqs scaled
+    yarn, fy = rope_parameters(
+        tiny_cfg(
+            rope_scaling={"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 64}
+        )
+    )
     assert fy > 1.0 and yarn[-1] < plain[-1] and torch.isfinite(yarn).all()
 
 
