@@ -177,13 +177,16 @@ def save_drafter(
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp.chmod(
+        0o755
+    )  # mkdtemp's 0700 would hide the checkpoint from a server running as another user
     try:
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         for f in (tmp / CONFIG_NAME, tmp / WEIGHTS_NAME):
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        old = out.parent / tmp.name.replace(".tmp-", ".old-", 1)
         if out.exists():
             out.rename(old)  # the one window without `out`; the old copy stays beside it
         tmp.rename(out)

@@ -305,6 +305,13 @@ def _vocab_map_rows(d: _Drafter, t: TargetInfo, rep: CompatReport) -> None:
         "draft_vocab_size", c.draft_vocab_size, f"<= {t.vocab_size}", c.draft_vocab_size <= t.vocab_size,
         "the draft vocab must be a subset of the target's",
     )  # fmt: skip
+    flat = flatten_speculators_config(d.raw)
+    if "draft_vocab_size" not in flat or flat.get("tie_word_embeddings"):
+        rep.add(
+            "lm_head source", "config lacks draft_vocab_size or ties embeddings", "drafter's own", False,
+            "SGLang then serves with the target's lm_head and ignores the drafter's; write "
+            "draft_vocab_size and tie_word_embeddings: false into config.json", warn=True,
+        )  # fmt: skip
     identity = c.draft_vocab_size == c.vocab_size
     if "t2d" in h:
         n = h["t2d"][1][0] if h["t2d"][1] else None

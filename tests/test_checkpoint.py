@@ -164,7 +164,12 @@ def test_load_lists_every_unknown_and_missing_name(tmp_path):
     with pytest.raises(CheckpointError) as e:
         load_drafter(tmp_path / "d")
     msg = str(e.value)
-    for name in ("extra_head.weight", "rotary_emb.inv_freq", "'norm.weight'", "midlayer.hidden_norm.weight"):
+    for name in (
+        "extra_head.weight",
+        "rotary_emb.inv_freq",
+        "'norm.weight'",
+        "midlayer.hidden_norm.weight",
+    ):
         assert name in msg
     assert "save_drafter" in msg  # says what would fix it
 
@@ -176,11 +181,16 @@ def test_load_sharded_checkpoint(tmp_path):
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(cfg.to_json_dict()))
     names = sorted(state)
-    shards = {"model-00001-of-00002.safetensors": names[:7], "model-00002-of-00002.safetensors": names[7:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[:7],
+        "model-00002-of-00002.safetensors": names[7:],
+    }
     for fname, part in shards.items():
         save_file({n: state[n] for n in part}, str(folder / fname))
     weight_map = {n: f for f, part in shards.items() for n in part}
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     _, loaded = load_drafter(folder)
     assert all(torch.equal(loaded[n], state[n]) for n in state)
 
@@ -191,7 +201,11 @@ def test_load_speculators_layout_and_drops_embedding(tmp_path):
     renamed = {n.replace("midlayer.", "layers.0."): t for n, t in state.items()}
     renamed["embed_tokens.weight"] = torch.zeros(cfg.vocab_size, cfg.target_hidden_size)
     flat = cfg.to_json_dict()
-    layer_cfg = {k: v for k, v in flat.items() if k not in ("eagle_config", "eagle_aux_hidden_state_layer_ids")}
+    layer_cfg = {
+        k: v
+        for k, v in flat.items()
+        if k not in ("eagle_config", "eagle_aux_hidden_state_layer_ids")
+    }
     spec_config = {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -206,7 +220,9 @@ def test_load_speculators_layout_and_drops_embedding(tmp_path):
     assert cfg2.aux_layer_ids == [0, 2, 3]
     assert (cfg2.hidden_size, cfg2.draft_vocab_size, cfg2.target_hidden_size) == (32, 40, 24)
     assert set(loaded) == SGLANG_NAMES
-    assert torch.equal(loaded["midlayer.self_attn.q_proj.weight"], state["midlayer.self_attn.q_proj.weight"])
+    assert torch.equal(
+        loaded["midlayer.self_attn.q_proj.weight"], state["midlayer.self_attn.q_proj.weight"]
+    )
 
 
 def test_missing_vocab_map_only_allowed_for_full_vocab(tmp_path):
@@ -264,3 +280,68 @@ def test_missing_local_folder_and_unreachable_repo_are_clear_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match=r"empty/config.json: missing"):
         load_drafter(tmp_path / "empty")
+
+
+def test_drafter_module_state_dict_round_trips(tmp_path):
+    """The drafter nn.Module's state_dict is exactly the SGLang checkpoint, both directions."""
+    from eagle3.model import Eagle3Drafter
+
+    cfg = tiny_cfg()
+    model = Eagle3Drafter(cfg)
+    sd = model.state_dict()
+    want = expected_tensors(cfg)
+    assert {k: tuple(v.shape) for k, v in sd.items()} == {k: s for k, (s, _) in want.items()}
+    ref = random_state(cfg, seed=3)
+    sd["d2t"].copy_(ref["d2t"])
+    sd["t2d"].copy_(ref["t2d"])
+    save_drafter(sd, cfg, tmp_path / "d", dtype=torch.float32)
+    cfg2, loaded = load_drafter(tmp_path / "d")
+    fresh = Eagle3Drafter(cfg2)
+    fresh.load_state_dict(loaded, strict=True)
+    assert all(torch.equal(fresh.state_dict()[k], sd[k]) for k in sd)
+
+
+CHILD = """
+import sys, torch
+from eagle3.checkpoint import expected_tensors, save_drafter
+from eagle3.config import Eagle3Config
+cfg = Eagle3Config(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=8, vocab_size=2**20, draft_vocab_size=2**20, target_hidden_size=24,
+                   aux_layer_ids=[0, 2, 3])
+state = {n: torch.ones(s) for n, (s, dt) in expected_tensors(cfg).items() if dt is None}
+state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
+state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+print("ready", flush=True)
+save_drafter(state, cfg, sys.argv[1], dtype=torch.float32)
+"""
+
+
+def test_a_killed_save_leaves_the_previous_checkpoint_whole(tmp_path):
+    """SIGKILL a writer mid-save (a 128 MB lm_head): `d` still holds the old, loadable checkpoint."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cfg = tiny_cfg()
+    old = random_state(cfg, seed=5)
+    save_drafter(old, cfg, tmp_path / "d", dtype=torch.float32)
+    repo = Path(__file__).resolve().parents[1]
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(tmp_path / "d")],
+        cwd=repo,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout.readline().strip() == "ready"
+    deadline = time.monotonic() + 60
+    while (
+        not list(tmp_path.glob(".d.tmp-*")) and child.poll() is None and time.monotonic() < deadline
+    ):
+        time.sleep(0.001)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert child.returncode == -signal.SIGKILL, "the writer finished before it could be killed"
+    cfg2, loaded = load_drafter(tmp_path / "d")
+    assert cfg2.vocab_size == cfg.vocab_size
+    assert all(torch.equal(loaded[k], old[k]) for k in old)

@@ -46,7 +46,9 @@ def drafter_cfg(**kw) -> Eagle3Config:
 
 def make_drafter(folder: Path, cfg: Eagle3Config, seed: int = 0, dtype=torch.bfloat16) -> Path:
     g = torch.Generator().manual_seed(seed)
-    state = {n: torch.randn(s, generator=g) for n, (s, dt) in expected_tensors(cfg).items() if dt is None}
+    state = {
+        n: torch.randn(s, generator=g) for n, (s, dt) in expected_tensors(cfg).items() if dt is None
+    }
     used = torch.randperm(cfg.vocab_size, generator=g)[: cfg.draft_vocab_size].sort().values
     state["d2t"] = used - torch.arange(cfg.draft_vocab_size)
     state["t2d"] = torch.zeros(cfg.vocab_size, dtype=torch.bool)
@@ -69,7 +71,9 @@ def test_matching_pair_is_compatible(tmp_path, tiny_target, capsys):
     assert rows["aux_layer_ids (vLLM: input of layer j)"].left == [1, 2, 3]
     # parameter split: core (fc + midlayer + norm), lm_head, and the target's frozen embedding
     h, i = 64, 128
-    core = h * 3 * h + 64 * 2 * h + 2 * (32 * 2 * h) + h * 64 + 3 * i * h + 4 * h  # fc q k v o mlp norms
+    core = (
+        h * 3 * h + 64 * 2 * h + 2 * (32 * 2 * h) + h * 64 + 3 * i * h + 4 * h
+    )  # fc q k v o mlp norms
     assert rows["params trainable core (fc+midlayer+norm)"].left == core
     assert rows["params lm_head (trainable, draft vocab)"].left == 512 * h
     assert rows["params embedding (frozen, the target's)"].right == 49152 * h
@@ -106,7 +110,16 @@ def test_mismatched_pair_lists_every_mismatch(tmp_path, tiny_target):
 def test_cli_json_and_exit_code(tmp_path, tiny_target):
     d = make_drafter(tmp_path / "d", drafter_cfg(vocab_size=1000, draft_vocab_size=100))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "pipeline.compat", "--drafter", str(d), "--target", str(tiny_target), "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.compat",
+        "--drafter",
+        str(d),
+        "--target",
+        str(tiny_target),
+        "--json",
+    ]
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 1, res.stderr
     out = json.loads(res.stdout)
@@ -169,7 +182,9 @@ def test_bad_inputs_name_the_file_and_fix(tmp_path, tiny_target, hub_offline):
 
     (d / "config.json").write_text("{not json")
     rep = check_compat(d, tiny_target)
-    assert "config.json" in rep.mismatches[0]["fix"] and "not valid JSON" in rep.mismatches[0]["fix"]
+    assert (
+        "config.json" in rep.mismatches[0]["fix"] and "not valid JSON" in rep.mismatches[0]["fix"]
+    )
 
 
 def test_against_the_embedded_smollm2_gguf(tmp_path):
@@ -183,3 +198,12 @@ def test_against_the_embedded_smollm2_gguf(tmp_path):
     assert rep.compatible, rep.table()
     rows = {r.field: r for r in rep.rows}
     assert rows["aux_layer_ids (SGLang: output of layer k)"].right == "valid 0..28 (30 layers)"
+
+
+def test_config_without_draft_vocab_warns_about_the_lm_head(tmp_path, tiny_target):
+    d = make_drafter(tmp_path / "d", drafter_cfg(draft_vocab_size=49152))
+    raw = json.loads((d / "config.json").read_text())
+    del raw["draft_vocab_size"]
+    (d / "config.json").write_text(json.dumps(raw))
+    rep = check_compat(d, tiny_target)
+    assert rep.compatible and fields(rep.warnings) == {"lm_head source"}
