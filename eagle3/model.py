@@ -120,7 +120,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(*shape, self.n_kv, self.head_dim).transpose(-2, -3)
         v = self.v_proj(x).view(*shape, self.n_kv, self.head_dim).transpose(-2, -3)
         cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        # RoPE tables are fp32; keep q/k in the weights' dtype (bf16 weights outside autocast).
+        return apply_rope(q, cos, sin).to(q.dtype), apply_rope(k, cos, sin).to(k.dtype), v
 
 
 class MLP(nn.Module):
