@@ -25,7 +25,9 @@ def check_chat_template(tokenizer: Any) -> None:
 
 def render(tokenizer: Any, messages: Conversation, add_generation_prompt: bool = False) -> str:
     check_chat_template(tokenizer)
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
 
 
 def encode_conversation(

@@ -83,7 +83,10 @@ def round_prompts(train: list[Conversation], round_index: int, n: int) -> list[C
     if not train:
         raise ValueError("round_prompts: no training prompts")
     if n > len(train):
-        warnings.warn(f"data.prompts_per_round={n} > {len(train)} training prompts; using all of them", stacklevel=2)
+        warnings.warn(
+            f"data.prompts_per_round={n} > {len(train)} training prompts; using all of them",
+            stacklevel=2,
+        )
         n = len(train)
     start = round_index * n
     if start + n > len(train):
@@ -102,7 +105,9 @@ def round_prompts(train: list[Conversation], round_index: int, n: int) -> list[C
 def parse_record(rec: Any, where: str) -> Conversation:
     """One record in any accepted format → a conversation ending with its last user turn."""
     if not isinstance(rec, dict):
-        raise PromptFormatError(f"{where}: expected a JSON object; accepted formats: {ACCEPTED_FORMATS}")
+        raise PromptFormatError(
+            f"{where}: expected a JSON object; accepted formats: {ACCEPTED_FORMATS}"
+        )
     if isinstance(rec.get("prompt"), str):
         conv = [{"role": "user", "content": rec["prompt"]}]
     else:
@@ -135,7 +140,9 @@ def _turn(t: dict[str, Any], where: str) -> dict[str, str]:
 
 def _load_jsonl(path: Path) -> list[Conversation]:
     if not path.is_file():
-        raise FileNotFoundError(f"data.path: prompt file {path} does not exist; point data.path at a JSONL file")
+        raise FileNotFoundError(
+            f"data.path: prompt file {path} does not exist; point data.path at a JSONL file"
+        )
     out = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -160,7 +167,9 @@ def _load_hf(data: DataConfig) -> list[Conversation]:
             "pip install datasets, or export the prompts to JSONL and use data.source=jsonl"
         ) from None
     ds = datasets.load_dataset(data.path, split=data.split)
-    out = [parse_record(dict(row), f"{data.path}[{data.split}] row {i}") for i, row in enumerate(ds)]
+    out = [
+        parse_record(dict(row), f"{data.path}[{data.split}] row {i}") for i, row in enumerate(ds)
+    ]
     if not out:
         raise ValueError(f"data.path: dataset {data.path!r} split {data.split!r} has no rows")
     return out
@@ -188,7 +197,9 @@ _STDLIB_QUESTIONS = (
     "Describe `{q}` from Python's {mod} module to a beginner.",
 )
 _NAMES = "Ana Ben Chloe Dev Emma Farid Grace Hugo Iris Jamal Kai Lena Marco Nora Omar Priya Quinn Rosa Sam Tariq Uma Victor Wen Yusuf Zoe".split()
-_ITEMS = "apples marbles stickers books pencils cookies stamps shells cards coins eggs balloons".split()
+_ITEMS = (
+    "apples marbles stickers books pencils cookies stamps shells cards coins eggs balloons".split()
+)
 _WORD_PROBLEMS = (
     "{n1} has {a} {it}. {n2} gives {n1} {b} more, and then {n1} gives away {c}. How many {it} does {n1} have now?",
     "A box holds {a} {it}. How many {it} are in {b} boxes?",
@@ -247,7 +258,13 @@ _CONCEPTS = (
     "time zones", "the Roman Empire", "renewable energy", "rainbows", "sound waves", "taxes", "a database index",
     "the placebo effect",
 )  # fmt: skip
-_AUDIENCES = ("a five-year-old", "a high school student", "a busy manager", "someone new to the topic", "an expert, briefly")
+_AUDIENCES = (
+    "a five-year-old",
+    "a high school student",
+    "a busy manager",
+    "someone new to the topic",
+    "an expert, briefly",
+)
 _EXPLAIN = (
     "Explain {c} to {a}.", "What is {c}? Answer for {a}.", "Why does {c} matter? Explain it to {a}.",
     "Give a simple analogy for {c} that would help {a}.",
@@ -264,7 +281,11 @@ _PAIRS = (
     ("classical", "operant conditioning"), ("an LED", "an incandescent bulb"), ("Python", "JavaScript"),
     ("saving", "investing"), ("a frog", "a toad"), ("breadth-first", "depth-first search"),
 )  # fmt: skip
-_COMPARE = ("What is the difference between {x} and {y}?", "Compare {x} and {y} in a short table.", "When should I choose {x} over {y}?")
+_COMPARE = (
+    "What is the difference between {x} and {y}?",
+    "Compare {x} and {y} in a short table.",
+    "When should I choose {x} over {y}?",
+)
 _CODE_TASKS = (
     "reverses a string", "checks whether a number is prime", "counts the words in a sentence",
     "finds the largest number in a list", "removes duplicates from a list while keeping order",
@@ -277,7 +298,11 @@ _CODE_TASKS = (
     "splits a list into chunks of size n", "capitalizes every word in a sentence", "sums the digits of a number",
     "reads a CSV file and prints each row", "generates a random password", "sorts a list of dicts by a key",
 )  # fmt: skip
-_CODE_FORMS = ("Write a Python function that {t}.", "Write a JavaScript function that {t}.", "How would you write a function that {t}? Explain the approach.")
+_CODE_FORMS = (
+    "Write a Python function that {t}.",
+    "Write a JavaScript function that {t}.",
+    "How would you write a function that {t}? Explain the approach.",
+)
 _HOWTO = (
     "boil an egg", "write a good resume", "start running as a beginner", "learn a new language",
     "save money on groceries", "fall asleep faster", "prepare for a job interview", "plant tomatoes",
@@ -299,15 +324,31 @@ def builtin_prompts(seed: int = 0) -> list[Conversation]:
     for _ in range(300):
         a, b = rng.choice(_CONVERSIONS)
         x = rng.choice([rng.randint(2, 500), round(rng.uniform(0.5, 100), 1)])
-        texts.append(rng.choice(_CONVERSION_FORMS).format(x=x, a=a, b=b))
-    texts += [f.format(t=t) for f in _FORMS for t in _TOPICS]
-    texts += [rng.choice(_EXPLAIN).format(c=c, a=a) for c in _CONCEPTS for a in _AUDIENCES]
-    texts += [f.format(x=x, y=y) for f in _COMPARE for x, y in _PAIRS]
-    texts += [f.format(t=t) for f in _CODE_FORMS for t in _CODE_TASKS]
+        texts.append(_vary(rng, rng.choice(_CONVERSION_FORMS).format(x=x, a=a, b=b)))
+    writing = [f.format(t=t) for f in _FORMS for t in _TOPICS]
+    texts += [_vary(rng, t) for t in rng.sample(writing, 650)]
+    texts += [
+        _vary(rng, rng.choice(_EXPLAIN).format(c=c, a=a)) for c in _CONCEPTS for a in _AUDIENCES
+    ]
+    texts += [_vary(rng, f.format(x=x, y=y)) for f in _COMPARE for x, y in _PAIRS]
+    texts += [_vary(rng, f.format(t=t)) for f in _CODE_FORMS for t in _CODE_TASKS]
     texts += [f.format(t=t) for f in _HOWTO_FORMS for t in _HOWTO]
     unique = sorted(set(texts))
     rng.shuffle(unique)
     return [[{"role": "user", "content": t}] for t in unique]
+
+
+def _vary(rng: random.Random, text: str) -> str:
+    """Rephrase a prompt now and then, so openings are not all "Write ..." or "What ..."."""
+    low = text[0].lower() + text[1:]
+    if text.split()[0] in ("Write", "Explain", "Give", "Describe", "Compare", "Convert"):
+        return rng.choice([
+            text, text, text, f"Please {low}", f"Could you {low.rstrip('.?')}?", f"I need help: {low}",
+            f"Quick task: {low}", f"Hey! {text}",
+        ])  # fmt: skip
+    return rng.choice(
+        [text, text, text, f"Quick question: {text}", f"Hey! {text}", f"I was wondering: {low}"]
+    )
 
 
 def _word_problem(rng: random.Random) -> str:
@@ -345,6 +386,9 @@ def _public_members(mod: Any) -> Iterable[tuple[str, Any]]:
         if name.startswith("_") or not (inspect.isroutine(obj) or inspect.isclass(obj)):
             continue
         # without __all__, keep only what the module itself defines (not its imports)
-        if names is None and getattr(obj, "__module__", "").lstrip("_") not in (mod.__name__, mod.__name__.lstrip("_")):
+        if names is None and getattr(obj, "__module__", "").lstrip("_") not in (
+            mod.__name__,
+            mod.__name__.lstrip("_"),
+        ):
             continue
         yield name, obj

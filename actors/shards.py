@@ -1,0 +1,303 @@
+"""Shards of captured hidden states: the one format the generate stage writes and the trainer reads.
+
+A shard is one safetensors file holding S samples packed back to back (N tokens in all):
+
+| tensor         | dtype | shape        | meaning                                                      |
+| -------------- | ----- | ------------ | ------------------------------------------------------------ |
+| `input_ids`    | int32 | [N]          | prompt + regenerated response, chat-templated                |
+| `loss_mask`    | uint8 | [N]          | 1 on assistant tokens (content + end-of-turn token)          |
+| `offsets`      | int64 | [S+1]        | sample boundaries (cu_seqlens): sample i is [off[i], off[i+1]) |
+| `aux_hidden`   | bf16  | [N, A*H]     | target hidden states at the aux layer ids, concatenated (A=3) |
+| `final_hidden` | bf16  | [N, H]       | target's last hidden state after the final norm               |
+
+Files are written atomically (temp file + ``os.replace``) and never exceed
+``DataConfig.shard_max_bytes``. Shards of one prompt batch are named ``b{batch:05d}-{part:02d}``;
+a sidecar ``b{batch:05d}.json`` written after them records their sha256, so an interrupted run
+knows which batches are finished. ``manifest.json`` lists every shard with its size and sha256;
+``verify_manifest`` checks them all and names each missing, truncated or corrupted file.
+
+Reading (what the trainer needs):
+    m = verify_manifest(data_dir)          # raises ShardError naming bad shards
+    for path in m.shard_paths():
+        for sample in iter_samples(read_shard(path)):
+            sample["input_ids"], sample["loss_mask"], sample["aux_hidden"], sample["final_hidden"]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from safetensors.torch import save as st_save
+
+FORMAT = "eagle-loop-shards/1"
+MANIFEST = "manifest.json"
+META_KEY = "eagle_loop"
+HEADER_RESERVE = 16 * 1024  # safetensors JSON header + metadata, generously
+TENSORS = ("input_ids", "loss_mask", "offsets", "aux_hidden", "final_hidden")
+
+
+class ShardError(RuntimeError):
+    """Missing, truncated or corrupted shards; the message names every bad file."""
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard file as the manifest lists it (``file`` is relative to the data dir)."""
+
+    file: str
+    sha256: str
+    bytes: int
+    num_samples: int
+    num_tokens: int
+    num_loss_tokens: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The data of one generate stage: target identity, aux layer ids and the shard list."""
+
+    target: dict[str, Any]
+    aux_layer_ids: tuple[int, ...]
+    config_hash: str
+    shards: tuple[ShardInfo, ...]
+    num_samples: int
+    num_tokens: int
+    num_loss_tokens: int
+    format: str = FORMAT
+    root: str = field(default="", compare=False)  # directory it was read from (not serialised)
+
+    def shard_paths(self) -> list[Path]:
+        return [Path(self.root) / s.file for s in self.shards]
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("root")
+        d["aux_layer_ids"] = list(self.aux_layer_ids)
+        return {"format": d.pop("format"), **d}
+
+
+@dataclass
+class Sample:
+    """One captured conversation, ready to be packed into a shard."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    aux_hidden: torch.Tensor  # [T, A*H] bf16
+    final_hidden: torch.Tensor  # [T, H] bf16
+
+
+def bytes_per_token(hidden_size: int, num_aux: int = 3) -> int:
+    """Bytes one token takes in a shard (ids int32 + mask uint8 + bf16 hidden states)."""
+    return 4 + 1 + 2 * (num_aux + 1) * hidden_size
+
+
+def sample_bytes(s: Sample) -> int:
+    return len(s.input_ids) * 5 + 8 + s.aux_hidden.numel() * 2 + s.final_hidden.numel() * 2
+
+
+def pack_parts(samples: list[Sample], max_bytes: int) -> list[list[Sample]]:
+    """Split samples (in order) into groups that each fit one shard of at most ``max_bytes``."""
+    budget = max_bytes - HEADER_RESERVE
+    parts: list[list[Sample]] = [[]]
+    used = 0
+    for s in samples:
+        b = sample_bytes(s)
+        if b > budget:
+            raise ValueError(
+                f"data.shard_max_bytes: one sample of {len(s.input_ids)} tokens needs {b + HEADER_RESERVE} "
+                f"bytes, more than {max_bytes}; raise data.shard_max_bytes or lower data.max_length"
+            )
+        if parts[-1] and used + b > budget:
+            parts.append([])
+            used = 0
+        parts[-1].append(s)
+        used += b
+    return [p for p in parts if p]
+
+
+def write_shard(
+    path: Path, samples: list[Sample], metadata: dict[str, str] | None = None
+) -> ShardInfo:
+    """Pack samples into one safetensors file, atomically; returns its manifest entry."""
+    lengths = [len(s.input_ids) for s in samples]
+    offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    tensors = {
+        "input_ids": torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.int32),
+        "loss_mask": torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.uint8),
+        "offsets": offsets,
+        "aux_hidden": torch.cat([s.aux_hidden for s in samples]).to(torch.bfloat16).contiguous(),
+        "final_hidden": torch.cat([s.final_hidden for s in samples])
+        .to(torch.bfloat16)
+        .contiguous(),
+    }
+    # One metadata key holding sorted JSON: safetensors writes several keys in hash order, which
+    # would make identical shards differ byte-wise (and break resume's sha256 comparison).
+    meta = json.dumps({"format": FORMAT, **(metadata or {})}, sort_keys=True)
+    blob = st_save(tensors, metadata={META_KEY: meta})
+    _atomic_write(path, blob)
+    return ShardInfo(
+        file=path.name,
+        sha256=hashlib.sha256(blob).hexdigest(),
+        bytes=len(blob),
+        num_samples=len(samples),
+        num_tokens=int(offsets[-1]),
+        num_loss_tokens=int(tensors["loss_mask"].sum()),
+    )
+
+
+def read_shard(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a shard (see the module docstring for names, dtypes and shapes)."""
+    return load_file(str(path))
+
+
+def read_shard_metadata(path: str | Path) -> dict[str, str]:
+    """The small strings stored with a shard (format, batch_key, aux_layer_ids ...)."""
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads((f.metadata() or {}).get(META_KEY, "{}"))
+
+
+def iter_samples(shard: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+    """Per-sample views into a shard: input_ids [T], loss_mask [T], aux_hidden [T, A*H],
+    final_hidden [T, H]."""
+    off = shard["offsets"].tolist()
+    for a, b in zip(off[:-1], off[1:], strict=True):
+        yield {k: shard[k][a:b] for k in ("input_ids", "loss_mask", "aux_hidden", "final_hidden")}
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch sidecars (resume) and the manifest
+
+
+def batch_stem(batch_index: int) -> str:
+    return f"b{batch_index:05d}"
+
+
+def shard_name(batch_index: int, part: int) -> str:
+    return f"{batch_stem(batch_index)}-{part:02d}.safetensors"
+
+
+def write_batch_record(
+    out_dir: Path,
+    batch_index: int,
+    batch_key: str,
+    shards: list[ShardInfo],
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Mark a prompt batch finished: its shards, the key of the prompts/settings that made them,
+    and ``extra`` (the target identity and aux ids, so a resumed run needs no model to finish)."""
+    rec = {**(extra or {}), "batch_key": batch_key, "shards": [asdict(s) for s in shards]}
+    _atomic_write(out_dir / f"{batch_stem(batch_index)}.json", json.dumps(rec, indent=1).encode())
+
+
+def finished_batch(out_dir: Path, batch_index: int, batch_key: str) -> dict[str, Any] | None:
+    """The sidecar record of a batch a previous run finished (``"shards"`` as ShardInfo), if it
+    matches ``batch_key`` and every shard is intact (size and sha256); else None (redo the batch)."""
+    side = out_dir / f"{batch_stem(batch_index)}.json"
+    try:
+        rec = json.loads(side.read_text())
+        if rec.get("batch_key") != batch_key:
+            return None
+        rec["shards"] = [ShardInfo(**s) for s in rec["shards"]]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if any(_problem(out_dir, s) for s in rec["shards"]):
+        return None
+    return rec
+
+
+def write_manifest(
+    out_dir: Path,
+    target: dict[str, Any],
+    aux_layer_ids: list[int],
+    config_hash: str,
+    shards: list[ShardInfo],
+) -> Manifest:
+    m = Manifest(
+        target=dict(target),
+        aux_layer_ids=tuple(aux_layer_ids),
+        config_hash=config_hash,
+        shards=tuple(shards),
+        num_samples=sum(s.num_samples for s in shards),
+        num_tokens=sum(s.num_tokens for s in shards),
+        num_loss_tokens=sum(s.num_loss_tokens for s in shards),
+        root=str(out_dir),
+    )
+    _atomic_write(out_dir / MANIFEST, json.dumps(m.to_json(), indent=1).encode())
+    return m
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """Parse ``manifest.json`` (or the data dir holding it) without checking the shards."""
+    p = Path(path)
+    p = p / MANIFEST if p.is_dir() else p
+    if not p.is_file():
+        raise ShardError(
+            f"{p}: no manifest; run the generate stage (python -m actors.generate) first"
+        )
+    d = json.loads(p.read_text())
+    if d.get("format") != FORMAT:
+        raise ShardError(f"{p}: format {d.get('format')!r} is not {FORMAT!r}; regenerate the data")
+    return Manifest(
+        target=d["target"],
+        aux_layer_ids=tuple(d["aux_layer_ids"]),
+        config_hash=d["config_hash"],
+        shards=tuple(ShardInfo(**s) for s in d["shards"]),
+        num_samples=d["num_samples"],
+        num_tokens=d["num_tokens"],
+        num_loss_tokens=d["num_loss_tokens"],
+        root=str(p.parent),
+    )
+
+
+def verify_manifest(path: str | Path) -> Manifest:
+    """Load the manifest and check every shard's presence, size and sha256; raise ShardError
+    naming each missing, truncated or corrupted shard."""
+    m = load_manifest(path)
+    root = Path(m.root)
+    problems = [p for s in m.shards if (p := _problem(root, s))]
+    if problems:
+        raise ShardError(
+            f"{root / MANIFEST}: {len(problems)} of {len(m.shards)} shard(s) bad:\n  "
+            + "\n  ".join(problems)
+            + "\nrerun the generate stage on this directory to regenerate them"
+        )
+    return m
+
+
+def _problem(root: Path, s: ShardInfo) -> str | None:
+    p = root / s.file
+    if not p.is_file():
+        return f"{s.file}: missing"
+    size = p.stat().st_size
+    if size != s.bytes:
+        return f"{s.file}: truncated or resized ({size} bytes, manifest says {s.bytes})"
+    if _sha256(p) != s.sha256:
+        return f"{s.file}: corrupted (sha256 mismatch)"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

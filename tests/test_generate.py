@@ -1,0 +1,195 @@
+"""The generate stage end to end: a tiny random Llama target in 2 Ray actors writes real shards."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from actors.chat import prompt_ids
+from actors.generate import _check_storage, run_generate
+from actors.hf_backend import HFTarget, resolve_aux_layer_ids
+from actors.prompts import builtin_prompts
+from actors.shards import MANIFEST, ShardError, iter_samples, read_shard, verify_manifest
+from actors.target import TargetWorker
+from pipeline.config import DataConfig, TargetConfig
+
+AUX = [2, 0, 1]  # distinct and unsorted: pins id k <-> hidden_states[k+1] and the concat order
+PROMPTS = builtin_prompts(0)[:10]
+
+
+def _cfgs(tiny_target: Path) -> tuple[TargetConfig, DataConfig]:
+    target = TargetConfig(model=str(tiny_target), aux_layer_ids=AUX)
+    data = DataConfig(
+        batch_size=4, num_actors=2, max_new_tokens=12, max_length=96, shard_max_bytes=2**20
+    )
+    return target, data
+
+
+@pytest.fixture(scope="module")
+def stage(tiny_target, ray_local, tmp_path_factory):
+    """One run of the stage: 10 prompts in batches of 4 -> 3 batches over 2 actors."""
+    target, data = _cfgs(tiny_target)
+    out = tmp_path_factory.mktemp("data")
+    result = run_generate(target, data, PROMPTS, out, "cfghash")
+    return target, data, out, result
+
+
+def _samples(out: Path):
+    m = verify_manifest(out)
+    return m, [s for p in m.shard_paths() for s in iter_samples(read_shard(p))]
+
+
+def test_shards_and_manifest(stage):
+    _, _, out, result = stage
+    m, samples = _samples(out)
+    assert result.manifest == str(out / MANIFEST)
+    assert [s.file for s in m.shards] == [
+        "b00000-00.safetensors",
+        "b00001-00.safetensors",
+        "b00002-00.safetensors",
+    ]
+    assert m.num_samples == result.num_samples == len(samples) == len(PROMPTS)
+    assert m.num_tokens == result.num_tokens == sum(len(s["input_ids"]) for s in samples)
+    assert m.num_loss_tokens == sum(int(s["loss_mask"].sum()) for s in samples) == len(PROMPTS) * 12
+    assert m.aux_layer_ids == tuple(AUX) and m.config_hash == "cfghash"
+    assert (
+        m.target["num_layers"] == 4
+        and m.target["hidden_size"] == 64
+        and len(m.target["tokenizer_hash"]) == 64
+    )
+    assert result.gen_tok_per_s > 0 and result.capture_tok_per_s > 0
+
+
+def test_hidden_states_equal_a_direct_hf_forward(stage, tiny_target):
+    _, _, out, _ = stage
+    _, samples = _samples(out)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the actors ran with one thread each: same kernels, same numbers
+    try:
+        for s in samples[:4]:
+            with torch.inference_mode():
+                hs = model(
+                    input_ids=s["input_ids"].long()[None], output_hidden_states=True
+                ).hidden_states
+            want_aux = torch.cat([hs[k + 1][0] for k in AUX], -1).bfloat16()
+            assert torch.equal(s["aux_hidden"], want_aux)
+            assert torch.equal(s["final_hidden"], hs[-1][0].bfloat16())
+            assert not torch.equal(
+                s["aux_hidden"][:, :64], hs[AUX[0]][0].bfloat16()
+            )  # not hidden_states[k]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_samples_are_prompt_plus_greedy_response_with_the_response_masked(stage, tiny_target):
+    _, _, out, _ = stage
+    _, samples = _samples(out)
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    for conv, s in list(zip(PROMPTS, samples, strict=True))[:3]:
+        p = prompt_ids(tok, conv)
+        ids, mask = s["input_ids"].tolist(), s["loss_mask"].tolist()
+        assert ids[: len(p)] == p and tok.decode(p).endswith("<|im_start|>assistant\n")
+        assert mask == [0] * len(p) + [1] * (len(ids) - len(p))
+        with torch.inference_mode():
+            ref = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+        assert ids[len(p) :] == ref[: len(ids) - len(p)]
+
+
+def test_batched_generation_with_early_stops_matches_one_by_one(tiny_target):
+    """Rows that hit EOS leave the batch; the others must not notice (left padding, cache select)."""
+    t = HFTarget(TargetConfig(model=str(tiny_target)), num_threads=1)
+    prompts = [prompt_ids(t.tokenizer, c) for c in PROMPTS[:5]]
+    free = t.generate(prompts, 10)
+    # make an early token of each of some rows a stop token, so rows finish at different steps
+    stops = (free[0][2], free[3][5])
+    t._info = dataclasses.replace(t.info(), eos_token_ids=stops)
+    got = t.generate(prompts, 10)
+    for p, g in zip(prompts, got, strict=True):
+        with torch.inference_mode():
+            ref = t.model.generate(
+                torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=list(stops)
+            )
+        ref = ref[0, len(p) :].tolist()
+        assert g == ref[: len(g)] and len(g) == len(ref)
+    assert len(got[0]) == 3 and len(got[3]) <= 6
+
+
+def test_sampling_is_seeded(tiny_target):
+    t = HFTarget(TargetConfig(model=str(tiny_target)), num_threads=1)
+    prompts = [prompt_ids(t.tokenizer, c) for c in PROMPTS[:3]]
+    a = t.generate(prompts, 8, temperature=1.0, seed=5)
+    assert a == t.generate(prompts, 8, temperature=1.0, seed=5)
+    assert a != t.generate(prompts, 8, temperature=1.0, seed=6)
+    assert a != t.generate(prompts, 8)  # greedy differs from sampling at temperature 1
+
+
+def test_rerun_redoes_only_missing_shards(stage, tiny_target, tmp_path):
+    target, data, out, _ = stage
+    work = tmp_path / "data"
+    shutil.copytree(out, work)
+    before = {p.name: p.stat().st_mtime_ns for p in work.glob("*.safetensors")}
+    old = verify_manifest(work)
+    (work / MANIFEST).unlink()
+    (work / "b00001-00.safetensors").unlink()
+    result = run_generate(target, data, PROMPTS, work, "cfghash")
+    after = {p.name: p.stat().st_mtime_ns for p in work.glob("*.safetensors")}
+    assert after.keys() == before.keys()
+    changed = sorted(n for n in after if after[n] != before[n])
+    assert changed == ["b00001-00.safetensors"]
+    new = verify_manifest(work)
+    assert new.shards == old.shards  # greedy and deterministic: the redone shard is byte-identical
+    assert result.num_samples == len(PROMPTS)
+
+
+def test_flipped_byte_is_reported_by_name(stage, tmp_path):
+    _, _, out, _ = stage
+    work = tmp_path / "data"
+    shutil.copytree(out, work)
+    p = work / "b00002-00.safetensors"
+    raw = bytearray(p.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    p.write_bytes(raw)
+    with pytest.raises(ShardError, match=r"b00002-00\.safetensors: corrupted"):
+        verify_manifest(work)
+
+
+def test_bad_layer_ids_name_the_field(tiny_target):
+    with pytest.raises(
+        ValueError, match=r"target.aux_layer_ids: \[1, 4\] invalid for a 4-layer target"
+    ):
+        resolve_aux_layer_ids([1, 4], 4)
+    assert resolve_aux_layer_ids(None, 30) == [1, 14, 26]
+    target, data = _cfgs(tiny_target)
+    with pytest.raises(ValueError, match="target.aux_layer_ids"):
+        TargetWorker(target.model_copy(update={"aux_layer_ids": [0, 1, 7]}), data, num_threads=1)
+
+
+def test_target_without_chat_template_names_target_model(tiny_target, tmp_path):
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny_target, plain)
+    for f in plain.glob("chat_template.*"):
+        f.unlink()
+    tok = AutoTokenizer.from_pretrained(plain)
+    tok.chat_template = None
+    tok.save_pretrained(plain)
+    assert not AutoTokenizer.from_pretrained(plain).chat_template
+    with pytest.raises(ValueError, match=r"target.model: .*plain.* has no chat template"):
+        HFTarget(TargetConfig(model=str(plain)))
+
+
+def test_storage_check_refuses_a_full_disk(tmp_path):
+    info = {"target": {"hidden_size": 8192}, "aux_layer_ids": [1, 2, 3]}
+    data = DataConfig(max_new_tokens=2048, max_length=4096)
+    with pytest.raises(
+        OSError, match=rf"{tmp_path}: the shards need about \d+ bytes but only \d+ are free"
+    ):
+        _check_storage(tmp_path, info, [2048] * 10**6, data)

@@ -1,0 +1,148 @@
+"""Prompt sources, the held-out split, per-round slices, and the chat template's loss mask."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from actors.chat import encode_conversation, prompt_ids
+from actors.prompts import (
+    PromptFormatError,
+    builtin_prompts,
+    load_prompts,
+    prompt_key,
+    round_prompts,
+    split_prompts,
+)
+from pipeline.config import DataConfig
+
+
+def test_builtin_set_is_large_distinct_short_and_seeded(chat_tokenizer_dir):
+    a, b, c = builtin_prompts(0), builtin_prompts(0), builtin_prompts(1)
+    assert a == b
+    assert a != c  # the seed picks numbers, templates and order
+    keys = {prompt_key(p) for p in a}
+    assert len(keys) == len(a) >= 2000
+    assert all(len(p) == 1 and p[0]["role"] == "user" for p in a)
+    assert all(p[0]["content"].isascii() for p in a)
+    tok = AutoTokenizer.from_pretrained(chat_tokenizer_dir)
+    lengths = [len(tok(p[0]["content"])["input_ids"]) for p in a]
+    assert max(lengths) < 120
+    # diverse: no single opening word dominates
+    firsts = [p[0]["content"].split()[0] for p in a]
+    top = max(firsts.count(w) for w in set(firsts))
+    assert top < 0.25 * len(a)
+
+
+def test_split_is_deterministic_and_disjoint():
+    prompts = builtin_prompts(0)
+    prompts = prompts + prompts[:50]  # duplicates must not leak into both sides
+    train, held = split_prompts(prompts, 64, seed=3)
+    train2, held2 = split_prompts(list(reversed(prompts)), 64, seed=3)
+    assert (train, held) == (train2, held2)
+    assert len(held) == 64
+    assert not {prompt_key(p) for p in held} & {prompt_key(p) for p in train}
+    assert len({prompt_key(p) for p in train}) == len(train) == len(builtin_prompts(0)) - 64
+    assert split_prompts(prompts, 64, seed=4)[1] != held
+    with pytest.raises(ValueError, match="data.heldout_prompts"):
+        split_prompts(prompts[:10], 10, seed=0)
+
+
+def test_rounds_are_fresh_then_wrap_with_a_warning():
+    train = [[{"role": "user", "content": f"q{i}"}] for i in range(10)]
+    r0, r1 = round_prompts(train, 0, 4), round_prompts(train, 1, 4)
+    assert not {prompt_key(p) for p in r0} & {prompt_key(p) for p in r1}
+    with pytest.warns(UserWarning, match="exhausted"):
+        r2 = round_prompts(train, 2, 4)
+    assert [p[0]["content"] for p in r2] == ["q8", "q9", "q0", "q1"]
+
+
+def test_jsonl_formats(tmp_path):
+    recs = [
+        {"conversations": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "A?"}]},
+        {"conversations": [{"from": "human", "value": "B?"}, {"from": "gpt", "value": "b"}, {"from": "human", "value": "C?"}, {"from": "gpt", "value": "c"}]},
+        {"messages": [{"role": "user", "content": "D?"}, {"role": "assistant", "content": "d"}]},
+        {"prompt": "E?"},
+    ]  # fmt: skip
+    p = tmp_path / "p.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in recs) + "\n\n")
+    got = load_prompts(DataConfig(source="jsonl", path=str(p)))
+    assert got == [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "A?"}],
+        [
+            {"role": "user", "content": "B?"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "C?"},
+        ],
+        [{"role": "user", "content": "D?"}],
+        [{"role": "user", "content": "E?"}],
+    ]
+
+
+def test_bad_prompt_files_name_the_problem(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"text": "what format is this"}) + "\n"
+    )
+    with pytest.raises(PromptFormatError, match=r"bad\.jsonl:2: unknown record format.*ShareGPT"):
+        load_prompts(DataConfig(source="jsonl", path=str(bad)))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match=r"data.path: prompt file .*empty\.jsonl is empty"):
+        load_prompts(DataConfig(source="jsonl", path=str(empty)))
+    with pytest.raises(FileNotFoundError, match=r"data.path: .*missing\.jsonl does not exist"):
+        load_prompts(DataConfig(source="jsonl", path=str(tmp_path / "missing.jsonl")))
+    speaker = tmp_path / "speaker.jsonl"
+    speaker.write_text(json.dumps({"conversations": [{"from": "robot", "value": "x"}]}) + "\n")
+    with pytest.raises(
+        PromptFormatError, match=r"speaker\.jsonl:1: unknown ShareGPT speaker 'robot'"
+    ):
+        load_prompts(DataConfig(source="jsonl", path=str(speaker)))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("datasets") is not None, reason="datasets is installed"
+)
+def test_hf_source_without_datasets_names_the_field():
+    with pytest.raises(ImportError, match=r"data.source=hf .*datasets"):
+        load_prompts(DataConfig(source="hf", path="some/dataset"))
+
+
+def test_loss_mask_is_exactly_the_assistant_content_and_end_token(chat_tokenizer_dir):
+    tok = AutoTokenizer.from_pretrained(chat_tokenizer_dir)
+    conv = [
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello! How can I help?\n\nSure: `x = 1`"},
+        {"role": "user", "content": "ok"},
+        {"role": "assistant", "content": " Fine, thanks."},
+    ]
+    ids, mask = encode_conversation(tok, conv, 4096)
+    assert tok.decode(ids) == tok.apply_chat_template(conv, tokenize=False)
+    spans = [
+        tok.decode([i for i, _ in g])
+        for m, g in itertools.groupby(zip(ids, mask, strict=True), key=lambda x: x[1])
+        if m
+    ]
+    assert spans == [conv[1]["content"] + tok.eos_token, conv[3]["content"] + tok.eos_token]
+    # generation prompt: the same ids as prompt_ids, earlier assistant turn still masked
+    gids, gmask = encode_conversation(tok, conv[:3], 4096, add_generation_prompt=True)
+    assert gids == prompt_ids(tok, conv[:3])
+    assert tok.decode(gids).endswith("<|im_start|>assistant\n")
+    assert (
+        tok.decode([i for i, m in zip(gids, gmask, strict=True) if m])
+        == conv[1]["content"] + tok.eos_token
+    )
+    # truncation keeps ids and mask aligned
+    tids, tmask = encode_conversation(tok, conv, 30)
+    assert tids == ids[:30] and tmask == mask[:30]
+
+
+def test_tokenizer_without_chat_template_names_target_model(chat_tokenizer_dir):
+    tok = AutoTokenizer.from_pretrained(chat_tokenizer_dir)
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="target.model"):
+        encode_conversation(tok, [{"role": "user", "content": "x"}], 64)

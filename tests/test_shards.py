@@ -1,0 +1,131 @@
+"""The shard format: round trip, size bound, manifest verification and batch sidecars."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from actors.shards import (
+    HEADER_RESERVE,
+    MANIFEST,
+    Sample,
+    ShardError,
+    finished_batch,
+    iter_samples,
+    pack_parts,
+    read_shard,
+    read_shard_metadata,
+    shard_name,
+    verify_manifest,
+    write_batch_record,
+    write_manifest,
+    write_shard,
+)
+
+H = 8
+
+
+def _sample(n: int, seed: int) -> Sample:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 49152, (n,), generator=g).tolist()
+    mask = [0] * (n // 2) + [1] * (n - n // 2)
+    return Sample(
+        ids,
+        mask,
+        torch.randn(n, 3 * H, generator=g).bfloat16(),
+        torch.randn(n, H, generator=g).bfloat16(),
+    )
+
+
+def test_round_trip_exact(tmp_path):
+    samples = [_sample(n, i) for i, n in enumerate([5, 1, 9])]
+    info = write_shard(tmp_path / "s.safetensors", samples, {"note": "hi"})
+    assert (info.num_samples, info.num_tokens, info.num_loss_tokens) == (3, 15, 3 + 1 + 5)
+    assert info.bytes == (tmp_path / "s.safetensors").stat().st_size
+    t = read_shard(tmp_path / "s.safetensors")
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in t.items()} == {
+        "input_ids": (torch.int32, (15,)),
+        "loss_mask": (torch.uint8, (15,)),
+        "offsets": (torch.int64, (4,)),
+        "aux_hidden": (torch.bfloat16, (15, 3 * H)),
+        "final_hidden": (torch.bfloat16, (15, H)),
+    }
+    assert t["offsets"].tolist() == [0, 5, 6, 15]
+    for s, got in zip(samples, iter_samples(t), strict=True):
+        assert got["input_ids"].tolist() == s.input_ids
+        assert got["loss_mask"].tolist() == s.loss_mask
+        assert torch.equal(got["aux_hidden"], s.aux_hidden) and torch.equal(
+            got["final_hidden"], s.final_hidden
+        )
+    assert read_shard_metadata(tmp_path / "s.safetensors")["note"] == "hi"
+    assert [p.name for p in tmp_path.iterdir()] == ["s.safetensors"]  # no temp file left
+
+
+def test_parts_respect_the_size_bound(tmp_path):
+    samples = [_sample(40, i) for i in range(30)]
+    limit = HEADER_RESERVE + 5000
+    parts = pack_parts(samples, limit)
+    assert len(parts) > 1 and [s for p in parts for s in p] == samples
+    for k, part in enumerate(parts):
+        info = write_shard(tmp_path / shard_name(0, k), part)
+        assert info.bytes <= limit
+    with pytest.raises(ValueError, match="data.shard_max_bytes"):
+        pack_parts([_sample(400, 0)], limit)
+
+
+def _dataset(tmp_path):
+    infos = [
+        write_shard(tmp_path / shard_name(b, 0), [_sample(6, b), _sample(3, b + 10)])
+        for b in range(3)
+    ]
+    write_manifest(tmp_path, {"model": "m", "hidden_size": H}, [1, 2, 3], "cfg123", infos)
+    return infos
+
+
+def test_manifest_totals_and_verify(tmp_path):
+    infos = _dataset(tmp_path)
+    m = verify_manifest(tmp_path)
+    assert m.num_samples == 6 and m.num_tokens == 27 and m.shards == tuple(infos)
+    assert m.aux_layer_ids == (1, 2, 3) and m.config_hash == "cfg123"
+    assert m.shard_paths() == [tmp_path / i.file for i in infos]
+    d = json.loads((tmp_path / MANIFEST).read_text())
+    assert d["format"] == "eagle-loop-shards/1" and set(d["shards"][0]) == {
+        "file", "sha256", "bytes", "num_samples", "num_tokens", "num_loss_tokens"
+    }  # fmt: skip
+    assert verify_manifest(tmp_path / MANIFEST) == m
+
+
+def test_verify_names_missing_truncated_and_corrupted_shards(tmp_path):
+    infos = _dataset(tmp_path)
+    (tmp_path / infos[0].file).unlink()
+    with open(tmp_path / infos[1].file, "r+b") as f:
+        f.truncate(infos[1].bytes - 10)
+    p = tmp_path / infos[2].file
+    raw = bytearray(p.read_bytes())
+    raw[-3] ^= 0xFF
+    p.write_bytes(raw)
+    with pytest.raises(ShardError) as e:
+        verify_manifest(tmp_path)
+    msg = str(e.value)
+    assert f"{infos[0].file}: missing" in msg
+    assert f"{infos[1].file}: truncated" in msg
+    assert f"{infos[2].file}: corrupted" in msg
+
+
+def test_missing_manifest_says_how_to_make_one(tmp_path):
+    with pytest.raises(ShardError, match="actors.generate"):
+        verify_manifest(tmp_path)
+
+
+def test_batch_sidecar_marks_finished_batches(tmp_path):
+    info = write_shard(tmp_path / shard_name(4, 0), [_sample(5, 0)])
+    assert finished_batch(tmp_path, 4, "k") is None  # no sidecar yet: not finished
+    write_batch_record(tmp_path, 4, "k", [info], {"aux_layer_ids": [1, 2, 3]})
+    rec = finished_batch(tmp_path, 4, "k")
+    assert rec is not None and rec["shards"] == [info] and rec["aux_layer_ids"] == [1, 2, 3]
+    assert finished_batch(tmp_path, 4, "other-prompts") is None
+    os.truncate(tmp_path / info.file, info.bytes - 1)
+    assert finished_batch(tmp_path, 4, "k") is None
