@@ -1,0 +1,372 @@
+"""Benchmark client: scores a drafter on any OpenAI-compatible endpoint that reports speculative
+statistics (this project's engine in `usage`, SGLang in `meta_info`).
+
+One run, at temperature 0 with a fixed `max_tokens` (`ignore_eos`) on held-out prompts:
+  1. warm-up requests (excluded);
+  2. optional steps sweep at the first concurrency level: the best steps by output tok/s is kept;
+  3. each concurrency level with speculation (best steps) and right after it without
+     (`speculative: false`: the baseline on the same target and server).
+Reported: accept_len (mean over requests, histogram), output tok/s per request and aggregate,
+verify and draft ms, baseline tok/s, speedup, per-position acceptance (fraction of cycles that
+accepted >= i drafts) and the measured costs for the planner (`BenchResult.costs` are the keyword
+arguments of `pipeline.plan.plan`). Writes `<tag>.json` and `<tag>.png`.
+
+  python -m serve.cli bench --url http://127.0.0.1:8000 --num-prompts 16 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+Prompt = list[dict[str, str]] | str
+# (prompt, max_tokens, speculative, steps) -> (path, JSON body); the seam for other servers
+RequestBuilder = Callable[[Prompt, int, bool, int | None], tuple[str, dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    completion_tokens: int
+    latency_s: float
+    verify_ct: int | None = None  # None: the server reports no speculative statistics
+    accepted_drafts: int | None = None
+    accept_hist: tuple[int, ...] | None = None  # [a] = cycles that accepted a drafts
+    draft_ms: float | None = None
+    verify_ms: float | None = None
+    steps: int | None = None
+
+    @property
+    def accept_len(self) -> float | None:
+        """SGLang's definition: completion tokens per verify pass (bonus token included)."""
+        return self.completion_tokens / self.verify_ct if self.verify_ct else None
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.completion_tokens / self.latency_s if self.latency_s > 0 else 0.0
+
+
+def extract_stats(body: dict[str, Any], latency_s: float) -> RequestStats:
+    """Per-request statistics from one response: this engine's `usage` fields, or SGLang's
+    `meta_info` (`completion_tokens`, `spec_verify_ct`; native `/generate` puts it at the top
+    level). The only place that knows response formats."""
+    meta = body.get("meta_info")
+    if meta is None and body.get("choices"):
+        meta = body["choices"][0].get("meta_info")
+    src = {**(body.get("usage") or {}), **(meta or {})}
+    if "completion_tokens" not in src:
+        raise ValueError(
+            f"response has no usage.completion_tokens nor meta_info: keys {sorted(body)}"
+        )
+    hist = src.get("spec_accept_hist")
+    accepted = src.get("spec_accepted_tokens", src.get("spec_num_correct_drafts"))
+    return RequestStats(
+        completion_tokens=int(src["completion_tokens"]),
+        latency_s=latency_s,
+        verify_ct=int(src["spec_verify_ct"]) if src.get("spec_verify_ct") else None,
+        accepted_drafts=int(accepted) if accepted is not None else None,
+        accept_hist=tuple(int(x) for x in hist) if hist else None,
+        draft_ms=src.get("draft_ms"),
+        verify_ms=src.get("verify_ms"),
+        steps=src.get("spec_steps") or None,
+    )
+
+
+def chat_request(
+    prompt: Prompt, max_tokens: int, speculative: bool, steps: int | None
+) -> tuple[str, dict[str, Any]]:
+    """OpenAI chat completion at temperature 0 with a fixed length (this engine's extra fields)."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    body: dict[str, Any] = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "speculative": speculative,
+    }
+    if steps is not None:
+        body["steps"] = steps
+    return "/v1/chat/completions", body
+
+
+@dataclass(frozen=True)
+class LevelResult:
+    concurrency: int
+    speculative: bool
+    steps: int | None
+    requests: int
+    wall_s: float
+    tok_per_s: float  # aggregate: all completion tokens / wall time
+    req_tok_per_s: float  # mean over requests of completion tokens / latency
+    latency_p50_s: float
+    accept_len: float | None  # mean over requests
+    accept_len_pooled: float | None  # all tokens / all verify passes
+    accept_lens: tuple[float, ...]
+    accept_hist: tuple[int, ...]  # summed over requests
+    verify_ms: float | None  # per verify pass (per decode step without speculation)
+    draft_ms_per_step: float | None  # one drafter forward
+
+
+def _level(
+    stats: list[RequestStats], concurrency: int, speculative: bool, steps: int | None, wall: float
+) -> LevelResult:
+    lens = [s.accept_len for s in stats if s.accept_len is not None]
+    verify = sum(s.verify_ct or 0 for s in stats)
+    hists = [s.accept_hist for s in stats if s.accept_hist]
+    hist = tuple(map(sum, zip(*hists, strict=True))) if hists else ()
+    k = steps or next((s.steps for s in stats if s.steps), None)
+    tokens = sum(s.completion_tokens for s in stats)
+    vms = [s.verify_ms for s in stats if s.verify_ms is not None]
+    dms = [s.draft_ms for s in stats if s.draft_ms is not None]
+    passes = verify if speculative else sum(max(s.completion_tokens - 1, 0) for s in stats)
+    return LevelResult(
+        concurrency=concurrency,
+        speculative=speculative,
+        steps=k if speculative else None,
+        requests=len(stats),
+        wall_s=wall,
+        tok_per_s=tokens / wall,
+        req_tok_per_s=statistics.fmean(s.tok_per_s for s in stats),
+        latency_p50_s=statistics.median(s.latency_s for s in stats),
+        accept_len=statistics.fmean(lens) if lens else None,
+        accept_len_pooled=tokens / verify if verify else None,
+        accept_lens=tuple(lens),
+        accept_hist=hist,
+        verify_ms=sum(vms) / passes if vms and passes else None,
+        draft_ms_per_step=sum(dms) / verify / k if dms and verify and k else None,
+    )
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    accept_len: float | None
+    tok_per_s: float
+    baseline_tok_per_s: float
+    speedup: float
+    acceptance_per_position: tuple[float, ...]  # [i-1] = fraction of cycles accepting >= i drafts
+    steps: int | None
+    verify_ms: float | None
+    draft_ms: float | None  # per draft step
+    costs: dict[str, Any]  # keyword arguments of pipeline.plan.plan
+    break_even_accept_len: float | None
+    accept_len_hist: dict[str, list[float]]  # {"edges": [...], "counts": [...]} over requests
+    levels: tuple[LevelResult, ...]
+    sweep: tuple[LevelResult, ...]
+    json_path: str
+    plot_path: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _run_requests(
+    client: httpx.Client,
+    prompts: list[Prompt],
+    build: RequestBuilder,
+    max_tokens: int,
+    speculative: bool,
+    steps: int | None,
+    concurrency: int,
+) -> tuple[list[RequestStats], float]:
+    def one(prompt: Prompt) -> RequestStats:
+        path, body = build(prompt, max_tokens, speculative, steps)
+        t = time.perf_counter()
+        r = client.post(path, json=body)
+        latency = time.perf_counter() - t
+        if r.status_code != 200:
+            raise RuntimeError(f"{client.base_url}{path} answered {r.status_code}: {r.text[:500]}")
+        return extract_stats(r.json(), latency)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        stats = list(pool.map(one, prompts))
+    return stats, time.perf_counter() - t0
+
+
+def acceptance_per_position(hist: tuple[int, ...]) -> tuple[float, ...]:
+    """hist[a] = cycles that accepted a drafts -> fraction of cycles with >= i accepted, i=1..k."""
+    total = sum(hist)
+    if not total:
+        return ()
+    return tuple(sum(hist[i:]) / total for i in range(1, len(hist)))
+
+
+def _get(cfg: Any, name: str) -> Any:
+    return getattr(cfg, name) if hasattr(cfg, name) else cfg[name]
+
+
+def run_bench(
+    url: str,
+    prompts: list[Prompt],
+    bench_cfg: Any,
+    out_dir: str | Path,
+    *,
+    tag: str = "bench",
+    build: RequestBuilder = chat_request,
+    timeout_s: float = 900.0,
+) -> BenchResult:
+    """Benchmark `url` on `prompts` (held-out conversations or strings) with `bench_cfg` (a
+    BenchConfig or a dict with num_prompts, max_tokens, concurrency, warmup, steps_sweep)."""
+    n, max_tokens = _get(bench_cfg, "num_prompts"), _get(bench_cfg, "max_tokens")
+    levels_c, warmup, sweep_steps = (
+        list(_get(bench_cfg, "concurrency")),
+        _get(bench_cfg, "warmup"),
+        list(_get(bench_cfg, "steps_sweep")),
+    )
+    if len(prompts) < n:
+        raise ValueError(
+            f"bench.num_prompts={n} but only {len(prompts)} held-out prompts; lower it or hold out more"
+        )
+    prompts = prompts[:n]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    limits = httpx.Limits(max_connections=max(levels_c) + 2)
+    with httpx.Client(base_url=url, timeout=timeout_s, limits=limits) as client:
+        for spec in (True, False):
+            if warmup:
+                _run_requests(client, prompts[:warmup], build, max_tokens, spec, None, 1)
+        c0 = levels_c[0]
+        sweep = []
+        for s in sweep_steps:
+            stats, wall = _run_requests(client, prompts, build, max_tokens, True, s, c0)
+            sweep.append(_level(stats, c0, True, s, wall))
+        best = max(sweep, key=lambda lv: lv.tok_per_s).steps if sweep else None
+        levels = []
+        for c in levels_c:  # speculative and baseline back to back: drifting load hits both
+            for spec in (True, False):
+                stats, wall = _run_requests(
+                    client, prompts, build, max_tokens, spec, best if spec else None, c
+                )
+                levels.append(_level(stats, c, spec, best if spec else None, wall))
+    return _summarize(
+        levels,
+        sweep,
+        out,
+        tag,
+        {
+            "url": url,
+            "num_prompts": n,
+            "max_tokens": max_tokens,
+            "concurrency": levels_c,
+            "warmup": warmup,
+            "steps_sweep": sweep_steps,
+        },
+    )
+
+
+def _summarize(
+    levels: list[LevelResult],
+    sweep: list[LevelResult],
+    out: Path,
+    tag: str,
+    settings: dict[str, Any],
+) -> BenchResult:
+    c0 = levels[0].concurrency
+    spec = next(lv for lv in levels if lv.speculative and lv.concurrency == c0)
+    base = next(lv for lv in levels if not lv.speculative and lv.concurrency == c0)
+    costs: dict[str, Any] = {
+        "baseline_tps": base.tok_per_s,
+        "verify_ms": spec.verify_ms,
+        "draft_ms": spec.draft_ms_per_step or 0.0,
+        "steps": spec.steps,
+        "accept_len": spec.accept_len,
+    }
+    break_even = None
+    if spec.verify_ms is not None and spec.steps:
+        break_even = (
+            (spec.verify_ms + spec.steps * (spec.draft_ms_per_step or 0.0))
+            * base.tok_per_s
+            / 1000.0
+        )
+    edges, counts = _histogram(spec.accept_lens, spec.steps)
+    result = BenchResult(
+        accept_len=spec.accept_len,
+        tok_per_s=spec.tok_per_s,
+        baseline_tok_per_s=base.tok_per_s,
+        speedup=spec.tok_per_s / base.tok_per_s,
+        acceptance_per_position=acceptance_per_position(spec.accept_hist),
+        steps=spec.steps,
+        verify_ms=spec.verify_ms,
+        draft_ms=spec.draft_ms_per_step,
+        costs=costs,
+        break_even_accept_len=break_even,
+        accept_len_hist={"edges": edges, "counts": counts},
+        levels=tuple(levels),
+        sweep=tuple(sweep),
+        json_path=str(out / f"{tag}.json"),
+        plot_path=str(out / f"{tag}.png"),
+        extra={"settings": settings, "baseline_verify_ms": base.verify_ms},
+    )
+    Path(result.json_path).write_text(json.dumps(asdict(result), indent=2) + "\n")
+    plot(result)
+    return result
+
+
+def _histogram(values: tuple[float, ...], steps: int | None) -> tuple[list[float], list[float]]:
+    """Counts of per-request accept_len in bins of 0.25 from 1 to steps+1."""
+    bins = 4 * (steps or 1)
+    edges = [1.0 + 0.25 * i for i in range(bins + 1)]
+    counts = [0.0] * bins
+    for v in values:
+        counts[min(max(int((v - 1.0) / 0.25), 0), bins - 1)] += 1
+    return edges, counts
+
+
+def plot(result: BenchResult) -> str:
+    """Four panels: accept_len histogram, acceptance per position, tok/s per concurrency (with the
+    baseline), and the steps sweep."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(2, 2, figsize=(10, 7))
+    h = result.accept_len_hist
+    if h["counts"]:
+        ax[0, 0].bar(h["edges"][:-1], h["counts"], width=0.23, align="edge")
+    ax[0, 0].set(
+        title=f"accept_len per request (mean {result.accept_len or 0:.2f})",
+        xlabel="accept_len",
+        ylabel="requests",
+    )
+    rates = result.acceptance_per_position
+    ax[0, 1].bar(range(1, len(rates) + 1), rates)
+    ax[0, 1].set(
+        title="acceptance per position",
+        xlabel="draft position i",
+        ylabel="cycles accepting >= i",
+        ylim=(0, 1),
+    )
+    for spec, label in ((True, "speculative"), (False, "baseline")):
+        lv = [x for x in result.levels if x.speculative == spec]
+        ax[1, 0].plot([x.concurrency for x in lv], [x.tok_per_s for x in lv], "o-", label=label)
+    ax[1, 0].set(
+        title=f"output tok/s (speedup {result.speedup:.2f}x)", xlabel="concurrency", ylabel="tok/s"
+    )
+    ax[1, 0].legend()
+    if result.sweep:
+        ax[1, 1].plot(
+            [x.steps for x in result.sweep],
+            [x.tok_per_s for x in result.sweep],
+            "o-",
+            label="tok/s",
+        )
+        ax2 = ax[1, 1].twinx()
+        ax2.plot(
+            [x.steps for x in result.sweep],
+            [x.accept_len or 0 for x in result.sweep],
+            "s--",
+            color="C1",
+            label="accept_len",
+        )
+        ax2.set_ylabel("accept_len")
+    ax[1, 1].set(title=f"steps sweep (best {result.steps})", xlabel="steps", ylabel="tok/s")
+    fig.tight_layout()
+    fig.savefig(result.plot_path, dpi=100)
+    plt.close(fig)
+    return result.plot_path
