@@ -18,11 +18,11 @@ Sources (``DataConfig.source``):
 from __future__ import annotations
 
 import importlib
-import inspect
 import json
 import random
+import subprocess
+import sys
 import warnings
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -360,35 +360,43 @@ def _word_problem(rng: random.Random) -> str:
     )  # fmt: skip
 
 
-def _stdlib_questions(rng: random.Random, limit: int) -> list[str]:
-    """Questions about public functions and classes of stdlib modules, from their docstrings."""
-    out = []
-    for mod_name in _STDLIB:
-        try:
-            mod = importlib.import_module(mod_name)
-        except ImportError:  # platform-specific modules are simply skipped
-            continue
-        for name, obj in _public_members(mod):
-            doc = " ".join((inspect.getdoc(obj) or "").strip().split("\n\n")[0].split())
-            if not 20 <= len(doc) <= 200 or "`" in doc:
-                continue
-            kind = "class" if inspect.isclass(obj) else "function"
-            q = f"{mod_name}.{name}"
-            out.append(rng.choice(_STDLIB_QUESTIONS).format(q=q, kind=kind, doc=doc, mod=mod_name))
-    rng.shuffle(out)
-    return out[:limit]
-
-
-def _public_members(mod: Any) -> Iterable[tuple[str, Any]]:
+# Read in a fresh, isolated interpreter: module attributes depend on what else the calling
+# process imported (torch, Ray ...), and the held-out split must not move with them.
+_CATALOG_SCRIPT = r"""
+import importlib, inspect, json, sys
+out = []
+for mod_name in sys.argv[1:]:
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError:  # platform-specific modules are simply skipped
+        continue
     names = getattr(mod, "__all__", None)
     for name in sorted(names if names is not None else vars(mod)):
         obj = getattr(mod, name, None)
         if name.startswith("_") or not (inspect.isroutine(obj) or inspect.isclass(obj)):
             continue
         # without __all__, keep only what the module itself defines (not its imports)
-        if names is None and getattr(obj, "__module__", "").lstrip("_") not in (
-            mod.__name__,
-            mod.__name__.lstrip("_"),
-        ):
+        own = (mod.__name__, mod.__name__.lstrip("_"))
+        if names is None and getattr(obj, "__module__", "").lstrip("_") not in own:
             continue
-        yield name, obj
+        doc = " ".join((inspect.getdoc(obj) or "").strip().split("\n\n")[0].split())
+        if 20 <= len(doc) <= 200 and "`" not in doc:
+            out.append([mod_name, name, "class" if inspect.isclass(obj) else "function", doc])
+print(json.dumps(out))
+"""
+
+
+def _stdlib_questions(rng: random.Random, limit: int) -> list[str]:
+    """Questions about public functions and classes of stdlib modules, from their docstrings."""
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", _CATALOG_SCRIPT, *_STDLIB],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    out = [
+        rng.choice(_STDLIB_QUESTIONS).format(q=f"{mod}.{name}", kind=kind, doc=doc, mod=mod)
+        for mod, name, kind, doc in json.loads(proc.stdout)
+    ]
+    rng.shuffle(out)
+    return out[:limit]

@@ -146,3 +146,20 @@ def test_tokenizer_without_chat_template_names_target_model(chat_tokenizer_dir):
     tok.chat_template = None
     with pytest.raises(ValueError, match="target.model"):
         encode_conversation(tok, [{"role": "user", "content": "x"}], 64)
+
+
+def test_heldout_split_does_not_depend_on_imports():
+    """The stdlib part is read in an isolated interpreter: importing heavy libraries first (as the
+    driver and the serving replica do) must not move the held-out split."""
+    import subprocess
+    import sys
+
+    code = (
+        "import hashlib, json, sys\n"
+        "if sys.argv[1] == 'heavy':\n    import torch, transformers, mlflow  # noqa\n"
+        "from actors.prompts import builtin_prompts, split_prompts\n"
+        "print(hashlib.sha256(json.dumps(split_prompts(builtin_prompts(0), 64, 0)).encode()).hexdigest())"
+    )
+    out = [subprocess.run([sys.executable, "-c", code, m], capture_output=True, text=True, check=True).stdout
+           for m in ("light", "heavy")]  # fmt: skip
+    assert out[0] == out[1] and len(out[0]) == 65
