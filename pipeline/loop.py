@@ -68,7 +68,9 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
         _commit(state, clock, run_dir)
     finally:
         if server is not None:
-            server.shutdown()
+            from serve.deployment import shutdown
+
+            shutdown(server.app_name)
     return _write_summary(state, run_dir)
 
 
@@ -143,13 +145,19 @@ def _train(
 
 
 def _serve(cfg: Config, state: RunState, r: int, server):
-    """Deploy once, then hot-swap the drafter each round."""
-    from serve.deployment import deploy
+    """Deploy once, then hot-swap the drafter each round (the replica validates it first)."""
+    from serve.deployment import deploy, swap_drafter
 
     drafter = state.rounds[r].done["train"]["drafter_dir"]
     if server is None:
-        return deploy(cfg.serve, cfg.target, drafter)
-    server.swap_drafter(drafter)
+        return deploy(
+            cfg.serve,
+            cfg.target,
+            drafter,
+            num_cpus=cfg.serve.num_cpus,
+            torch_threads=int(cfg.serve.num_cpus),
+        )
+    swap_drafter(drafter, server.app_name)
     return server
 
 
@@ -166,16 +174,9 @@ def _bench(
     from serve.bench import run_bench
 
     res = run_bench(
-        server.url,
-        heldout,
-        cfg.bench,
-        steps=cfg.serve.steps,
-        out_dir=run_dir / "bench" / f"round-{r:03d}",
-        baseline=state.baseline,
+        server.url, heldout, cfg.bench, run_dir / "bench" / f"round-{r:03d}", tag=f"round-{r:03d}"
     )
     rec = _record(res)
-    if state.baseline is None:
-        state.baseline = {"tok_per_s": rec["baseline_tok_per_s"], "measured_round": r}
     tracker.log(child, {f"bench/{k}": v for k, v in rec.items()})
     for i, a in enumerate(rec.get("acceptance_per_position") or []):
         tracker.log(child, {"bench/acceptance_per_position": a}, step=i + 1)

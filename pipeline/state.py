@@ -38,7 +38,6 @@ class RunState:
     parent_run_id: str | None = None
     rounds: list[RoundState] = field(default_factory=list)
     elapsed_s: float = 0.0  # wall time spent in earlier invocations
-    baseline: dict[str, Any] | None = None
     stopped_because: str | None = None
     champion: dict[str, Any] | None = None
 
