@@ -28,7 +28,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,6 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-from safetensors.torch import save as st_save
 
 FORMAT = "eagle-loop-shards/1"
 MANIFEST = "manifest.json"
@@ -127,32 +128,116 @@ def pack_parts(samples: list[Sample], max_bytes: int) -> list[list[Sample]]:
 def write_shard(
     path: Path, samples: list[Sample], metadata: dict[str, str] | None = None
 ) -> ShardInfo:
-    """Pack samples into one safetensors file, atomically; returns its manifest entry."""
+    """Pack samples into one safetensors file, atomically; returns its manifest entry.
+
+    The file is streamed: header, then each tensor's bytes sample by sample, each chunk hashed
+    and written straight from the samples' memory. No concatenated copy and no whole-file blob
+    exist, and hashing and writing release the GIL, so several `ShardWriter` threads run in
+    parallel with the target's forward (safetensors' `save` would build two full copies)."""
     lengths = [len(s.input_ids) for s in samples]
     offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    tensors = {
-        "input_ids": torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.int32),
-        "loss_mask": torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.uint8),
-        "offsets": offsets,
-        "aux_hidden": torch.cat([s.aux_hidden for s in samples]).to(torch.bfloat16).contiguous(),
-        "final_hidden": torch.cat([s.final_hidden for s in samples])
-        .to(torch.bfloat16)
-        .contiguous(),
-    }
-    # One metadata key holding sorted JSON: safetensors writes several keys in hash order, which
-    # would make identical shards differ byte-wise (and break resume's sha256 comparison).
+    n = int(offsets[-1])
+    ids = torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.int32)
+    mask = torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.uint8)
+    aux = [_bf16_rows(s.aux_hidden, len(s.input_ids), "aux_hidden") for s in samples]
+    final = [_bf16_rows(s.final_hidden, len(s.input_ids), "final_hidden") for s in samples]
+    aux_w = _width(aux, "aux_hidden")
+    final_w = _width(final, "final_hidden")
+    # Largest alignment first, like safetensors' own writer; every offset stays 8-aligned.
+    parts: list[tuple[str, str, list[int], list[torch.Tensor]]] = [
+        ("offsets", "I64", [len(samples) + 1], [offsets]),
+        ("aux_hidden", "BF16", [n, aux_w], aux),
+        ("final_hidden", "BF16", [n, final_w], final),
+        ("input_ids", "I32", [n], [ids]),
+        ("loss_mask", "U8", [n], [mask]),
+    ]
+    # One metadata key holding sorted JSON: identical shards must be identical byte-wise
+    # (resume compares sha256).
     meta = json.dumps({"format": FORMAT, **(metadata or {})}, sort_keys=True)
-    blob = st_save(tensors, metadata={META_KEY: meta})
-    _atomic_write(path, blob)
+    header: dict[str, Any] = {"__metadata__": {META_KEY: meta}}
+    pos = 0
+    for name, dtype, shape, chunks in parts:
+        size = sum(c.numel() * c.element_size() for c in chunks)
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + size]}
+        pos += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    h = hashlib.sha256()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    with tmp.open("wb") as f:
+        for chunk in [len(head).to_bytes(8, "little"), head]:
+            h.update(chunk)
+            f.write(chunk)
+        for _, _, _, chunks in parts:
+            for c in chunks:
+                if c.numel():
+                    mv = memoryview(c.reshape(-1).view(torch.uint8).numpy())
+                    h.update(mv)
+                    f.write(mv)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
     return ShardInfo(
         file=path.name,
-        sha256=hashlib.sha256(blob).hexdigest(),
-        bytes=len(blob),
+        sha256=h.hexdigest(),
+        bytes=8 + len(head) + pos,
         num_samples=len(samples),
-        num_tokens=int(offsets[-1]),
-        num_loss_tokens=int(tensors["loss_mask"].sum()),
+        num_tokens=n,
+        num_loss_tokens=int(mask.sum()),
     )
+
+
+def _bf16_rows(t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
+    """t as a contiguous bf16 CPU tensor of `rows` rows (a view when it already is one)."""
+    if t.dim() != 2 or t.shape[0] != rows:
+        raise ValueError(f"Sample.{name}: shape {tuple(t.shape)}, want [{rows} tokens, width]")
+    return t.to("cpu", torch.bfloat16).contiguous()
+
+
+def _width(chunks: list[torch.Tensor], name: str) -> int:
+    widths = {c.shape[1] for c in chunks}
+    if len(widths) > 1:
+        raise ValueError(f"Sample.{name}: samples of one shard differ in width {sorted(widths)}")
+    return widths.pop() if widths else 0
+
+
+class ShardWriter:
+    """Writes shards on background threads so packing, hashing and disk writes overlap the
+    target's next forward. `submit` takes the samples, or a function producing them (run on the
+    writer thread: it may wait for device-to-host copies, see HFTarget.capture_async)."""
+
+    def __init__(self, threads: int = 4):
+        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shard")
+
+    def submit(
+        self,
+        path: Path,
+        samples: list[Sample] | Callable[[], list[Sample]],
+        metadata: dict[str, str] | None = None,
+        after: Callable[[], None] | None = None,
+    ) -> Future[ShardInfo]:
+        """Queue one shard; `after` runs on the writer thread once it is written (or failed),
+        e.g. to hand pinned capture buffers back."""
+
+        def job() -> ShardInfo:
+            try:
+                return write_shard(path, samples() if callable(samples) else samples, metadata)
+            finally:
+                if after is not None:
+                    after()
+
+        return self._pool.submit(job)
+
+    def close(self) -> None:
+        """Wait for every submitted shard."""
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def read_shard(path: str | Path) -> dict[str, torch.Tensor]:

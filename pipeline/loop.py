@@ -56,6 +56,8 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
             if not rs.is_done("bench"):
                 server = _serve(cfg, state, r, server)
                 rs.done["bench"] = _bench(cfg, run_dir, state, r, heldout, server, tracker, child)
+                if cfg.serve.num_gpus > 0:  # the next round's stages need those GPUs
+                    server = _stop_serving(server)
                 tracker.finish(child)
                 _commit(state, clock, run_dir)
             reason = stop_reason(cfg.stop, _rows(state)[: r + 1], rs.done["bench"], clock.elapsed())
@@ -67,10 +69,7 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
         _finish(cfg, state, run_dir, tracker)
         _commit(state, clock, run_dir)
     finally:
-        if server is not None:
-            from serve.deployment import shutdown
-
-            shutdown(server.app_name)
+        _stop_serving(server)
     return _write_summary(state, run_dir)
 
 
@@ -159,6 +158,13 @@ def _serve(cfg: Config, state: RunState, r: int, server):
         )
     swap_drafter(drafter, server.app_name)
     return server
+
+
+def _stop_serving(server) -> None:
+    if server is not None:
+        from serve.deployment import shutdown
+
+        shutdown(server.app_name)
 
 
 def _bench(

@@ -365,85 +365,116 @@ def train_worker(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
-    out = Path(job.out_dir)
-    tgt = job.target
-    tensors = load_target_tensors(
-        tgt["model"], tgt["revision"], tgt["gguf_file"]
-    )  # embed, lm_head, norm only
+    t = job.target
+    # embed, lm_head and norm only: the target itself is never loaded here
+    tensors = load_target_tensors(t["model"], t["revision"], t["gguf_file"])
     module, drafter, autocast, dt = _build(job, tc, tensors, device)
+    plan = Plan.make(job, tc, rank, world)
     opt = make_optimizer(module, tc.lr, tc.weight_decay)
-
-    data = ShardSet([p for p, _ in job.shards], [s for _, s in job.shards])
-    train_refs, eval_refs = split_eval(data.samples, tc.eval_fraction)
-    if not train_refs:
-        raise ValueError(
-            f"{out}: no training samples left after holding out eval samples; lower train.eval_fraction"
-        )
-    bins = pack([r.length for r in train_refs], tc.tokens_per_batch, tc.seed)
-    eval_bins = pack([r.length for r in eval_refs], tc.tokens_per_batch, tc.seed)[rank::world]
-    spe = steps_per_epoch(len(bins), world)
-    total = spe * tc.epochs
-    sched = make_scheduler(opt, total, tc.warmup_ratio)
+    sched = make_scheduler(opt, plan.total, tc.warmup_ratio)
     step = _resume(module, opt, sched)
+    # After the resume: soft labels use the vocab map the checkpoint restored.
     soft = SoftTargets(
         tensors.pop("lm_head"), drafter.d2t, drafter.t2d, dt or torch.float32, device
     )
     del tensors
-    mlog = MetricsLog(out, enabled=rank == 0, start_step=step)
+    mlog = MetricsLog(
+        Path(job.out_dir), rank == 0, step, tc.ttt_length, job.sim_steps, plan.total, world
+    )
     if rank == 0:
-        long = sum(r.length > tc.tokens_per_batch for r in train_refs)
-        msg = (
-            f" ({long} samples longer than tokens_per_batch={tc.tokens_per_batch} are truncated)"
-            if long
-            else ""
-        )
-        _say(f"[train] {len(train_refs)} train / {len(eval_refs)} eval samples, {len(bins)} batches, {world} workers, "
-              f"{spe} steps/epoch x {tc.epochs} = {total} steps, start at {step}, {device} {dt or torch.float32}{msg}")  # fmt: skip
+        _say(plan.describe(tc, world, step, device, dt))
 
-    while step < total:
-        epoch, i = divmod(step, spe)
-        order = rank_order(len(bins), rank, world, tc.seed, epoch)
-        batch = data.load([train_refs[j] for j in bins[order[i]]], tc.tokens_per_batch).to(device)
+    while step < plan.total:
+        epoch, i = divmod(step, plan.steps_per_epoch)
+        batch = plan.batch(i, epoch).to(device)
         t0 = time.perf_counter()
         res = train_step(module, batch, soft, opt, sched, tc.ttt_length, tc.grad_clip, autocast)
-        sums = _allreduce(
-            torch.tensor([res.loss, res.tokens, *res.correct, *res.counted], dtype=torch.float64),
-            device,
-        )
+        sums = torch.tensor([res.loss, res.tokens, *res.correct, *res.counted], dtype=torch.float64)
         step += 1
         mlog.train(
             step,
             epoch,
-            sums,
-            world,
+            _allreduce(sums, device),
             sched.get_last_lr()[0],
             time.perf_counter() - t0,
             res.grad_norm,
-            tc.ttt_length,
-            job.sim_steps,
-            total,
         )
-        if i + 1 == spe and eval_refs:
-            mlog.eval(
-                step,
-                epoch,
-                _evaluate(module, data, eval_refs, eval_bins, soft, tc, autocast, device),
-                tc.ttt_length,
-                job.sim_steps,
-            )
-        if step % tc.checkpoint_every == 0 or step == total:
+        if i + 1 == plan.steps_per_epoch and plan.eval_refs:
+            mlog.eval(step, epoch, _evaluate(module, plan, soft, tc, autocast, device))
+        if step % tc.checkpoint_every == 0 or step == plan.total:
             _checkpoint(module, opt, sched, step, mlog.last)
         if job.crash_at_step == step and rank == world - 1:
-            _crash_once(out, step)
-    _export(
-        module,
-        drafter,
-        out,
-        rank,
-        mlog,
-        sum(min(r.length, tc.tokens_per_batch) for r in train_refs),
-        total,
-    )
+            _crash_once(Path(job.out_dir), step)
+    _export(module, drafter, Path(job.out_dir), rank, mlog, plan.train_tokens, plan.total)
+
+
+@dataclass
+class Plan:
+    """Which samples this rank trains and evaluates on, in which batches: a pure function of
+    (shards, tokens_per_batch, eval_fraction, seed, epoch, rank, world), so a resumed run replays it."""
+
+    data: ShardSet
+    train_refs: list
+    eval_refs: list
+    bins: list[list[int]]
+    eval_bins: list[list[int]]  # this rank's
+    rank: int
+    world: int
+    seed: int
+    budget: int
+    steps_per_epoch: int
+    total: int
+
+    @classmethod
+    def make(cls, job: TrainJob, tc: TrainConfig, rank: int, world: int) -> Plan:
+        data = ShardSet([p for p, _ in job.shards], [s for _, s in job.shards])
+        train_refs, eval_refs = split_eval(data.samples, tc.eval_fraction)
+        if not train_refs:
+            raise ValueError(
+                f"{job.out_dir}: no training samples after the eval hold-out; lower train.eval_fraction"
+            )
+        budget = tc.tokens_per_batch
+        bins = pack([r.length for r in train_refs], budget, tc.seed)
+        eval_bins = pack([r.length for r in eval_refs], budget, tc.seed)[rank::world]
+        spe = steps_per_epoch(len(bins), world)
+        return cls(
+            data,
+            train_refs,
+            eval_refs,
+            bins,
+            eval_bins,
+            rank,
+            world,
+            tc.seed,
+            budget,
+            spe,
+            spe * tc.epochs,
+        )
+
+    @property
+    def train_tokens(self) -> int:
+        return sum(min(r.length, self.budget) for r in self.train_refs)
+
+    def batch(self, i: int, epoch: int):
+        order = rank_order(len(self.bins), self.rank, self.world, self.seed, epoch)
+        return self.data.load([self.train_refs[j] for j in self.bins[order[i]]], self.budget)
+
+    def eval_batches(self):
+        for b in self.eval_bins:
+            yield self.data.load([self.eval_refs[j] for j in b], self.budget)
+
+    def describe(self, tc: TrainConfig, world: int, step: int, device, dt) -> str:
+        long = sum(r.length > self.budget for r in self.train_refs)
+        cut = (
+            f"; {long} samples longer than tokens_per_batch={self.budget} are truncated"
+            if long
+            else ""
+        )
+        return (
+            f"[train] {len(self.train_refs)} train / {len(self.eval_refs)} eval samples, {len(self.bins)} batches, "
+            f"{world} workers, {self.steps_per_epoch} steps/epoch x {tc.epochs} = {self.total} steps, start at {step}, "
+            f"{device} {dt or torch.float32}{cut}"
+        )
 
 
 def _build(job: TrainJob, tc: TrainConfig, tensors: dict, device: torch.device):
@@ -487,20 +518,13 @@ def _allreduce(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.cpu()
 
 
-def _evaluate(module, data, refs, my_bins, soft, tc: TrainConfig, autocast, device) -> torch.Tensor:
+def _evaluate(module, plan: Plan, soft, tc: TrainConfig, autocast, device) -> torch.Tensor:
     """Eval sums over this rank's eval batches, all-reduced (every rank calls, even with none)."""
-
     k = tc.ttt_length
     sums = torch.zeros(3 * k, dtype=torch.float64)
     module.eval()
-    for b in my_bins:
-        sums += eval_step(
-            module,
-            data.load([refs[j] for j in b], tc.tokens_per_batch).to(device),
-            soft,
-            k,
-            autocast,
-        )
+    for b in plan.eval_batches():
+        sums += eval_step(module, b.to(device), soft, k, autocast)
     module.train()
     return _allreduce(sums, device)
 
@@ -592,8 +616,18 @@ class MetricsLog:
     """The one metrics seam of the workers: rank 0 prints a dense line per step and appends the
     same numbers to <out>/metrics.jsonl (the driver logs them to MLflow under train/)."""
 
-    def __init__(self, out: Path, enabled: bool, start_step: int):
+    def __init__(
+        self,
+        out: Path,
+        enabled: bool,
+        start_step: int,
+        k: int,
+        sim_steps: int,
+        total: int,
+        world: int,
+    ):
         self.path, self.enabled, self.last = out / "metrics.jsonl", enabled, {}
+        self.k, self.sim_steps, self.total, self.world = k, sim_steps, total, world
         if not enabled:
             return
         kept = [m for m in self.read() if m["step"] <= start_step]  # drop lines a failure will redo
@@ -616,23 +650,25 @@ class MetricsLog:
         with self.path.open("a") as f:
             f.write(json.dumps(rec) + "\n")
 
-    def train(self, step, epoch, sums, world, lr, secs, grad_norm, k, sim_steps, total) -> None:
-
-        loss, tokens = float(sums[0]) / world, int(sums[1])
+    def train(
+        self, step: int, epoch: int, sums: torch.Tensor, lr: float, secs: float, grad_norm: float
+    ) -> None:
+        """sums = all-reduced [loss, tokens, correct_0..k-1, counted_0..k-1]."""
+        k = self.k
+        loss, tokens = float(sums[0]) / self.world, int(sums[1])
         m = step_metrics(
-            loss, sums[2 : 2 + k].tolist(), sums[2 + k :].tolist(), lr, tokens, secs, sim_steps
+            loss, sums[2 : 2 + k].tolist(), sums[2 + k :].tolist(), lr, tokens, secs, self.sim_steps
         )
         m.update(grad_norm=grad_norm, tokens=tokens, step_s=secs)
         self.last = m
         if self.enabled:
-            _say(format_line(step, total, m, f" gnorm {grad_norm:.2f}"))
+            _say(format_line(step, self.total, m, f" gnorm {grad_norm:.2f}"))
             self._write({"step": step, "epoch": epoch, **m})
 
-    def eval(self, step, epoch, sums, k, sim_steps) -> None:
-
-        m = eval_metrics(sums, k, sim_steps)
+    def eval(self, step: int, epoch: int, sums: torch.Tensor) -> None:
+        m = eval_metrics(sums, self.k, self.sim_steps)
         if self.enabled:
-            accs = " ".join(f"{m[f'acc_{i}']:.3f}" for i in range(k))
+            accs = " ".join(f"{m[f'acc_{i}']:.3f}" for i in range(self.k))
             _say(
                 f"[eval] epoch {epoch} step {step} loss {m['loss']:.4f} acc [{accs}] sim_accept {m['sim_accept_len']:.2f}"
             )

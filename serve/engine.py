@@ -331,6 +331,308 @@ class TargetRunner:
 
 
 # ----------------------------------------------------------------------------------------------
+# The target on a GPU at batch 1: a preallocated KV cache and one CUDA graph per verify width
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def static_runner_problem(model: torch.nn.Module) -> str | None:
+    """Why `StaticTargetRunner` cannot run `model`, or None. It re-implements only the attention
+    of a Llama-like decoder (rotary, GQA, optional q/k norms, no sliding window); the norms, MLPs,
+    embedding and head are the model's own modules."""
+    cfg = model.config.get_text_config(decoder=True)
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(base, "rotary_emb") or not hasattr(base, "norm"):
+        return f"{type(model).__name__}: no Llama-like .model.rotary_emb/.model.norm"
+    types = getattr(cfg, "layer_types", None) or []
+    windowed = getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)
+    if windowed or any(t != "full_attention" for t in types):
+        return f"{type(model).__name__}: sliding-window or non-attention layers"
+    try:
+        layers = decoder_layers(model)
+    except ValueError as e:
+        return str(e)
+    need = ("q_proj", "k_proj", "v_proj", "o_proj")
+    for la in layers:
+        attn = getattr(la, "self_attn", None)
+        if attn is None or not all(hasattr(attn, n) for n in need):
+            return f"{type(model).__name__}: a decoder layer without self_attn.q/k/v/o_proj"
+        if not all(hasattr(la, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp")):
+            return f"{type(model).__name__}: a decoder layer that is not pre-norm attention + MLP"
+    return None
+
+
+@dataclass
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph
+    inputs: Tensor  # static int64 [2q + 1 + q*q]: ids, positions, base slot, tree mask
+    staging: Tensor  # pinned host copy of `inputs`
+    logits: Tensor
+    aux: Tensor | None
+    copied: Any = None  # torch.cuda.Event: the last staging -> inputs copy finished
+
+
+class StaticTargetRunner:
+    """The target at batch 1 over a preallocated KV cache [layers, kv heads, capacity, head dim],
+    with the forward of each (width q, cache bucket) captured once as a CUDA graph and replayed.
+
+    Why: at batch 1 an 8B target's HF eager forward is launch-bound (about 22 ms a token on an
+    H200, against a 3.4 ms HBM floor), and a verify of q tokens costs 1.3x a decode. A graph
+    replays all kernels of a step with one launch, and the static cache needs no concatenation.
+
+    Layout: slot i holds position i (batch 1 has no padding). A forward writes its q entries at
+    slots base..base+q-1 (base = committed length) and attends to slots < base plus the new entries
+    allowed by `tree` (causal for a chain). `commit` keeps the accepted entries: a prefix just moves
+    the length; a tree path is first gathered to the front. Attention reads a power-of-two bucket
+    of slots (>= 256) so short contexts do not read the whole capacity.
+
+    Same interface as `TargetRunner` (prefill / forward / commit / select / release), batch 1 only.
+    Without CUDA (or with graphs=False) the same code runs eagerly: that is what the CPU tests pin."""
+
+    MIN_BUCKET = 256
+
+    def __init__(self, model: torch.nn.Module, capacity: int = 4096, graphs: bool | None = None):
+        if (problem := static_runner_problem(model)) is not None:
+            raise ValueError(f"StaticTargetRunner: {problem}; use TargetRunner")
+        self.model = model.eval()
+        self.layers = decoder_layers(model)
+        emb = model.get_input_embeddings()
+        self.vocab_size, self.hidden_size = int(emb.weight.shape[0]), int(emb.weight.shape[1])
+        self.device, self.dtype = emb.weight.device, emb.weight.dtype
+        cfg = model.config.get_text_config(decoder=True)
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or self.hidden_size // self.n_heads)
+        self.capacity = int(capacity)
+        self.use_graphs = self.device.type == "cuda" if graphs is None else bool(graphs)
+        self.aux_ids: list[int] = []
+        self.length = 0  # committed slots
+        self.k: Tensor | None = None  # [L, Hkv, capacity, d], made on first prefill
+        self.v: Tensor | None = None
+        self._graphs: dict[tuple[int, int, bool], _Graph] = {}
+        self._pool: Any = None
+        self.valid = torch.zeros(1, 0, dtype=torch.bool)  # TargetRunner compatibility
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def set_aux_layers(self, ids: list[int]) -> None:
+        bad = [k for k in ids if not 0 <= k < self.num_layers]
+        if bad:
+            raise ValueError(
+                f"aux layer ids {bad} out of range for a {self.num_layers}-layer target"
+            )
+        if list(ids) != self.aux_ids:
+            self.aux_ids = list(ids)
+            self._graphs.clear()  # the aux outputs are part of each captured graph
+
+    # -- the forward ------------------------------------------------------------------------
+    def _core(self, inputs: Tensor, q: int, span: int, aux: bool) -> tuple[Tensor, Tensor | None]:
+        """One forward of q entries from the packed int64 `inputs` (ids, positions, base, tree),
+        attending over slots [0, span). Graph-safe: no host reads, fixed shapes for fixed (q, span)."""
+        m, dev = self.model, self.device
+        ids, pos = inputs[:q][None], inputs[q : 2 * q][None]
+        base = inputs[2 * q : 2 * q + 1]
+        tree = inputs[2 * q + 1 :].view(q, q).bool()
+        slots = base + torch.arange(q, device=dev)
+        rel = torch.arange(span, device=dev) - base  # key slot relative to the first new entry
+        new = (rel >= 0) & (rel < q)
+        allowed = (rel < 0)[None, :] | (new[None, :] & tree[:, rel.clamp(0, q - 1)])
+        mask = torch.zeros(q, span, device=dev).masked_fill_(~allowed, float("-inf"))
+        x = m.get_input_embeddings()(ids)
+        cos, sin = m.model.rotary_emb(x, pos)
+        cos, sin = cos[:, None], sin[:, None]  # [1, 1, q, d]
+        H, Hkv, d = self.n_heads, self.n_kv, self.head_dim
+        rep = H // Hkv
+        states = []
+        for i, layer in enumerate(self.layers):
+            at = layer.self_attn
+            h = layer.input_layernorm(x)
+            qs = at.q_proj(h).view(1, q, H, d).transpose(1, 2)
+            ks = at.k_proj(h).view(1, q, Hkv, d).transpose(1, 2)
+            vs = at.v_proj(h).view(1, q, Hkv, d).transpose(1, 2)
+            if hasattr(at, "q_norm"):  # Qwen3-style per-head norms, before RoPE
+                qs, ks = at.q_norm(qs), at.k_norm(ks)
+            qs = qs * cos + _rotate_half(qs) * sin
+            ks = ks * cos + _rotate_half(ks) * sin
+            self.k[i].index_copy_(1, slots, ks[0].to(self.k.dtype))
+            self.v[i].index_copy_(1, slots, vs[0].to(self.v.dtype))
+            # GQA without repeating K/V: the rep query heads of a KV head become extra rows.
+            qh = qs[0].reshape(Hkv, rep * q, d)
+            scale = getattr(at, "scaling", d**-0.5)
+            scores = torch.matmul(qh, self.k[i, :, :span].transpose(1, 2)) * scale
+            scores = scores.float().view(Hkv, rep, q, span) + mask
+            p = torch.softmax(scores, dim=-1).to(qs.dtype).view(Hkv, rep * q, span)
+            o = torch.matmul(p, self.v[i, :, :span])  # [Hkv, rep*q, d] = [H, q, d]
+            o = o.view(H, q, d).transpose(0, 1).reshape(1, q, H * d)
+            x = x + at.o_proj(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if aux and i in self.aux_ids:
+                states.append((i, x))
+        logits = m.get_output_embeddings()(m.model.norm(x)).float()
+        if not aux or not self.aux_ids:
+            return logits, None
+        by_id = dict(states)
+        return logits, torch.cat([by_id[k] for k in self.aux_ids], -1)
+
+    def _pack(self, ids: Tensor, positions: Tensor, tree: Tensor | None) -> Tensor:
+        q = ids.shape[1]
+        t = torch.ones(q, q, dtype=torch.bool).tril() if tree is None else tree[0]
+        return torch.cat(
+            [
+                ids[0].long().cpu(),
+                positions[0].long().cpu(),
+                torch.tensor([self.length]),
+                t.long().cpu().reshape(-1),
+            ]
+        )
+
+    def _span(self, q: int) -> int:
+        if not self.use_graphs:
+            return self.length + q
+        need = self.length + q
+        span = self.MIN_BUCKET
+        while span < need:
+            span *= 2
+        return min(span, self.capacity)
+
+    def _graph(self, q: int, span: int, aux: bool, packed: Tensor) -> _Graph:
+        key = (q, span, aux)
+        if key in self._graphs:
+            return self._graphs[key]
+        inputs = packed.to(self.device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up (kernels chosen, workspaces made) off the graph
+            for _ in range(2):
+                self._core(inputs, q, span, aux)
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits, states = self._core(inputs, q, span, aux)
+        g = _Graph(graph, inputs, torch.empty_like(packed).pin_memory(), logits, states)
+        self._graphs[key] = g
+        return g
+
+    def forward(
+        self,
+        ids: Tensor,
+        positions: Tensor,
+        new_valid: Tensor,
+        logits_to_keep: int = 0,
+        aux: bool = False,
+        tree: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """q new entries of the one row (a chain, or a tree given its ancestor mask [1, q, q]);
+        returns (float logits [1, q, V], aux [1, q, 3·Ht]) on the target's device. `new_valid`
+        must be all True (batch 1 has no padding); `logits_to_keep` is ignored (all q kept)."""
+        if ids.shape[0] != 1 or not bool(new_valid.all()):
+            raise ValueError("StaticTargetRunner runs one row without padding")
+        q = ids.shape[1]
+        if self.length + q > self.capacity:
+            raise ValueError(
+                f"static KV cache full: {self.length} + {q} entries > capacity {self.capacity}; "
+                "build the engine with a larger static_capacity"
+            )
+        aux = aux and bool(self.aux_ids)
+        packed = self._pack(ids, positions, tree)
+        span = self._span(q)
+        if not self.use_graphs:
+            return self._core(packed.to(self.device), q, span, aux)
+        g = self._graph(q, span, aux, packed)
+        if g.copied is not None:
+            g.copied.synchronize()  # the staging buffer may still be in flight
+        g.staging.copy_(packed)
+        g.inputs.copy_(g.staging, non_blocking=True)
+        g.copied = torch.cuda.Event()
+        g.copied.record()
+        g.graph.replay()
+        # Graphs share one memory pool: hand out copies, not the static outputs.
+        return g.logits.clone(), (g.aux.clone() if g.aux is not None else None)
+
+    def prefill(
+        self, prompts: list[list[int]], aux: bool
+    ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+        """Prefill of one prompt (eager, causal SDPA); returns (last logits [1, V],
+        aux [1, L, 3·Ht], ids [1, L], valid [1, L]) like `TargetRunner.prefill`."""
+        if len(prompts) != 1:
+            raise ValueError("StaticTargetRunner runs one prompt at a time")
+        L = len(prompts[0])
+        if L > self.capacity:
+            raise ValueError(f"prompt of {L} tokens > static KV cache capacity {self.capacity}")
+        if self.k is None:
+            shape = (self.num_layers, self.n_kv, self.capacity, self.head_dim)
+            self.k = torch.zeros(shape, device=self.device, dtype=self.dtype)
+            self.v = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.length = 0
+        ids = torch.tensor([prompts[0]], dtype=torch.long)
+        logits, states = self._prefill(ids.to(self.device), aux and bool(self.aux_ids))
+        self.length = L
+        self.valid = torch.ones(1, L, dtype=torch.bool)
+        return logits[:, -1], states, ids, torch.ones(1, L, dtype=torch.bool)
+
+    def _prefill(self, ids: Tensor, aux: bool) -> tuple[Tensor, Tensor | None]:
+        m, L = self.model, ids.shape[1]
+        pos = torch.arange(L, device=self.device)[None]
+        x = m.get_input_embeddings()(ids)
+        cos, sin = m.model.rotary_emb(x, pos)
+        cos, sin = cos[:, None], sin[:, None]
+        H, Hkv, d = self.n_heads, self.n_kv, self.head_dim
+        states = {}
+        for i, layer in enumerate(self.layers):
+            at = layer.self_attn
+            h = layer.input_layernorm(x)
+            qs = at.q_proj(h).view(1, L, H, d).transpose(1, 2)
+            ks = at.k_proj(h).view(1, L, Hkv, d).transpose(1, 2)
+            vs = at.v_proj(h).view(1, L, Hkv, d).transpose(1, 2)
+            if hasattr(at, "q_norm"):
+                qs, ks = at.q_norm(qs), at.k_norm(ks)
+            qs = qs * cos + _rotate_half(qs) * sin
+            ks = ks * cos + _rotate_half(ks) * sin
+            self.k[i, :, :L] = ks[0]
+            self.v[i, :, :L] = vs[0]
+            o = F.scaled_dot_product_attention(
+                qs,
+                ks.repeat_interleave(H // Hkv, 1),
+                vs.repeat_interleave(H // Hkv, 1),
+                is_causal=True,
+                scale=getattr(at, "scaling", d**-0.5),
+            )
+            x = x + at.o_proj(o.transpose(1, 2).reshape(1, L, H * d))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if aux and i in self.aux_ids:
+                states[i] = x
+        logits = m.get_output_embeddings()(m.model.norm(x[:, -1:])).float()
+        return logits, (torch.cat([states[k] for k in self.aux_ids], -1) if aux else None)
+
+    def commit(self, keep: Tensor) -> None:
+        """Keep the accepted entries of the last forward ([1, q] bool, the root first): a prefix
+        only moves the length; a tree path is gathered to the front of the new slots first."""
+        idx = keep[0].nonzero().squeeze(1)
+        n = int(idx.numel())
+        if n and int(idx[-1]) != n - 1:  # not a prefix: move the kept entries together
+            src = (self.length + idx).to(self.device)
+            self.k[:, :, self.length : self.length + n] = self.k[:, :, src]
+            self.v[:, :, self.length : self.length + n] = self.v[:, :, src]
+        self.length += n
+        self.valid = torch.ones(1, self.length, dtype=torch.bool)
+
+    def select(self, rows: Tensor) -> None:
+        if rows.numel() != 1:
+            raise ValueError("StaticTargetRunner runs one row")
+
+    def release(self) -> None:
+        self.length = 0
+        self.valid = torch.zeros(1, 0, dtype=torch.bool)
+
+
+# ----------------------------------------------------------------------------------------------
 # Draft sources: the EAGLE-3 drafter, or (in tests) stubs with the same four methods
 
 
@@ -395,7 +697,7 @@ def tree_ancestors(parents: Tensor) -> Tensor:
 
 def _last_true(mask: Tensor) -> Tensor:
     """Index of the last True per row of a [B, n] mask (every row has one)."""
-    idx = torch.arange(mask.shape[1]).expand_as(mask)
+    idx = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
     return torch.where(mask, idx, -1).max(1).values
 
 
@@ -411,8 +713,13 @@ class EagleDraft:
         self.cache: DrafterCache | None = None
         self.h = self.logits = self.pos = None
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.fc.weight.device
+
     def start(self, batch: int, capacity: int) -> None:
-        self.cache = DrafterCache(self.cfg, batch, capacity, dtype=self.model.fc.weight.dtype)
+        w = self.model.fc.weight
+        self.cache = DrafterCache(self.cfg, batch, capacity, device=w.device, dtype=w.dtype)
 
     def _prenorm(
         self, ids: Tensor, hidden: Tensor, positions: Tensor, write: Tensor | None
@@ -420,8 +727,10 @@ class EagleDraft:
         """`Eagle3Drafter.forward_step` without the LM head: only each row's last entry needs
         logits, and the head (draft vocab x H) is most of a draft step's cost. Parity with
         forward_step: tests/test_engine.py::test_drafter_protocol_matches_fresh_recomputation."""
-        m = self.model
-        hidden = m.project(hidden)
+        m, dev = self.model, self.device
+        ids, positions = ids.to(dev), positions.to(dev)
+        write = write.to(dev) if write is not None else None
+        hidden = m.project(hidden.to(dev))
         x = m.midlayer.attn_input(m.embed(ids), hidden)
         cos, sin = rope_cos_sin(m.inv_freq, m.rope_factor, positions)
         q, k, v = m.midlayer.self_attn.qkv(x, cos, sin)
@@ -431,9 +740,9 @@ class EagleDraft:
     def extend(self, ids: Tensor, aux: Tensor, positions: Tensor, write: Tensor) -> None:
         assert self.cache is not None, "start() first"
         out = self._prenorm(ids, aux.to(self.model.fc.weight.dtype), positions, write)
-        b = torch.arange(ids.shape[0])
-        last = _last_true(write)
-        self.h, self.pos = out[b, last], positions[b, last]
+        b = torch.arange(ids.shape[0], device=self.device)
+        last = _last_true(write.to(self.device))
+        self.h, self.pos = out[b, last], positions.to(self.device)[b, last]
         self.logits = self.model.logits(self.h)
 
     def _pick(
@@ -442,8 +751,8 @@ class EagleDraft:
         """Draft ids and (when sampling) the draft distribution they were drawn from."""
         if temperature <= 0:
             return logits.argmax(-1), None
-        q = torch.softmax(logits.float() / temperature, -1)
-        return torch.multinomial(q, 1, generator=gen).squeeze(-1), q
+        q = torch.softmax(logits.float().cpu() / temperature, -1)  # the generator is a CPU one
+        return torch.multinomial(q, 1, generator=gen).squeeze(-1).to(logits.device), q
 
     def propose(
         self, steps: int, temperature: float, gen: torch.Generator | None
@@ -457,7 +766,8 @@ class EagleDraft:
             drafts.append(tok)
             if q is not None:
                 qt = torch.zeros(B, self.cfg.vocab_size)
-                qt[:, self.model.draft_to_target(torch.arange(q.shape[-1]))] = q  # onto target ids
+                d_all = torch.arange(q.shape[-1], device=self.device)
+                qt[:, self.model.draft_to_target(d_all).cpu()] = q  # onto target ids
                 qs.append(qt)
             if j + 1 < steps:
                 h = self._prenorm(tok[:, None], h, (self.pos + 1 + j)[:, None], None)
@@ -481,9 +791,11 @@ class EagleDraft:
         x = m.midlayer.attn_input(m.embed(tok), h)
         cos, sin = rope_cos_sin(m.inv_freq, m.rope_factor, (self.pos + depth)[:, None].expand(B, K))
         q, k, v = m.midlayer.self_attn.qkv(x, cos, sin)
-        top = int(self.pos.max()) + 1
-        prefix = (torch.arange(top)[None, :] <= self.pos[:, None])[:, None, :].expand(B, K, top)
-        mask = torch.cat([prefix, anc, torch.eye(K, dtype=torch.bool).expand(B, K, K)], -1)[:, None]
+        top, dev = int(self.pos.max()) + 1, self.device
+        prefix = torch.arange(top, device=dev)[None, :] <= self.pos[:, None]
+        prefix = prefix[:, None, :].expand(B, K, top)
+        eye = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
+        mask = torch.cat([prefix, anc, eye], -1)[:, None]
         keys = torch.cat([self.cache.k[:, :, :top], ek, k], 2)
         vals = torch.cat([self.cache.v[:, :, :top], ev, v], 2)
         rep = q.shape[1] // keys.shape[1]
@@ -497,17 +809,17 @@ class EagleDraft:
         log-probability; keep the `num_nodes` best nodes (a child never outscores its parent, so
         the kept set is a tree)."""
         assert self.cache is not None and self.logits is not None, "extend() first"
-        m, K, B = self.model, topk, self.h.shape[0]
+        m, K, B, dev = self.model, topk, self.h.shape[0], self.device
         score, d = torch.log_softmax(self.logits.float(), -1).topk(K)  # [B, K]
         toks, scores, parents, depths = (
             [m.draft_to_target(d)],
             [score],
-            [torch.full((B, K), -1)],
-            [torch.ones(B, K, dtype=torch.long)],
+            [torch.full((B, K), -1, device=dev)],
+            [torch.ones(B, K, dtype=torch.long, device=dev)],
         )
-        f_id, f_tok, f_score = torch.arange(K).expand(B, K), toks[0], score
+        f_id, f_tok, f_score = torch.arange(K, device=dev).expand(B, K), toks[0], score
         f_h = self.h[:, None].expand(B, K, self.h.shape[-1])
-        anc = torch.zeros(B, K, 0, dtype=torch.bool)
+        anc = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)
         ek = self.cache.k.new_zeros(B, self.cache.k.shape[1], 0, self.cache.k.shape[-1])
         ev = ek.clone()
         n_nodes = K
@@ -518,7 +830,7 @@ class EagleDraft:
             toks.append(m.draft_to_target(c_d).reshape(B, K * K))
             scores.append(c_score)
             parents.append(f_id[..., None].expand(B, K, K).reshape(B, K * K))
-            depths.append(torch.full((B, K * K), j + 1))
+            depths.append(torch.full((B, K * K), j + 1, device=dev))
             best = c_score.topk(K).indices  # the next frontier
             par = best // K  # which old frontier node each new one hangs from
             e_old = ek.shape[2]
@@ -528,7 +840,7 @@ class EagleDraft:
                 torch.cat(
                     [
                         anc.gather(1, par[..., None].expand(B, K, e_old)),
-                        torch.zeros(B, K, K, dtype=torch.bool),
+                        torch.zeros(B, K, K, dtype=torch.bool, device=dev),
                     ],
                     2,
                 )
@@ -546,8 +858,8 @@ class EagleDraft:
                 f"num_draft_tokens - 1 = {num_nodes} draft nodes; steps={steps}, topk={K} make 1..{n_nodes}"
             )
         keep = torch.sort(torch.argsort(-sc, dim=1, stable=True)[:, :num_nodes], dim=1).values
-        where = torch.full((B, n_nodes + 1), -1)  # node id -> index among kept (last column: root)
-        where.scatter_(1, keep, torch.arange(num_nodes).expand(B, num_nodes))
+        where = torch.full((B, n_nodes + 1), -1, device=dev)  # node id -> kept index (last: root)
+        where.scatter_(1, keep, torch.arange(num_nodes, device=dev).expand(B, num_nodes))
         kept_par = par_id.gather(1, keep)
         return DraftTree(
             tok.gather(1, keep), where.gather(1, kept_par % (n_nodes + 1)), dep.gather(1, keep)
@@ -594,7 +906,7 @@ def tree_greedy_accept(
     """Walk each row's tree from the root, always into the child carrying the target's argmax.
     logits [B, M+1, V] over [root, nodes...] -> (accepted count a [B], path node indices [B, steps]
     (1-based, 0-padded), bonus token [B])."""
-    top = logits.argmax(-1)
+    top = logits.argmax(-1).cpu()  # the walk below reads it element by element
     B = top.shape[0]
     a, path = torch.zeros(B, dtype=torch.long), torch.zeros(B, steps, dtype=torch.long)
     bonus = torch.empty(B, dtype=torch.long)
@@ -720,12 +1032,28 @@ class SpecEngine:
         fast_linear: bool = True,
         topk: int = 1,
         num_draft_tokens: int | None = None,
+        runner: str = "auto",
+        static_capacity: int = 4096,
     ):
-        self.fast_linear = fast_linear
+        """`runner`: "auto" = the static-cache, CUDA-graph runner when the target is on a GPU
+        and Llama-like (requests then run one at a time), else the eager batched `TargetRunner`;
+        "eager" or "static" force one (static on CPU runs the same code without graphs).
+        `static_capacity`: KV slots of the static runner (prompt + max_tokens + steps + 2 must fit)."""
+        self.device = next(target.parameters()).device
+        self.fast_linear = fast_linear and self.device.type == "cpu"  # an MKL trick, CPU only
         self.topk, self.num_draft_tokens = topk, num_draft_tokens
-        if fast_linear:
+        if self.fast_linear:
             use_small_rows_linear(target)
         self.target = TargetRunner(target)
+        if runner not in ("auto", "eager", "static"):
+            raise ValueError(f"runner={runner!r}: use auto, eager or static")
+        use_static = runner == "static" or (
+            runner == "auto"
+            and self.device.type == "cuda"
+            and static_runner_problem(target) is None
+        )
+        self.static = StaticTargetRunner(target, static_capacity) if use_static else None
+        self._runner: TargetRunner | StaticTargetRunner = self.static or self.target
         self.drafter: DraftSource | None = None
         self.steps = steps
         self.stop_ids = set(stop_ids) if stop_ids is not None else eos_ids(target)
@@ -735,6 +1063,8 @@ class SpecEngine:
     def set_drafter(self, drafter: DraftSource | None) -> None:
         if drafter is not None:
             self.target.set_aux_layers(drafter.aux_layer_ids)
+            if self.static is not None:
+                self.static.set_aux_layers(drafter.aux_layer_ids)
             if self.fast_linear and isinstance(getattr(drafter, "model", None), torch.nn.Module):
                 use_small_rows_linear(drafter.model)
         self.drafter = drafter
@@ -753,7 +1083,14 @@ class SpecEngine:
         called after every cycle with each request's new tokens."""
         if not speculative or self.drafter is None:
             return self.plain_generate(prompts, params, on_tokens, max_tokens_each)
-        drafter, runner = self.drafter, self.target
+        if self.static is not None and len(prompts) > 1:
+            return self._one_by_one(
+                lambda p, cb, lim: self.generate(p, params, cb, True, lim),
+                prompts,
+                on_tokens,
+                max_tokens_each,
+            )
+        drafter, runner = self.drafter, self._runner
         k = params.steps or self.steps
         topk = params.topk or self.topk
         tree = topk > 1 and params.temperature <= 0  # sampling always drafts chains
@@ -762,13 +1099,14 @@ class SpecEngine:
             raise ValueError(problem)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         rows = _Rows(prompts, params, self.stop_ids, on_tokens, max_tokens_each)
+        self._check_fits(prompts, rows.limits, n_tokens if tree else k + 1)
         t0 = time.perf_counter()
         for s in rows.stats:
             s.steps, s.accept_hist = k, [0] * (k + 1)
 
         t = time.perf_counter()
         logits, aux, ids, valid = runner.prefill(prompts, aux=True)
-        x_next = sample_token(logits, params.temperature, gen)
+        x_next = _host_sample(logits, params.temperature, gen)
         rows.charge("prefill_ms", _ms(t))
         t = time.perf_counter()
         drafter.start(len(prompts), max(map(len, prompts)) + max(rows.limits) + k + 2)
@@ -810,7 +1148,10 @@ class SpecEngine:
             if rows.active:
                 t = time.perf_counter()
                 drafter.extend(
-                    ext_ids[keep_rows], cyc.aux[keep_rows], ext_pos[keep_rows], keep[keep_rows]
+                    ext_ids[keep_rows],
+                    cyc.aux[keep_rows.to(cyc.aux.device)],
+                    ext_pos[keep_rows],
+                    keep[keep_rows],
                 )
                 rows.charge("draft_ms", _ms(t))
         runner.release()
@@ -826,17 +1167,19 @@ class SpecEngine:
     ) -> _Cycle:
         t = time.perf_counter()
         drafts, q = self.drafter.propose(k, params.temperature, gen)
+        drafts, q = drafts.cpu(), (q.cpu() if q is not None else None)  # bookkeeping on the host
         draft_ms, t = _ms(t), time.perf_counter()
         vpos = pos_next[:, None] + torch.arange(k + 1)
         ones = torch.ones_like(vpos, dtype=torch.bool)
-        logits, aux = self.target.forward(
+        logits, aux = self._runner.forward(
             torch.cat([x_next[:, None], drafts], 1), vpos, ones, aux=True
         )
-        if params.temperature <= 0:
-            a, bonus = greedy_accept(drafts, logits)
+        if params.temperature <= 0:  # on the logits' device; only a and the bonus come back
+            a, bonus = greedy_accept(drafts.to(logits.device), logits)
+            a, bonus = a.cpu(), bonus.cpu()
         else:
-            a, bonus = rejection_accept(drafts, q, logits, params.temperature, gen)
-        self.target.commit(torch.arange(k + 1)[None] <= a[:, None])
+            a, bonus = rejection_accept(drafts, q, logits.cpu(), params.temperature, gen)
+        self._runner.commit(torch.arange(k + 1)[None] <= a[:, None])
         return _Cycle(a, drafts, bonus, aux, draft_ms, _ms(t))
 
     def _tree_cycle(
@@ -846,11 +1189,12 @@ class SpecEngine:
         mask; the accepted path's entries stay in the target cache, the rest are masked out."""
         t = time.perf_counter()
         tree = self.drafter.propose_tree(k, topk, n_tokens - 1)
+        tree = DraftTree(tree.tokens.cpu(), tree.parents.cpu(), tree.depths.cpu())
         draft_ms, t = _ms(t), time.perf_counter()
         B = x_next.shape[0]
         ids = torch.cat([x_next[:, None], tree.tokens], 1)
         vpos = pos_next[:, None] + torch.cat([torch.zeros(B, 1, dtype=torch.long), tree.depths], 1)
-        logits, aux = self.target.forward(
+        logits, aux = self._runner.forward(
             ids,
             vpos,
             torch.ones_like(ids, dtype=torch.bool),
@@ -861,8 +1205,8 @@ class SpecEngine:
         keep = torch.zeros_like(ids, dtype=torch.bool)
         keep.scatter_(1, path, torch.arange(k)[None] < a[:, None])
         keep[:, 0] = True  # scatter of padded (index 0) entries may have cleared the root
-        self.target.commit(keep)
-        nodes = torch.cat([torch.zeros(B, 1, dtype=torch.long), path], 1)
+        self._runner.commit(keep)
+        nodes = torch.cat([torch.zeros(B, 1, dtype=torch.long), path], 1).to(aux.device)
         path_aux = aux.gather(1, nodes[..., None].expand(B, k + 1, aux.shape[-1]))
         return _Cycle(a, ids.gather(1, path), bonus, path_aux, draft_ms, _ms(t))
 
@@ -875,13 +1219,21 @@ class SpecEngine:
         max_tokens_each: list[int] | None = None,
     ) -> list[Generation]:
         """The target alone, one token per forward (the no-speculation baseline)."""
-        runner = self.target
+        if self.static is not None and len(prompts) > 1:
+            return self._one_by_one(
+                lambda p, cb, lim: self.plain_generate(p, params, cb, lim),
+                prompts,
+                on_tokens,
+                max_tokens_each,
+            )
+        runner = self._runner
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         rows = _Rows(prompts, params, self.stop_ids, on_tokens, max_tokens_each)
+        self._check_fits(prompts, rows.limits, 1)
         t0 = time.perf_counter()
         t = time.perf_counter()
         logits, _, _, valid = runner.prefill(prompts, aux=False)
-        x = sample_token(logits, params.temperature, gen)
+        x = _host_sample(logits, params.temperature, gen)
         rows.charge("prefill_ms", _ms(t))
         pos = valid.sum(1)
         done = [rows.append(r, [int(x[r])]) for r in range(len(prompts))]
@@ -891,13 +1243,46 @@ class SpecEngine:
             ones = torch.ones(len(rows.active), 1, dtype=torch.bool)
             logits, _ = runner.forward(x[:, None], pos[:, None], ones)
             runner.commit(ones)
-            x = sample_token(logits[:, -1], params.temperature, gen)
+            x = _host_sample(logits[:, -1], params.temperature, gen)
             pos = pos + 1
             rows.charge("verify_ms", _ms(t))
             done = [rows.append(r, [int(x[r])]) for r in range(len(rows.active))]
             x, pos = _drop_finished(done, rows, runner, None, x, pos)
         runner.release()
         return rows.results(t0)
+
+    def _check_fits(self, prompts: list[list[int]], limits: list[int], width: int) -> None:
+        """The static cache must hold prompt + completion + one verify's spare entries."""
+        if self.static is None:
+            return
+        need = max(len(p) + n for p, n in zip(prompts, limits, strict=True)) + width + 1
+        if need > self.static.capacity:
+            raise ValueError(
+                f"prompt + max_tokens + {width} verify slots = {need} > static KV cache capacity "
+                f"{self.static.capacity}; build SpecEngine(static_capacity=...) larger"
+            )
+
+    def _one_by_one(
+        self,
+        run: Callable[[list[list[int]], TokenCallback | None, list[int] | None], list[Generation]],
+        prompts: list[list[int]],
+        on_tokens: TokenCallback | None,
+        max_tokens_each: list[int] | None,
+    ) -> list[Generation]:
+        """The static runner holds one sequence: run a batch's requests in turn."""
+        out: list[Generation] = []
+        for i, p in enumerate(prompts):
+            cb = None if on_tokens is None else (lambda _r, toks, i=i: on_tokens(i, toks))
+            out += run([p], cb, None if max_tokens_each is None else [max_tokens_each[i]])
+        return out
+
+
+def _host_sample(logits: Tensor, temperature: float, gen: torch.Generator | None) -> Tensor:
+    """`sample_token` whose result is on the host: argmax on the logits' device, sampling on the
+    CPU (the engine's generator is a CPU one)."""
+    if temperature > 0:
+        logits = logits.cpu()
+    return sample_token(logits, temperature, gen).cpu()
 
 
 def eos_ids(model: torch.nn.Module) -> set[int]:
@@ -921,8 +1306,11 @@ def load_target(
     dtype: str = "float32",
     revision: str | None = None,
     trust_remote_code: bool = False,
+    device: str | None = None,
 ):
-    """(model, tokenizer) of an HF causal LM; `smollm2` resolves to the bundled GGUF."""
+    """(model, tokenizer) of an HF causal LM; `smollm2` resolves to the bundled GGUF. `device`
+    ("cuda", "cpu"; None = cpu) is where the weights go: on CUDA `SpecEngine` uses its
+    static-cache, CUDA-graph runner."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from eagle3.target_weights import resolve_target
@@ -933,7 +1321,7 @@ def load_target(
         kw["gguf_file"] = gguf
     tok = AutoTokenizer.from_pretrained(path, **kw)
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **kw).eval()
-    return lm, tok
+    return (lm.to(device) if device else lm), tok
 
 
 def check_drafter_for_target(
@@ -970,7 +1358,7 @@ def load_eagle(path: str | Path, target: torch.nn.Module) -> EagleDraft:
         raise ValueError("drafter does not fit the target:\n  " + "\n  ".join(problems))
     if not cfg.aux_layer_ids:
         cfg.aux_layer_ids = default_aux_layer_ids(n_layers)
-    model = drafter_from_state(cfg, state, emb.detach().float())
+    model = drafter_from_state(cfg, state, emb.detach().float()).to(emb.device)
     return EagleDraft(model, str(path))
 
 
@@ -1013,7 +1401,7 @@ def random_drafter(
     model.d2t.copy_(used - torch.arange(cfg.draft_vocab_size))
     model.t2d.zero_()
     model.t2d[used] = True
-    return EagleDraft(model, "random")
+    return EagleDraft(model.to(emb.device), "random")
 
 
 __all__ = [

@@ -19,6 +19,7 @@ from serve.engine import (
     EagleDraft,
     GenParams,
     SpecEngine,
+    StaticTargetRunner,
     TargetRunner,
     check_drafter_for_target,
     random_drafter,
@@ -519,3 +520,101 @@ def test_sampling_is_reproducible_with_a_seed(target, prompts):
     a = engine.generate(prompts[:3], GenParams(max_tokens=8, temperature=1.0, seed=7))
     b = engine.generate(prompts[:3], GenParams(max_tokens=8, temperature=1.0, seed=7))
     assert [g.token_ids for g in a] == [g.token_ids for g in b]
+
+
+# ----------------------------------------------------------------------------------------------
+# The static-cache runner (the GPU path; on CPU the same code runs without CUDA graphs)
+
+
+def test_static_runner_greedy_equals_hf_generate(target, prompts, reference):
+    """Chain, partial acceptance, plain decoding and a batch run one by one: all exact."""
+    want = completions(reference, prompts)
+    engine = SpecEngine(
+        target,
+        random_drafter(target, draft_vocab_size=2000, aux_layer_ids=AUX),
+        steps=K,
+        runner="static",
+        static_capacity=64,
+    )
+    assert isinstance(engine.static, StaticTargetRunner) and not engine.static.use_graphs
+    seen: list[tuple[int, list[int]]] = []
+    got = engine.generate(
+        prompts[:6], GenParams(max_tokens=N_TOK), on_tokens=lambda r, t: seen.append((r, t))
+    )
+    assert [g.token_ids for g in got] == want[:6]
+    for req, g in enumerate(got):  # a batch runs one by one; callbacks keep the batch index
+        assert sum((t for r, t in seen if r == req), []) == g.token_ids
+        assert g.stats.spec_verify_ct > 0
+    plain = engine.plain_generate(prompts[:3], GenParams(max_tokens=N_TOK))
+    assert [g.token_ids for g in plain] == want[:3]
+
+    hists = set()
+    for req in range(5):  # one request per call: the stub maps batch rows to its refs
+        oracle = OracleDraft(
+            [reference[req]], lambda _r, pos, req=req: (req * 7 + pos * 3) % 5 == 0
+        )
+        engine.set_drafter(oracle)
+        g = engine.generate([prompts[req]], GenParams(max_tokens=N_TOK))[0]
+        assert g.token_ids == want[req]
+        assert g.stats.spec_verify_ct == len(oracle.expected[0])
+        hist = [0] * (K + 1)
+        for a in oracle.expected[0]:
+            hist[a] += 1
+        assert g.stats.accept_hist == hist
+        hists.add(tuple(hist))
+    assert len(hists) > 1
+
+
+def test_static_runner_tree_equals_hf_generate(target, prompts, reference):
+    """Tree verify: the accepted path (not a prefix of the verified nodes) is gathered to the
+    front of the cache; a wrong gather changes every later token."""
+    engine = SpecEngine(target, steps=K, topk=2, runner="static")
+    n = 1 + 3 * (K + 1)
+    for i in range(4):
+        engine.set_drafter(OracleTree([reference[i]]))
+        g = engine.generate([prompts[i]], GenParams(max_tokens=n, num_draft_tokens=2 * K + 2))[0]
+        assert g.token_ids == completions(reference[i : i + 1], prompts[i : i + 1], n)[0]
+        assert g.stats.cycle_accept_len == K + 1
+    engine.set_drafter(random_drafter(target, draft_vocab_size=2000, aux_layer_ids=AUX))
+    got = engine.generate(prompts[:3], GenParams(max_tokens=N_TOK, num_draft_tokens=7))
+    assert [g.token_ids for g in got] == completions(reference[:3], prompts[:3])
+
+
+def test_static_runner_matches_the_eager_runner(target, prompts):
+    """Logits and aux states of prefill, chain and tree forwards equal `TargetRunner`'s."""
+    g = torch.Generator().manual_seed(3)
+    eager, static = TargetRunner(target), StaticTargetRunner(target, capacity=64, graphs=False)
+    eager.set_aux_layers([2, 0])
+    static.set_aux_layers([2, 0])
+    p = prompts[1]
+    with torch.inference_mode():
+        le, ae, _, _ = eager.prefill([p], aux=True)
+        ls, as_, _, _ = static.prefill([p], aux=True)
+        torch.testing.assert_close(ls, le, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(as_, ae, rtol=1e-4, atol=1e-4)
+        pos = len(p)
+        for keep in ([1, 1, 0, 0], [1, 0, 1, 1], [1, 1, 1, 1]):  # prefix, tree path, all
+            ids = torch.randint(3, 49152, (1, 4), generator=g)
+            tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]).bool()
+            depth = torch.tensor([0, 1, 1, 2])
+            vpos = (pos + depth)[None]
+            ones = torch.ones(1, 4, dtype=torch.bool)
+            le, ae = eager.forward(ids, vpos, ones, aux=True, tree=tree[None])
+            ls, as_ = static.forward(ids, vpos, ones, aux=True, tree=tree[None])
+            torch.testing.assert_close(ls, le, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(as_, ae, rtol=1e-4, atol=1e-4)
+            k = torch.tensor(keep, dtype=torch.bool)[None]
+            eager.commit(k)
+            static.commit(k)
+            pos += int(k.sum())
+        assert static.length == pos
+        with pytest.raises(ValueError, match="capacity"):
+            static.forward(torch.ones(1, 64, dtype=torch.long), torch.arange(64)[None], ones)
+
+
+def test_static_runner_capacity_is_checked_up_front(target, prompts):
+    engine = SpecEngine(target, OracleDraft([]), steps=K, runner="static", static_capacity=32)
+    with pytest.raises(ValueError, match="static_capacity"):
+        engine.generate([prompts[0]], GenParams(max_tokens=40))
+    with pytest.raises(ValueError, match="runner="):
+        SpecEngine(target, runner="fast")

@@ -13,6 +13,7 @@ from actors.shards import (
     MANIFEST,
     Sample,
     ShardError,
+    ShardWriter,
     finished_batch,
     iter_samples,
     pack_parts,
@@ -129,3 +130,28 @@ def test_batch_sidecar_marks_finished_batches(tmp_path):
     assert finished_batch(tmp_path, 4, "other-prompts") is None
     os.truncate(tmp_path / info.file, info.bytes - 1)
     assert finished_batch(tmp_path, 4, "k") is None
+
+
+def test_streamed_shard_is_deterministic_and_writer_threads_agree(tmp_path):
+    """The streamed file reads back through safetensors, identical samples give identical bytes
+    (resume compares sha256), and `ShardWriter` writes the same file from a thread and runs
+    `after` once per shard, also when the write fails."""
+    samples = [_sample(n, i) for i, n in enumerate([7, 3])]
+    a = write_shard(tmp_path / "a.safetensors", samples, {"k": "v"})
+    b = write_shard(tmp_path / "b.safetensors", [_sample(7, 0), _sample(3, 1)], {"k": "v"})
+    assert a.sha256 == b.sha256 and a.bytes == b.bytes
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    assert read_shard_metadata(tmp_path / "a.safetensors")["k"] == "v"
+    calls = []
+    with ShardWriter(threads=2) as w:
+        ok = w.submit(
+            tmp_path / "c.safetensors", lambda: samples, {"k": "v"}, lambda: calls.append(1)
+        )
+        bad_sample = Sample(
+            [1, 2], [0, 1], torch.zeros(3, 3 * H).bfloat16(), torch.zeros(2, H).bfloat16()
+        )
+        bad = w.submit(tmp_path / "d.safetensors", [bad_sample], after=lambda: calls.append(2))
+    assert ok.result().sha256 == a.sha256
+    with pytest.raises(ValueError, match="aux_hidden"):
+        bad.result()
+    assert sorted(calls) == [1, 2] and not (tmp_path / "d.safetensors").exists()

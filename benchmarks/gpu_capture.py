@@ -1,0 +1,293 @@
+"""Capture-stage throughput on a GPU (issue 7, P2): target forward + aux layers + shard write + sha256.
+
+A random-weight target of a real shape is built from its config on the GPU (no download, no
+tokenizer), and `HFTarget.from_model(...).capture_async` feeds a `ShardWriter` exactly as the
+generate stage does. Beside it, in the same process, the anchor: a plain HF forward of the same
+tokens, with and without `output_hidden_states`.
+
+    python benchmarks/gpu_capture.py --shape llama-3.1-8b --seq 2048 --n 32
+    python benchmarks/gpu_capture.py --device cpu --shape tiny --seq 128 --n 4   # smoke test
+
+Prints one JSON line per measurement (also to $OUT/capture.jsonl when $OUT is set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from actors.hf_backend import HFTarget, PinnedPool  # noqa: E402
+from actors.shards import Sample, ShardWriter, bytes_per_token, read_shard  # noqa: E402
+
+SHAPES = {
+    "llama-3.1-8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+    ),
+    "tiny": dict(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+    ),
+}
+
+
+def build_target(shape: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A random-init Llama of `shape`, built directly on `device` (an 8B model initialised on the
+    CPU would take minutes)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**SHAPES[shape], tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    return model.to(device, dtype).eval()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: torch.device, iters: int) -> list[float]:
+    """ms of each call, host clock around a synchronized call (the calls are 10s of ms)."""
+    out = []
+    for _ in range(iters):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        out.append((time.perf_counter() - t) * 1000)
+    return out
+
+
+def emit(rec: dict, base: dict) -> None:
+    line = json.dumps({**base, **rec})
+    print(line, flush=True)
+    if os.environ.get("OUT"):
+        with open(Path(os.environ["OUT"]) / "capture.jsonl", "a") as f:
+            f.write(line + "\n")
+
+
+def run_capture(
+    target: HFTarget,
+    seqs: list[list[int]],
+    aux_ids: list[int],
+    out_dir: Path,
+    per_shard: int,
+    threads: int,
+    pool: PinnedPool | None,
+) -> tuple[float, list]:
+    """The whole stage: forwards queued back to back, each group of `per_shard` sequences handed
+    to a writer thread as soon as it is queued. Returns (seconds, shard infos)."""
+    sync(target.device)
+    t = time.perf_counter()
+    futures = []
+    with ShardWriter(threads) as writer:
+        for i in range(0, len(seqs), per_shard):
+            group = seqs[i : i + per_shard]
+            pending = target.capture_async(group, aux_ids, pool)
+
+            def samples(group=group, pending=pending) -> list[Sample]:
+                out = []
+                for s, p in zip(group, pending, strict=True):
+                    aux, final = p.wait()
+                    out.append(Sample(s, [1] * len(s), aux, final))
+                return out
+
+            def release(pending=pending) -> None:  # pooled host buffers go back once written
+                for p in pending:
+                    p.release()
+
+            path = out_dir / f"s{i:05d}.safetensors"
+            futures.append(writer.submit(path, samples, after=release))
+        infos = [f.result() for f in futures]
+    return time.perf_counter() - t, infos
+
+
+def decode_anchor(model, device: torch.device, base: dict, iters: int, ctx: int = 512) -> None:
+    """Plain HF eager, batch 1, DynamicCache holding `ctx` tokens: forwards of 1, 4 and 8 new
+    tokens (the cache is cropped back after each, so every call sees the same `ctx`)."""
+    from transformers import DynamicCache
+
+    V = model.config.vocab_size
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.randint(3, V, (1, ctx), device=device), past_key_values=cache)
+    for q in (1, 4, 8):
+        x = torch.randint(3, V, (1, q), device=device)
+
+        def step(x=x, q=q):
+            model(input_ids=x, past_key_values=cache, logits_to_keep=q)
+            cache.crop(-q)  # back to ctx (negative = drop that many; both 5.17 and 5.24)
+
+        timed(step, device, 3)
+        ms = statistics.median(timed(step, device, max(iters, 10)))
+        emit({"what": "hf_eager_decode", "ctx": ctx, "q": q, "ms": round(ms, 3)}, base)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--n", type=int, default=32, help="sequences per capture run")
+    ap.add_argument("--per-shard", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--out-dir", default=None, help="shard directory (default: a temp dir)")
+    ap.add_argument("--pool-slots", type=int, default=16, help="0 = no PinnedPool")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16
+    base = {
+        "bench": "capture",
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "date": datetime.date.today().isoformat(),
+        "shape": args.shape,
+        "seq": args.seq,
+        "torch": torch.__version__,
+    }
+    t0 = time.perf_counter()
+    model = build_target(args.shape, device, dtype)
+    emit({"what": "build", "s": round(time.perf_counter() - t0, 1)}, base)
+    L = model.config.num_hidden_layers
+    aux_ids = [1, L // 2 - 1, L - 4]  # SGLang's default for Llama
+    g = torch.Generator().manual_seed(0)
+    V = model.config.vocab_size
+    seqs = [torch.randint(3, V, (args.seq,), generator=g).tolist() for _ in range(args.n)]
+    x = torch.tensor([seqs[0]], device=device)
+
+    # Anchor: plain HF forward (DynamicCache, full logits), then with output_hidden_states.
+    with torch.inference_mode():
+        for name, kw in [
+            ("hf_forward", {}),
+            ("hf_forward_hidden_states", {"output_hidden_states": True}),
+            ("hf_forward_no_cache_keep1", {"use_cache": False, "logits_to_keep": 1}),
+        ]:
+            timed(lambda kw=kw: model(input_ids=x, **kw), device, 2)
+            ms = statistics.median(
+                timed(lambda kw=kw: model(input_ids=x, **kw), device, args.iters)
+            )
+            emit({"what": name, "ms": round(ms, 2), "tok_s": round(args.seq / ms * 1000)}, base)
+
+        decode_anchor(model, device, base, args.iters)
+
+    target = HFTarget.from_model(model, model_id=f"random-{args.shape}")
+    width = bytes_per_token(model.config.hidden_size)
+    A1H = (len(aux_ids) + 1) * model.config.hidden_size
+    pool = PinnedPool(args.pool_slots, args.seq, A1H) if args.pool_slots else None
+    tokens = args.n * args.seq
+    # Forward + hooks + pinned copies alone, no writer (what the writer must keep up with):
+    # fresh pinned buffers per sequence, then the pool.
+    with torch.inference_mode():
+        target.capture(seqs[:2], aux_ids)  # warm
+        for name, use in [("fresh_pinned", None), ("pool", pool)]:
+            if name == "pool" and pool is None:
+                continue
+            sync(device)
+            t = time.perf_counter()
+            step = use.slots if use is not None else args.n
+            for i in range(0, args.n, step):
+                for p in target.capture_async(seqs[i : i + step], aux_ids, use):
+                    p.wait()
+                    p.release()
+            s = time.perf_counter() - t
+            emit(
+                {
+                    "what": "capture_forward_only",
+                    "host_buffers": name,
+                    "tok_s": round(tokens / s),
+                    "ms_per_seq": round(s / args.n * 1000, 2),
+                },
+                base,
+            )
+
+    root = Path(args.out_dir) if args.out_dir else Path(tempfile.mkdtemp(prefix="capture_"))
+    for threads in sorted({args.threads, 1}):
+        for rep in range(2):
+            out_dir = root / f"t{threads}-{rep}"
+            out_dir.mkdir(parents=True, exist_ok=True)
+            s, infos = run_capture(target, seqs, aux_ids, out_dir, args.per_shard, threads, pool)
+            nbytes = sum(i.bytes for i in infos)
+            emit(
+                {
+                    "what": "capture_stage",
+                    "writer_threads": threads,
+                    "pool_slots": args.pool_slots,
+                    "rep": rep,
+                    "tok_s": round(tokens / s),
+                    "shard_GB_s": round(nbytes / s / 1e9, 3),
+                    "bytes_per_token": width,
+                    "shards": len(infos),
+                },
+                base,
+            )
+            if rep == 1:  # the shards hold the right numbers
+                got = read_shard(out_dir / infos[0].file)
+                want = target.capture(seqs[:1], aux_ids)[0]
+                ok = torch.equal(got["aux_hidden"][: args.seq], want[0]) and torch.equal(
+                    got["final_hidden"][: args.seq], want[1]
+                )
+                emit({"what": "shard_check", "writer_threads": threads, "equal": bool(ok)}, base)
+            shutil.rmtree(out_dir)
+
+    # The writer alone on CPU tensors (disk + hash bandwidth ceiling of this host).
+    fake = [
+        Sample(
+            s,
+            [1] * len(s),
+            torch.randn(len(s), 3 * model.config.hidden_size).bfloat16(),
+            torch.randn(len(s), model.config.hidden_size).bfloat16(),
+        )
+        for s in seqs[: args.per_shard * 2]
+    ]
+    for threads in sorted({args.threads, 1}):
+        out_dir = root / f"w{threads}"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        t = time.perf_counter()
+        with ShardWriter(threads) as w:
+            futs = [
+                w.submit(out_dir / f"w{i}.safetensors", fake[: args.per_shard]) for i in range(8)
+            ]
+            nbytes = sum(f.result().bytes for f in futs)
+        s = time.perf_counter() - t
+        emit(
+            {"what": "writer_only", "writer_threads": threads, "GB_s": round(nbytes / s / 1e9, 3)},
+            base,
+        )
+        shutil.rmtree(out_dir)
+
+
+if __name__ == "__main__":
+    main()

