@@ -48,14 +48,20 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 state.save(run_dir)
             child = rs.mlflow_run_id
             if not rs.is_done("generate"):
+                t0 = clock.elapsed()
                 rs.done["generate"] = _generate(cfg, run_dir, r, train_prompts, tracker, child)
+                rs.done["generate"]["wall_s"] = clock.elapsed() - t0
                 _commit(state, clock, run_dir)
             if not rs.is_done("train"):
+                t0 = clock.elapsed()
                 rs.done["train"] = _train(cfg, run_dir, state, r, tracker, child)
+                rs.done["train"]["wall_s"] = clock.elapsed() - t0
                 _commit(state, clock, run_dir)
             if not rs.is_done("bench"):
+                t0 = clock.elapsed()
                 server = _serve(cfg, state, r, server)
                 rs.done["bench"] = _bench(cfg, run_dir, state, r, heldout, server, tracker, child)
+                rs.done["bench"]["wall_s"] = clock.elapsed() - t0
                 if cfg.serve.num_gpus > 0:  # the next round's stages need those GPUs
                     server = _stop_serving(server)
                 tracker.finish(child)
@@ -241,11 +247,7 @@ def _read_metrics(path: Path):
 
 
 def _rows(state: RunState) -> list[dict[str, Any]]:
-    return [
-        round_row(rs.index, rs.done["bench"], rs.done["train"])
-        for rs in state.rounds
-        if rs.is_done("bench")
-    ]
+    return [round_row(rs.index, rs.done) for rs in state.rounds if rs.is_done("bench")]
 
 
 def _write_summary(state: RunState, run_dir: Path) -> dict[str, Any]:

@@ -7,7 +7,8 @@ from typing import Any
 from pipeline.config import StopConfig
 
 
-def round_row(index: int, bench: dict[str, Any], train: dict[str, Any]) -> dict[str, Any]:
+def round_row(index: int, done: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    bench, train = done["bench"], done["train"]
     return {
         "round": index,
         "accept_len": bench["accept_len"],
@@ -16,6 +17,7 @@ def round_row(index: int, bench: dict[str, Any], train: dict[str, Any]) -> dict[
         "speedup": bench["speedup"],
         "train_tokens": train["train_tokens"],
         "steps": bench.get("steps"),
+        "wall_s": round(sum(rec.get("wall_s", 0.0) for rec in done.values()), 1),
     }
 
 
@@ -59,8 +61,16 @@ def stop_reason(
             )
     if len(rows) >= stop.max_rounds:
         return f"budget: {stop.max_rounds} rounds"
-    if stop.max_wall_minutes is not None and elapsed_s / 60 >= stop.max_wall_minutes:
-        return f"budget: wall time {elapsed_s / 60:.1f} >= {stop.max_wall_minutes} min"
+    if stop.max_wall_minutes is not None:
+        if elapsed_s / 60 >= stop.max_wall_minutes:
+            return f"budget: wall time {elapsed_s / 60:.1f} >= {stop.max_wall_minutes} min"
+        # Rounds grow (data accumulates): one at least as long as the last would not fit.
+        nxt = last.get("wall_s", 0.0)
+        if (elapsed_s + nxt) / 60 > stop.max_wall_minutes:
+            return (
+                f"budget: another round (>= {nxt / 60:.1f} min) would pass the wall time "
+                f"{stop.max_wall_minutes} min"
+            )
     return None
 
 

@@ -31,6 +31,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -139,6 +140,11 @@ def run_train(
 
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    done = out / "result.json"
+    if done.exists() and Path(json.loads(done.read_text())["drafter_dir"]).is_dir():
+        rec = json.loads(done.read_text())  # finished earlier: its checkpoints are pruned
+        print(f"[train] already finished: {rec['drafter_dir']}", flush=True)
+        return TrainResult(**{**rec, "resumed_from": tuple(rec["resumed_from"])})
     job = prepare(cfg, [Path(d) for d in data_dirs], out, init or cfg.drafter.init, crash_at_step)
     (out / "train_config.yaml").write_text(dump_config(cfg))
     tc = cfg.train
@@ -153,17 +159,30 @@ def run_train(
             name=run_name or f"train-{out.name}",
             storage_path=str(Path(storage_path or out / "ray").resolve()),
             failure_config=FailureConfig(max_failures=tc.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=2),
+            # Keep every checkpoint while the run lives: with num_to_keep, a driver killed between
+            # Ray deleting an old checkpoint and persisting that fact leaves a snapshot naming a
+            # missing folder, and the resumed run then fails. Pruned below once fit() returns.
+            checkpoint_config=CheckpointConfig(num_to_keep=None),
         ),
     )
     t0 = time.perf_counter()
-    trainer.fit()  # raises TrainingFailedError once max_failures is spent
+    result = trainer.fit()  # raises TrainingFailedError once max_failures is spent
+    _prune_checkpoints(result)
     rec = json.loads((out / "result.json").read_text())
     print(
         f"[train] done in {time.perf_counter() - t0:.0f}s: {rec['steps']} steps, {rec['tok_per_s']:.0f} tok/s, drafter {rec['drafter_dir']}",
         flush=True,
     )
     return TrainResult(**{**rec, "resumed_from": tuple(rec["resumed_from"])})
+
+
+def _prune_checkpoints(result) -> None:
+    """Delete all but the latest checkpoint of a finished run (the exported drafter is what
+    the next stage reads; the latest checkpoint is what a re-run would resume from)."""
+    latest = result.checkpoint.path if result.checkpoint else None
+    for ckpt, _ in result.best_checkpoints or []:
+        if ckpt.path != latest:
+            shutil.rmtree(ckpt.path, ignore_errors=True)
 
 
 def prepare(
@@ -530,16 +549,35 @@ def _evaluate(module, plan: Plan, soft, tc: TrainConfig, autocast, device) -> to
 
 
 def _resume(module, opt, sched) -> int:
-    """Step to start from: the latest checkpoint's (worker failure or driver restart), else 0."""
+    """Step to start from: the latest checkpoint's (worker failure or driver restart), else 0.
+
+    A driver killed while Ray persisted a checkpoint can leave Ray's latest one without (or with
+    a truncated) state file; then the newest complete checkpoint beside it is used."""
     import ray.train
 
     ckpt = ray.train.get_checkpoint()
     if ckpt is None:
         return 0
-    with ckpt.as_directory() as d:
-        step = load_training_state(Path(d), module, opt, sched)
-    _say(f"[train] resumed from checkpoint at step {step}")
-    return step
+    bad = (FileNotFoundError, RuntimeError, EOFError)
+    try:
+        with ckpt.as_directory() as d:
+            step = load_training_state(Path(d), module, opt, sched)
+        _say(f"[train] resumed from checkpoint at step {step}")
+        return step
+    except bad as err:
+        _say(f"[train] latest checkpoint is incomplete ({type(err).__name__}); trying older ones")
+    latest = Path(ckpt.path)  # local storage: older checkpoints sit beside it
+    for cand in sorted(latest.parent.glob("step-*"), reverse=True):
+        if cand.name >= latest.name:
+            continue
+        try:
+            step = load_training_state(cand, module, opt, sched)
+        except bad:
+            continue
+        _say(f"[train] resumed from checkpoint {cand.name} at step {step}")
+        return step
+    _say("[train] no complete checkpoint found; starting from step 0")
+    return 0
 
 
 def _checkpoint(module, opt, sched, step: int, metrics: dict[str, float]) -> None:

@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source .venv/bin/activate  # the job's `python` is this venv's
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 TOKENIZERS_PARALLELISM=false
+# Ray token auth: the head, `ray job submit` and the job's driver share ~/.ray/auth_token.
+export RAY_AUTH_MODE=token
+ray get-auth-token --generate >/dev/null
 CONFIG=${CONFIG:-configs/smollm2-cpu.yaml}
 RUN_DIR=$(realpath -m "${RUN_DIR:-demo-run}")
 MLFLOW_PORT=${MLFLOW_PORT:-5000}

@@ -62,9 +62,11 @@ def tiny_target(tmp_path_factory, chat_tokenizer_dir) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_target"), chat_tokenizer_dir)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_local():
-    """One local Ray for the session, bound to loopback."""
+    """A local Ray per test module, bound to loopback. Module scope, not session: a second Ray
+    instance on the machine (the job-submission tests start their own head) confuses Ray Train's
+    placement-group cleaner, which then leaks the finished run's CPUs."""
     import ray
 
     ray.init(

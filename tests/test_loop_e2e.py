@@ -31,11 +31,13 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
     """A real `ray start --head` on loopback, as users run it."""
-    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    env["PATH"] = (
-        f"{Path(sys.executable).parent}:{env['PATH']}"  # the job's `python` is this venv's
-    )
+    # Token auth on, as Ray 2.60 defaults for local clusters: the head, `ray job submit` and the
+    # driver all read ~/.ray/auth_token (made here if missing).
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token")
     bindir = Path(sys.executable).parent
+    env["PATH"] = f"{bindir}:{env['PATH']}"  # the job's `python` is this venv's
+    token = [str(bindir / "ray"), "get-auth-token", "--generate"]
+    subprocess.run(token, check=True, env=env, capture_output=True)
     dash, gcs = _free_port(), _free_port()
     temp = tmp_path_factory.mktemp("ray")
     subprocess.run(

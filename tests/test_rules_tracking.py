@@ -27,6 +27,9 @@ def test_stop_rules_in_order():
     assert stop_reason(s, rows(1.5, 1.8, 2.0, 2.2, 2.4), BENCH, 0).startswith("budget: 5 rounds")
     s2 = StopConfig(accept_len=None, max_rounds=9, max_wall_minutes=1)
     assert stop_reason(s2, rows(1.5), BENCH, 61).startswith("budget: wall time")
+    timed = [dict(rows(1.5)[0], wall_s=30.0)]
+    assert stop_reason(s2, timed, BENCH, 20) is None
+    assert stop_reason(s2, timed, BENCH, 31).startswith("budget: another round")
 
 
 def test_tok_per_s_goal_uses_the_planner():

@@ -256,10 +256,12 @@ def test_two_workers_learn_survive_a_crash_and_export(ray_local, target_and_data
         )  # bf16 export = the trained weights, rounded
         torch.testing.assert_close(g, r, rtol=0.05, atol=0.05 * float(r.abs().max()))
 
-    # A driver restart (same out dir -> same RunConfig name + storage) resumes from the last
-    # checkpoint: no step is redone and the export is the same.
+    # Only the latest checkpoint is kept once the run finished; calling again (a driver that
+    # died after the stage ended) returns the same result without starting workers. A restart
+    # in the middle of training is exercised end to end in tests/test_loop_e2e.py.
+    assert [p.name for p in ckpt.parent.parent.glob("step-*")] == ["step-0000032"]
     res2 = run_train(config(target), [data], out)
-    assert [e["start_step"] for e in read_jsonl(out / "events.jsonl")] == [0, 8, 32]
+    assert [e["start_step"] for e in read_jsonl(out / "events.jsonl")] == [0, 8]
     assert read_jsonl(Path(res2.metrics_file)) == lines
     assert torch.equal(load_drafter(res2.drafter_dir)[1]["fc.weight"], state["fc.weight"])
 
