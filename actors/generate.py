@@ -6,6 +6,11 @@ Prompt batches (``data.batch_size`` prompts each) are numbered in order; batch b
 ``b{b:05d}-{part:02d}.safetensors`` and then a sidecar ``b{b:05d}.json`` with their sha256 and a key
 of the prompts and settings. A rerun skips every batch whose sidecar matches and whose shards are
 intact, so a killed stage resumes where it stopped; ``manifest.json`` is written last.
+
+With ``target.backend: sglang`` (or ``two_phase=True``) the round runs in two phases: every batch
+is generated first (ids kept in ``b{b:05d}.gen.jsonl``), then every batch is captured, because
+SGLang's serving engine and its capture runners cannot hold the weights at the same time. A rerun
+skips finished batches and does not regenerate batches whose ``.gen.jsonl`` matches.
 """
 
 from __future__ import annotations
@@ -20,13 +25,17 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from actors.prompts import Conversation, prompt_key
 from actors.shards import MANIFEST, bytes_per_token, finished_batch, write_manifest
 from pipeline.config import DataConfig, TargetConfig
+
+if TYPE_CHECKING:
+    from actors.sglang_backend import SGLangOptions
+    from actors.target import BatchResult
 
 STORAGE_MARGIN = 1.1  # headroom over the estimate (headers, sidecars, temp files)
 
@@ -43,6 +52,7 @@ class DataResult:
     gen_tok_per_s: float
     capture_tok_per_s: float
     seconds: float
+    switch_seconds: float = 0.0  # loading / switching SGLang's engine and capture runners
 
 
 def run_generate(
@@ -51,11 +61,16 @@ def run_generate(
     prompts: list[Conversation],
     out_dir: Path,
     config_hash: str,
+    *,
+    two_phase: bool | None = None,
+    sglang_options: SGLangOptions | None = None,
 ) -> DataResult:
-    """Generate, capture and write shards for ``prompts`` into ``out_dir``; Ray must be initialised."""
-    import ray
+    """Generate, capture and write shards for ``prompts`` into ``out_dir``; Ray must be initialised.
 
+    ``two_phase``: generate the whole round, then capture it (None = only for the SGLang backend).
+    ``sglang_options``: knobs of the SGLang backend the config does not carry (tests, tuning)."""
     start = time.perf_counter()
+    two_phase = target.backend == "sglang" if two_phase is None else two_phase
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     batches = [prompts[i : i + data.batch_size] for i in range(0, len(prompts), data.batch_size)]
@@ -70,25 +85,19 @@ def run_generate(
         flush=True,
     )
 
-    actors, results, info = [], [], {}
+    done, generated, info, n_actors, switch_s = [], [], {}, 0, 0.0
     if todo:
-        actors = _start_actors(target, data, min(data.num_actors, len(todo)))
+        actors, reservations = _start_actors(
+            target, data, min(data.num_actors, len(todo)), sglang_options
+        )
+        n_actors = len(actors)
         try:
-            t0 = time.perf_counter()
-            info = ray.get(actors[0].info.remote())
-            print(
-                f"[generate] {len(actors)} actor(s) loaded the target in {time.perf_counter() - t0:.1f}s",
-                flush=True,
+            done, generated, info, switch_s = _run_batches(
+                actors, batches, keys, list(todo), out_dir, data, two_phase
             )
-            lengths = ray.get(
-                actors[0].prompt_lengths.remote([p for i in todo for p in batches[i]])
-            )
-            _check_storage(out_dir, info, lengths, data)
-            results = _dispatch(actors, batches, keys, todo, out_dir)
         finally:
-            for a in actors:
-                ray.kill(a)
-    for r in results:
+            _stop_actors(actors, reservations)
+    for r in done:
         records[r.batch_index] = {**info, "shards": list(r.shards)}
 
     first = records[min(records)] if records else {}
@@ -99,17 +108,61 @@ def run_generate(
         config_hash,
         [s for i in sorted(records) for s in records[i]["shards"]],
     )
-    gen_s = sum(r.gen_seconds for r in results) / max(1, len(actors))
-    cap_s = sum(r.capture_seconds for r in results) / max(1, len(actors))
+    gen_s = sum(r.gen_seconds for r in generated) / max(1, n_actors)
+    cap_s = sum(r.capture_seconds for r in done) / max(1, n_actors)
     return DataResult(
         manifest=str(out_dir / MANIFEST),
         num_samples=manifest.num_samples,
         num_tokens=manifest.num_tokens,
         num_loss_tokens=manifest.num_loss_tokens,
-        gen_tok_per_s=sum(r.gen_tokens for r in results) / gen_s if gen_s else 0.0,
-        capture_tok_per_s=sum(r.capture_tokens for r in results) / cap_s if cap_s else 0.0,
+        gen_tok_per_s=sum(r.gen_tokens for r in generated) / gen_s if gen_s else 0.0,
+        capture_tok_per_s=sum(r.capture_tokens for r in done) / cap_s if cap_s else 0.0,
         seconds=time.perf_counter() - start,
+        switch_seconds=switch_s,
     )
+
+
+def _run_batches(
+    actors: list[Any],
+    batches: list[list[Conversation]],
+    keys: list[str],
+    todo: list[int],
+    out_dir: Path,
+    data: DataConfig,
+    two_phase: bool,
+) -> tuple[list[BatchResult], list[BatchResult], dict[str, Any], float]:
+    """Run the unfinished batches: (results with shards, results with generate figures, target
+    info, seconds spent loading/switching backend phases)."""
+    import ray
+
+    from actors.target import has_generated
+
+    t0 = time.perf_counter()
+    info = ray.get(actors[0].info.remote())
+    print(f"[generate] {len(actors)} actor(s) ready in {time.perf_counter() - t0:.1f}s", flush=True)
+    lengths = ray.get(actors[0].prompt_lengths.remote([p for i in todo for p in batches[i]]))
+    _check_storage(out_dir, info, lengths, data)
+    out, sizes = str(out_dir), [len(b) for b in batches]
+    if not two_phase:
+        done = _dispatch(actors, "process", {i: (batches[i], out, i, keys[i]) for i in todo}, sizes)
+        generated = done
+    else:
+        gen_todo = [i for i in todo if not has_generated(out_dir, i, keys[i])]
+        print(
+            f"[generate] phase 1 (generate): {len(gen_todo)} batch(es), "
+            f"{len(todo) - len(gen_todo)} already generated",
+            flush=True,
+        )
+        generated = _dispatch(
+            actors, "generate_batch", {i: (batches[i], out, i, keys[i]) for i in gen_todo}, sizes
+        )
+        print(f"[generate] phase 2 (capture): {len(todo)} batch(es)", flush=True)
+        done = _dispatch(actors, "capture_batch", {i: (out, i, keys[i]) for i in todo}, sizes)
+    skipped = sum(r.skipped_prompts for r in done)
+    if skipped:
+        print(f"[generate] skipped {skipped} prompt(s) longer than data.max_length", flush=True)
+    calls = done if generated is done else generated + done
+    return done, generated, info, sum(r.switch_seconds for r in calls)
 
 
 def batch_key(batch: list[Conversation], target: TargetConfig, data: DataConfig) -> str:
@@ -122,10 +175,32 @@ def batch_key(batch: list[Conversation], target: TargetConfig, data: DataConfig)
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def _start_actors(target: TargetConfig, data: DataConfig, n: int) -> list[Any]:
+def _start_actors(
+    target: TargetConfig, data: DataConfig, n: int, sglang_options: SGLangOptions | None
+) -> tuple[list[Any], list[Any]]:
+    """`n` target actors and the GPU reservations they hold (SGLang: one STRICT_PACK placement
+    group of `target.tp_size` GPUs per actor, released by `_stop_actors`)."""
     import ray
 
     from actors.target import TargetActor
+
+    if target.backend == "sglang":
+        from actors.sglang_backend import reserve_target_gpus, target_actor_options
+
+        actors, reservations = [], []
+        try:
+            for _ in range(n):
+                reservations.append(reserve_target_gpus(target.tp_size))
+                opts = target_actor_options(target, reservations[-1])
+                actors.append(
+                    TargetActor.options(**opts, max_concurrency=2).remote(
+                        target, data, None, sglang_options
+                    )
+                )
+        except BaseException:
+            _stop_actors(actors, reservations)
+            raise
+        return actors, reservations
 
     # Torch threads per actor: this node's cores shared by data.num_actors actors (not by the
     # batches left, so a resumed run computes with the same kernels and byte-identical shards).
@@ -139,48 +214,58 @@ def _start_actors(target: TargetConfig, data: DataConfig, n: int) -> list[Any]:
     }
     if target.env:
         opts["runtime_env"] = {"env_vars": dict(target.env)}
-    return [TargetActor.options(**opts).remote(target, data, threads) for _ in range(n)]
+    return [TargetActor.options(**opts).remote(target, data, threads) for _ in range(n)], []
+
+
+def _stop_actors(actors: list[Any], reservations: list[Any]) -> None:
+    """Close each backend (SGLang's processes would outlive a killed actor), kill the actors,
+    release their GPUs."""
+    import ray
+
+    closing = [a.close.remote() for a in actors]
+    if closing:
+        ray.wait(closing, num_returns=len(closing), timeout=300)
+    for a in actors:
+        ray.kill(a)
+    for r in reservations:
+        ray.util.remove_placement_group(r.placement_group)
 
 
 def _dispatch(
-    actors: list[Any],
-    batches: list[list[Conversation]],
-    keys: list[str],
-    todo: deque,
-    out_dir: Path,
-) -> list[Any]:
-    """Keep two batches in flight per actor (one computing, one writing) until all are done."""
+    actors: list[Any], method: str, jobs: dict[int, tuple], sizes: list[int]
+) -> list[BatchResult]:
+    """Call `method(*jobs[i])` for every batch i, two in flight per actor (one computing, one
+    writing), until all are done."""
     import ray
 
+    todo = deque(sorted(jobs))
     pending: dict[Any, Any] = {}
-    results = []
+    results: list[BatchResult] = []
 
     def submit(actor: Any) -> None:
         if todo:
             i = todo.popleft()
-            pending[actor.process.remote(batches[i], str(out_dir), i, keys[i])] = actor
+            pending[getattr(actor, method).remote(*jobs[i])] = actor
 
-    total = sum(len(batches[i]) for i in todo)
     for a in actors:
         submit(a)
         submit(a)
     t0 = time.perf_counter()
-    with tqdm(total=total, unit="prompt", desc="generate", file=sys.stdout, mininterval=2.0) as bar:
+    total = sum(sizes[i] for i in jobs)
+    with tqdm(total=total, unit="prompt", desc=method, file=sys.stdout, mininterval=2.0) as bar:
         while pending:
             [ref], _ = ray.wait(list(pending), num_returns=1)
             actor = pending.pop(ref)
             r = ray.get(ref)
             results.append(r)
             submit(actor)
-            toks = sum(x.gen_tokens for x in results)
+            dt = time.perf_counter() - t0
             bar.set_postfix(
-                gen_tok_s=f"{toks / (time.perf_counter() - t0):.0f}",
+                gen_tok_s=f"{sum(x.gen_tokens for x in results) / dt:.0f}",
+                cap_tok_s=f"{sum(x.capture_tokens for x in results) / dt:.0f}",
                 shards=sum(len(x.shards) for x in results),
             )
             bar.update(r.num_prompts)
-    skipped = sum(r.skipped_prompts for r in results)
-    if skipped:
-        print(f"[generate] skipped {skipped} prompt(s) longer than data.max_length", flush=True)
     return results
 
 

@@ -1,34 +1,61 @@
 """The Ray actor that owns the target LLM: regenerate responses, capture hidden states, write shards.
 
 The driver sends prompt batches (plain conversations) and gets back small `BatchResult` records;
-tokens, hidden states and shards never leave the actor. The model sits behind `TargetBackend`, so
-an SGLang backend can replace the transformers one without touching the stage.
+tokens, hidden states and shards never leave the actor. The model sits behind `TargetBackend`:
+`HFTarget` (transformers) or `SGLangTarget` (actors/sglang_backend.py).
+
+Two ways through a batch:
+- `process`: generate, then capture, batch by batch (the HF backend: both live in one model).
+- `generate_batch` for every batch of the round, then `capture_batch` for every batch: the SGLang
+  backend swaps its serving engine for capture runners between the two (two copies of a 1T
+  model do not fit), so the round is split in two phases. The generated ids wait on disk in a
+  small JSON-lines sidecar `b{batch:05d}.gen.jsonl`, so a rerun after a kill in the capture
+  phase does not regenerate.
+
+Capture runs in token-bounded groups (`CAPTURE_TOKENS`) and shards are written as they fill, so a
+large `data.batch_size` (512 for Kimi) never holds a whole batch's hidden states in memory.
 
 The actor runs two calls at a time (``max_concurrency=2``) but only one of them computes (a lock):
-while one batch's shards are serialised, hashed and written, the next batch is already generating.
+while one batch's shards are serialised, hashed and written, the next batch computes.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
 import torch
 
 from actors.chat import Conversation, encode_conversation, prompt_ids
 from actors.hf_backend import HFTarget, load_tokenizer, resolve_aux_layer_ids
-from actors.shards import Sample, ShardInfo, pack_parts, shard_name, write_batch_record, write_shard
+from actors.sglang_backend import token_bounded_batches
+from actors.shards import (
+    Sample,
+    ShardInfo,
+    batch_stem,
+    pack_parts,
+    shard_name,
+    write_batch_record,
+    write_shard,
+)
 from pipeline.config import DataConfig, TargetConfig
+
+if TYPE_CHECKING:
+    from actors.sglang_backend import SGLangOptions
+
+CAPTURE_TOKENS = 32768
+"""Tokens captured per backend call: a batch's hidden states reach the CPU one group at a time
+(32k tokens x 57 KiB = 1.8 GiB for Kimi-K2.5's H = 7168) and are written as shards fill."""
 
 
 class TargetBackend(Protocol):
-    """What the data stage needs from a target engine: HFTarget here; SGLangTarget
-    (actors/sglang_backend.py) has the same properties, generate and capture."""
+    """What the data stage needs from a target engine (HFTarget, SGLangTarget)."""
 
     @property
     def num_layers(self) -> int: ...
@@ -52,17 +79,23 @@ class TargetBackend(Protocol):
     ) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
 
 
-def make_backend(target: TargetConfig, num_threads: int | None = None) -> TargetBackend:
-    if target.backend == "hf":
-        return HFTarget(target, num_threads=num_threads)
-    raise NotImplementedError(
-        f"target.backend={target.backend!r}: not available in the data stage yet; use target.backend=hf"
-    )
+def make_backend(
+    target: TargetConfig,
+    num_threads: int | None = None,
+    sglang_options: SGLangOptions | None = None,
+) -> TargetBackend:
+    """The backend `target.backend` names. SGLang loads nothing until its first call."""
+    if target.backend == "sglang":
+        from actors.sglang_backend import SGLangOptions, SGLangTarget
+
+        return SGLangTarget(target, options=sglang_options or SGLangOptions())
+    return HFTarget(target, num_threads=num_threads)
 
 
 @dataclass(frozen=True)
 class BatchResult:
-    """What one processed prompt batch sends back to the driver (no tensors)."""
+    """What one call on a prompt batch sends back to the driver (no tensors). A generate-phase
+    call has no shards and no capture figures; a capture-phase call no generate figures."""
 
     batch_index: int
     shards: tuple[ShardInfo, ...]
@@ -73,15 +106,90 @@ class BatchResult:
     capture_tokens: int
     capture_seconds: float
     write_seconds: float
+    switch_seconds: float = 0.0  # loading/switching the backend's phase (SGLang), not in the above
+
+
+@dataclass(frozen=True)
+class Generated:
+    """The sequences of one batch after generation: prompt + response, truncated, with masks."""
+
+    input_ids: list[list[int]]
+    loss_mask: list[list[int]]
+    num_prompts: int
+    skipped_prompts: int
+    gen_tokens: int
+    gen_seconds: float
+    switch_seconds: float = 0.0
+
+
+def generated_path(out_dir: str | Path, batch_index: int) -> Path:
+    return Path(out_dir) / f"{batch_stem(batch_index)}.gen.jsonl"
+
+
+def write_generated(out_dir: str | Path, batch_index: int, batch_key: str, g: Generated) -> Path:
+    """Line 1: batch key and counts; then one line per sample. Atomic (temp file + rename)."""
+    path = generated_path(out_dir, batch_index)
+    head = {
+        "batch_key": batch_key,
+        "num_samples": len(g.input_ids),
+        "num_prompts": g.num_prompts,
+        "skipped_prompts": g.skipped_prompts,
+        "gen_tokens": g.gen_tokens,
+        "gen_seconds": g.gen_seconds,
+    }
+    lines = [json.dumps(head)] + [
+        json.dumps({"input_ids": ids, "loss_mask": m})
+        for ids, m in zip(g.input_ids, g.loss_mask, strict=True)
+    ]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def has_generated(out_dir: str | Path, batch_index: int, batch_key: str) -> bool:
+    """True when the batch's generated ids are on disk for these prompts and settings (reads
+    only the first line)."""
+    try:
+        with open(generated_path(out_dir, batch_index)) as fh:
+            return json.loads(fh.readline()).get("batch_key") == batch_key
+    except (OSError, ValueError):
+        return False
+
+
+def read_generated(out_dir: str | Path, batch_index: int, batch_key: str) -> Generated:
+    path = generated_path(out_dir, batch_index)
+    try:
+        head, *rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"{path}: unreadable ({e}); delete it to regenerate the batch") from None
+    if head.get("batch_key") != batch_key or head.get("num_samples") != len(rows):
+        raise RuntimeError(
+            f"{path}: made for other prompts or settings, or incomplete; delete it to regenerate"
+        )
+    return Generated(
+        input_ids=[r["input_ids"] for r in rows],
+        loss_mask=[r["loss_mask"] for r in rows],
+        num_prompts=head["num_prompts"],
+        skipped_prompts=head["skipped_prompts"],
+        gen_tokens=head["gen_tokens"],
+        gen_seconds=head["gen_seconds"],
+    )
 
 
 class TargetWorker:
     """Owns one target replica. Plain class (testable without Ray); `TargetActor` is its actor."""
 
-    def __init__(self, target: TargetConfig, data: DataConfig, num_threads: int | None = None):
+    def __init__(
+        self,
+        target: TargetConfig,
+        data: DataConfig,
+        num_threads: int | None = None,
+        sglang_options: SGLangOptions | None = None,
+    ):
         os.environ.update(target.env)
         self.data = data
-        self.backend = make_backend(target, num_threads)
+        self.backend = make_backend(target, num_threads, sglang_options)
         # chat templating happens here, so a backend without a tokenizer of its own works too
         self.tokenizer = getattr(self.backend, "tokenizer", None) or load_tokenizer(target)
         self.aux_layer_ids = resolve_aux_layer_ids(target.aux_layer_ids, self.backend.num_layers)
@@ -111,41 +219,120 @@ class TargetWorker:
         write the batch's shards and its sidecar into ``out_dir``.
 
         Loss mask: the response (EOS included) plus earlier assistant turns of the prompt."""
+        gen = self._generate(batch, batch_index)
+        r = self._capture_and_write(gen, out_dir, batch_index, batch_key)
+        return replace(
+            r,
+            gen_tokens=gen.gen_tokens,
+            gen_seconds=gen.gen_seconds,
+            switch_seconds=r.switch_seconds + gen.switch_seconds,
+        )
+
+    def generate_batch(
+        self, batch: list[Conversation], out_dir: str, batch_index: int, batch_key: str
+    ) -> BatchResult:
+        """Phase 1 of the two-phase round: generate and keep the ids in the batch's
+        `.gen.jsonl` sidecar (no capture, no shards)."""
+        gen = self._generate(batch, batch_index)
+        write_generated(out_dir, batch_index, batch_key, gen)
+        return BatchResult(
+            batch_index=batch_index,
+            shards=(),
+            num_prompts=gen.num_prompts,
+            skipped_prompts=gen.skipped_prompts,
+            gen_tokens=gen.gen_tokens,
+            gen_seconds=gen.gen_seconds,
+            capture_tokens=0,
+            capture_seconds=0.0,
+            write_seconds=0.0,
+            switch_seconds=gen.switch_seconds,
+        )
+
+    def capture_batch(self, out_dir: str, batch_index: int, batch_key: str) -> BatchResult:
+        """Phase 2: capture the sequences `generate_batch` left on disk, write shards + sidecar."""
+        gen = read_generated(out_dir, batch_index, batch_key)
+        return self._capture_and_write(gen, out_dir, batch_index, batch_key)
+
+    def close(self) -> None:
+        """Stop the backend's processes (SGLang's engine or capture ranks) before the actor dies."""
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            with self._compute:
+                close()
+
+    def _generate(self, batch: list[Conversation], batch_index: int) -> Generated:
         d = self.data
         with self._compute:
             encoded = [self._encode(c) for c in batch]
             encoded = [e for e in encoded if len(e[0]) < d.max_length]  # room for a response
-            t0 = time.perf_counter()
             prompts = [ids for ids, _ in encoded]
-            seed = d.seed + batch_index
-            new = self.backend.generate(prompts, d.max_new_tokens, d.temperature, seed)
-            t1 = time.perf_counter()
-            seqs = [(p + n)[: d.max_length] for p, n in zip(prompts, new, strict=True)]
-            masks = [
-                (m + [1] * len(n))[: d.max_length] for (_, m), n in zip(encoded, new, strict=True)
-            ]
-            states = self.backend.capture(seqs, self.aux_layer_ids)
-            t2 = time.perf_counter()
-        # outside the lock: the next batch computes while this one is serialised and hashed
-        samples = [Sample(s, m, a, f) for s, m, (a, f) in zip(seqs, masks, states, strict=True)]
+            sw, t0 = self._switch_seconds(), time.perf_counter()
+            new = self.backend.generate(
+                prompts, d.max_new_tokens, d.temperature, d.seed + batch_index
+            )
+            switch = self._switch_seconds() - sw
+            seconds = time.perf_counter() - t0 - switch
+        seqs = [(p + n)[: d.max_length] for p, n in zip(prompts, new, strict=True)]
+        masks = [(m + [1] * len(n))[: d.max_length] for (_, m), n in zip(encoded, new, strict=True)]
+        return Generated(
+            input_ids=seqs,
+            loss_mask=masks,
+            num_prompts=len(batch),
+            skipped_prompts=len(batch) - len(encoded),
+            gen_tokens=sum(len(n) for n in new),
+            gen_seconds=seconds,
+            switch_seconds=switch,
+        )
+
+    def _capture_and_write(
+        self, gen: Generated, out_dir: str, batch_index: int, batch_key: str
+    ) -> BatchResult:
+        """Capture in token-bounded groups; write each shard as soon as it is full (the packing
+        equals `pack_parts` over the whole batch), then the batch sidecar. Writing happens
+        outside the compute lock, so the actor's other call computes meanwhile."""
+        seqs, masks = gen.input_ids, gen.loss_mask
         meta = {"batch_key": batch_key, "aux_layer_ids": ",".join(map(str, self.aux_layer_ids))}
         out = Path(out_dir)
-        parts = pack_parts(samples, d.shard_max_bytes)
-        shards = [
-            write_shard(out / shard_name(batch_index, i), g, meta) for i, g in enumerate(parts)
-        ]
+        lengths = [len(s) for s in seqs]
+        bound = max([CAPTURE_TOKENS, *lengths])
+        shards: list[ShardInfo] = []
+        pending: list[Sample] = []
+        capture_s = write_s = switch = 0.0
+        for group in token_bounded_batches(lengths, bound, max(1, len(seqs))):
+            with self._compute:
+                sw, t0 = self._switch_seconds(), time.perf_counter()
+                states = self.backend.capture([seqs[i] for i in group], self.aux_layer_ids)
+                took, dsw = time.perf_counter() - t0, self._switch_seconds() - sw
+            switch += dsw
+            capture_s += took - dsw
+            t1 = time.perf_counter()
+            for i, (aux, final) in zip(group, states, strict=True):
+                pending.append(Sample(seqs[i], masks[i], aux, final))
+            parts = pack_parts(pending, self.data.shard_max_bytes)
+            for part in parts[:-1]:  # full: the next sample did not fit
+                shards.append(write_shard(out / shard_name(batch_index, len(shards)), part, meta))
+            pending = parts[-1] if parts else []
+            write_s += time.perf_counter() - t1
+        t1 = time.perf_counter()
+        if pending:
+            shards.append(write_shard(out / shard_name(batch_index, len(shards)), pending, meta))
         write_batch_record(out, batch_index, batch_key, shards, self.info())
         return BatchResult(
             batch_index=batch_index,
             shards=tuple(shards),
-            num_prompts=len(batch),
-            skipped_prompts=len(batch) - len(encoded),
-            gen_tokens=sum(len(n) for n in new),
-            gen_seconds=t1 - t0,
-            capture_tokens=sum(len(s) for s in seqs),
-            capture_seconds=t2 - t1,
-            write_seconds=time.perf_counter() - t2,
+            num_prompts=gen.num_prompts,
+            skipped_prompts=gen.skipped_prompts,
+            gen_tokens=0,
+            gen_seconds=0.0,
+            capture_tokens=sum(lengths),
+            capture_seconds=capture_s,
+            write_seconds=write_s + time.perf_counter() - t1,
+            switch_seconds=switch,
         )
+
+    def _switch_seconds(self) -> float:
+        """Seconds the backend spent loading or switching phases so far (SGLang reports them)."""
+        return sum(s for _, s in getattr(self.backend, "phase_switch_s", ()))
 
     def _encode(self, conv: Conversation) -> tuple[list[int], list[int]]:
         """Prompt ids (ending with the assistant header) and their mask, untruncated."""
@@ -153,5 +340,7 @@ class TargetWorker:
 
 
 TargetActor = ray.remote(TargetWorker)
-"""`TargetWorker` as a Ray actor; create it with
-``TargetActor.options(num_cpus=..., num_gpus=target.num_gpus_per_actor, max_concurrency=2)``."""
+"""`TargetWorker` as a Ray actor. HF backend: ``TargetActor.options(num_cpus=...,
+num_gpus=target.num_gpus_per_actor, max_concurrency=2)``; SGLang backend:
+``TargetActor.options(**target_actor_options(target, reserve_target_gpus(target.tp_size)),
+max_concurrency=2)`` (see actors/generate.py `_start_actors`)."""

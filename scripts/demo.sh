@@ -38,6 +38,9 @@ echo "MLflow UI:     http://127.0.0.1:$MLFLOW_PORT"
 echo "run dir:       $RUN_DIR"
 
 RUNTIME_ENV=$(python pipeline/run.py runtime-env "$CONFIG")
+# A fresh head refuses jobs ("No available agent") until its job agent is up.
+for _ in $(seq 60); do ray job list --address "http://127.0.0.1:$DASH_PORT" >/dev/null 2>&1 && break; sleep 1; done
+sleep 3
 ray job submit --address "http://127.0.0.1:$DASH_PORT" --runtime-env-json "$RUNTIME_ENV" -- \
   python pipeline/run.py --config "$CONFIG" --run-dir "$RUN_DIR" \
   --set "tracking.tracking_uri=http://127.0.0.1:$MLFLOW_PORT" "$@"

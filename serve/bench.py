@@ -3,9 +3,13 @@ statistics (this project's engine in `usage`, SGLang in `meta_info`).
 
 One run, at temperature 0 with a fixed `max_tokens` (`ignore_eos`) on held-out prompts:
   1. warm-up requests (excluded);
-  2. optional steps sweep at the first concurrency level: the best steps by output tok/s is kept;
+  2. optional steps sweep at the first concurrency level: the best steps by output tok/s is kept
+     (skipped when the server's steps are fixed at launch: `fixed_steps`, SGLang);
   3. each concurrency level with speculation (best steps) and right after it without
      (`speculative: false`: the baseline on the same target and server).
+SGLang ignores `speculative` and `steps` in a request, so its baseline comes from a server
+without a drafter: `baseline_url`, or figures measured once (`measure_baseline_levels`) and
+cached (`bench_endpoint` does this through the endpoint: serve.deployment.ServingEndpoint).
 Reported: accept_len (mean over requests, histogram), output tok/s per request and aggregate,
 verify and draft ms, baseline tok/s, speedup, per-position acceptance (fraction of cycles that
 accepted >= i drafts) and the measured costs for the planner (`BenchResult.costs` are the keyword
@@ -16,6 +20,7 @@ arguments of `pipeline.plan.plan`). Writes `<tag>.json` and `<tag>.png`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 import time
@@ -26,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from serve.sglang_server import has_meta_info, spec_stats_from_sglang
 
 Prompt = list[dict[str, str]] | str
 # (prompt, max_tokens, speculative, steps) -> (path, JSON body); the seam for other servers
@@ -54,24 +61,36 @@ class RequestStats:
 
 
 def extract_stats(body: dict[str, Any], latency_s: float) -> RequestStats:
-    """Per-request statistics from one response: this engine's `usage` fields, or SGLang's
-    `meta_info` (`completion_tokens`, `spec_verify_ct`; native `/generate` puts it at the top
-    level). The only place that knows response formats."""
-    meta = body.get("meta_info")
-    if meta is None and body.get("choices"):
-        meta = body["choices"][0].get("meta_info")
-    src = {**(body.get("usage") or {}), **(meta or {})}
+    """Per-request statistics from one response: SGLang's `meta_info` (top level in native
+    `/generate`, under `choices[i]` in chat completions sent with `return_meta_info`), else this
+    engine's `usage` fields. The only place that knows response formats."""
+    if has_meta_info(body):
+        st = spec_stats_from_sglang(body)
+        if st["completion_tokens"] is None:
+            raise ValueError(f"meta_info without completion_tokens: keys {sorted(body)}")
+        hist = st["spec_accept_hist"]
+        return RequestStats(
+            completion_tokens=st["completion_tokens"],
+            latency_s=latency_s,
+            verify_ct=st["spec_verify_ct"] or None,
+            accepted_drafts=st["spec_accepted_tokens"],
+            accept_hist=tuple(int(x) for x in hist) if hist else None,
+            # SGLang does not split a cycle into draft and verify: the whole request time counts
+            # as verify (draft 0), so verify_ms per pass is the cycle time the planner needs.
+            draft_ms=0.0 if st["speculative"] else None,
+            verify_ms=latency_s * 1000.0,
+        )
+    src = body.get("usage") or {}
     if "completion_tokens" not in src:
         raise ValueError(
             f"response has no usage.completion_tokens nor meta_info: keys {sorted(body)}"
         )
     hist = src.get("spec_accept_hist")
-    accepted = src.get("spec_accepted_tokens", src.get("spec_num_correct_drafts"))
     return RequestStats(
         completion_tokens=int(src["completion_tokens"]),
         latency_s=latency_s,
         verify_ct=int(src["spec_verify_ct"]) if src.get("spec_verify_ct") else None,
-        accepted_drafts=int(accepted) if accepted is not None else None,
+        accepted_drafts=src.get("spec_accepted_tokens"),
         accept_hist=tuple(int(x) for x in hist) if hist else None,
         draft_ms=src.get("draft_ms"),
         verify_ms=src.get("verify_ms"),
@@ -82,7 +101,9 @@ def extract_stats(body: dict[str, Any], latency_s: float) -> RequestStats:
 def chat_request(
     prompt: Prompt, max_tokens: int, speculative: bool, steps: int | None
 ) -> tuple[str, dict[str, Any]]:
-    """OpenAI chat completion at temperature 0 with a fixed length (this engine's extra fields)."""
+    """OpenAI chat completion at temperature 0 with a fixed length. `speculative`/`steps` are this
+    engine's fields (SGLang ignores them); `return_meta_info` makes SGLang put its per-request
+    speculative stats under `choices[0].meta_info` (non-streaming only; ignored by this engine)."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     body: dict[str, Any] = {
         "messages": messages,
@@ -90,6 +111,7 @@ def chat_request(
         "temperature": 0,
         "ignore_eos": True,
         "speculative": speculative,
+        "return_meta_info": True,
     }
     if steps is not None:
         body["steps"] = steps
@@ -119,9 +141,11 @@ def _level(
 ) -> LevelResult:
     lens = [s.accept_len for s in stats if s.accept_len is not None]
     verify = sum(s.verify_ct or 0 for s in stats)
-    hists = [s.accept_hist for s in stats if s.accept_hist]
-    hist = tuple(map(sum, zip(*hists, strict=True))) if hists else ()
     k = steps or next((s.steps for s in stats if s.steps), None)
+    # SGLang's histogram only reaches the largest count a request saw: pad them to one width
+    hists = [s.accept_hist for s in stats if s.accept_hist]
+    width = max([len(h) for h in hists] + [k + 1 if k else 0]) if hists else 0
+    hist = tuple(sum(h[i] for h in hists if i < len(h)) for i in range(width))
     tokens = sum(s.completion_tokens for s in stats)
     vms = [s.verify_ms for s in stats if s.verify_ms is not None]
     dms = [s.draft_ms for s in stats if s.draft_ms is not None]
@@ -209,15 +233,20 @@ def run_bench(
     tag: str = "bench",
     build: RequestBuilder = chat_request,
     timeout_s: float = 900.0,
+    baseline_url: str | None = None,
+    baseline: dict[str, Any] | None = None,
+    fixed_steps: int | None = None,
 ) -> BenchResult:
     """Benchmark `url` on `prompts` (held-out conversations or strings) with `bench_cfg` (a
-    BenchConfig or a dict with num_prompts, max_tokens, concurrency, warmup, steps_sweep)."""
+    BenchConfig or a dict with num_prompts, max_tokens, concurrency, warmup, steps_sweep).
+
+    Baseline: `baseline` (figures from `measure_baseline_levels`, e.g. cached), else measured on
+    `baseline_url` (a server without a drafter), else `speculative: false` requests to `url`.
+    `fixed_steps`: the server drafts this many steps whatever a request asks (SGLang's
+    --speculative-num-steps): the sweep is skipped and the levels are labelled with it."""
     n, max_tokens = _get(bench_cfg, "num_prompts"), _get(bench_cfg, "max_tokens")
-    levels_c, warmup, sweep_steps = (
-        list(_get(bench_cfg, "concurrency")),
-        _get(bench_cfg, "warmup"),
-        list(_get(bench_cfg, "steps_sweep")),
-    )
+    levels_c, warmup = list(_get(bench_cfg, "concurrency")), _get(bench_cfg, "warmup")
+    sweep_steps = [] if fixed_steps else list(_get(bench_cfg, "steps_sweep"))
     if len(prompts) < n:
         raise ValueError(
             f"bench.num_prompts={n} but only {len(prompts)} held-out prompts; lower it or hold out more"
@@ -225,9 +254,17 @@ def run_bench(
     prompts = prompts[:n]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    source = "same server, speculative: false"
+    if baseline is None and baseline_url is not None:
+        baseline = measure_baseline_levels(
+            baseline_url, prompts, bench_cfg, build=build, timeout_s=timeout_s
+        )
+        source = baseline_url
+    elif baseline is not None:
+        source = "given (cached) figures"
     limits = httpx.Limits(max_connections=max(levels_c) + 2)
     with httpx.Client(base_url=url, timeout=timeout_s, limits=limits) as client:
-        for spec in (True, False):
+        for spec in (True, False) if baseline is None else (True,):
             if warmup:
                 _run_requests(client, prompts[:warmup], build, max_tokens, spec, None, 1)
         c0 = levels_c[0]
@@ -235,28 +272,110 @@ def run_bench(
         for s in sweep_steps:
             stats, wall = _run_requests(client, prompts, build, max_tokens, True, s, c0)
             sweep.append(_level(stats, c0, True, s, wall))
-        best = max(sweep, key=lambda lv: lv.tok_per_s).steps if sweep else None
+        best = fixed_steps or (max(sweep, key=lambda lv: lv.tok_per_s).steps if sweep else None)
         levels = []
         for c in levels_c:  # speculative and baseline back to back: drifting load hits both
-            for spec in (True, False):
-                stats, wall = _run_requests(
-                    client, prompts, build, max_tokens, spec, best if spec else None, c
-                )
-                levels.append(_level(stats, c, spec, best if spec else None, wall))
-    return _summarize(
-        levels,
-        sweep,
-        out,
-        tag,
-        {
-            "url": url,
-            "num_prompts": n,
-            "max_tokens": max_tokens,
-            "concurrency": levels_c,
-            "warmup": warmup,
-            "steps_sweep": sweep_steps,
-        },
+            stats, wall = _run_requests(client, prompts, build, max_tokens, True, best, c)
+            levels.append(_level(stats, c, True, best, wall))
+            if baseline is not None:
+                levels.append(_baseline_level(baseline, c))
+            else:
+                stats, wall = _run_requests(client, prompts, build, max_tokens, False, None, c)
+                levels.append(_level(stats, c, False, None, wall))
+    settings = {
+        "url": url,
+        "num_prompts": n,
+        "max_tokens": max_tokens,
+        "concurrency": levels_c,
+        "warmup": warmup,
+        "steps_sweep": sweep_steps,
+        "fixed_steps": fixed_steps,
+        "baseline": source,
+    }
+    return _summarize(levels, sweep, out, tag, settings)
+
+
+def measure_baseline_levels(
+    url: str,
+    prompts: list[Prompt],
+    bench_cfg: Any,
+    *,
+    build: RequestBuilder = chat_request,
+    timeout_s: float = 900.0,
+) -> dict[str, Any]:
+    """No-speculation figures of `url` at every concurrency level of `bench_cfg` (warm-up
+    first): {"levels": [LevelResult as dict]}; what `run_bench(baseline=...)` takes and what
+    `BaselineCache` stores."""
+    n, max_tokens = _get(bench_cfg, "num_prompts"), _get(bench_cfg, "max_tokens")
+    levels_c, warmup = list(_get(bench_cfg, "concurrency")), _get(bench_cfg, "warmup")
+    prompts = prompts[:n]
+    limits = httpx.Limits(max_connections=max(levels_c) + 2)
+    levels = []
+    with httpx.Client(base_url=url, timeout=timeout_s, limits=limits) as client:
+        if warmup:
+            _run_requests(client, prompts[:warmup], build, max_tokens, False, None, 1)
+        for c in levels_c:
+            stats, wall = _run_requests(client, prompts, build, max_tokens, False, None, c)
+            levels.append(asdict(_level(stats, c, False, None, wall)))
+    return {"url": url, "levels": levels}
+
+
+def bench_settings_key(prompts: list[Prompt], bench_cfg: Any) -> str:
+    """Identity of what a baseline measured (prompts, lengths, levels): its cache key part."""
+    n = _get(bench_cfg, "num_prompts")
+    what = {k: _get(bench_cfg, k) for k in ("num_prompts", "max_tokens", "concurrency", "warmup")}
+    blob = json.dumps({**what, "prompts": prompts[:n]}, sort_keys=True, default=str)
+    return "bench-" + hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _baseline_level(baseline: dict[str, Any], concurrency: int) -> LevelResult:
+    for d in baseline.get("levels", []):
+        if d["concurrency"] == concurrency:
+            d = {
+                **d,
+                "accept_lens": tuple(d["accept_lens"]),
+                "accept_hist": tuple(d["accept_hist"]),
+            }
+            return LevelResult(**d)
+    raise ValueError(
+        f"baseline figures have no level at concurrency {concurrency}; they were measured with "
+        "other bench settings: delete that baseline cache entry to measure it again"
     )
+
+
+def bench_endpoint(
+    endpoint: Any,
+    prompts: list[Prompt],
+    bench_cfg: Any,
+    out_dir: str | Path,
+    *,
+    baseline_cache: str | Path,
+    tag: str = "bench",
+    timeout_s: float = 900.0,
+) -> BenchResult:
+    """`run_bench` the way the endpoint's engine needs (a serve.deployment.ServingEndpoint):
+    embedded = baseline per request on the same replica and the steps sweep; SGLang = steps fixed
+    at launch and the baseline from `baseline_cache` or measured once by restarting the endpoint
+    without its drafter (the speculative server holds the GPUs a second server would need)."""
+    got = endpoint.baseline(
+        lambda url: measure_baseline_levels(url, prompts, bench_cfg, timeout_s=timeout_s),
+        baseline_cache,
+        bench_settings_key(prompts, bench_cfg),
+    )
+    baseline, cached = got if got is not None else (None, False)
+    result = run_bench(
+        endpoint.url,
+        prompts,
+        bench_cfg,
+        out_dir,
+        tag=tag,
+        timeout_s=timeout_s,
+        baseline=baseline,
+        fixed_steps=endpoint.fixed_steps,
+    )
+    result.extra["baseline_cached"] = cached
+    Path(result.json_path).write_text(json.dumps(asdict(result), indent=2) + "\n")
+    return result
 
 
 def _summarize(

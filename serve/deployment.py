@@ -13,6 +13,10 @@
   `drafter_info()`, and the old drafter keeps serving (raising there would kill the replica).
   `swap_drafter` validates through the replica first, so the driver gets an exception instead.
 
+The driver calls one function for either engine: `deploy_endpoint(serve_cfg, target_cfg,
+drafter_dir, log_dir) -> ServingEndpoint` (`serve.engine: embedded` = this deployment,
+`sglang` = serve/sglang_server.py's `deploy_sglang`, whose drafter swap is a restart).
+
 Everything binds 127.0.0.1 unless `serve.host` says otherwise.
 """
 
@@ -27,10 +31,10 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from fastapi import FastAPI, Request
@@ -46,6 +50,7 @@ from serve.engine import (
     load_target,
     tree_problem,
 )
+from serve.sglang_server import DrafterRejected, deploy_sglang
 
 log = logging.getLogger("ray.serve")
 
@@ -58,10 +63,6 @@ app = FastAPI()
 
 class BadRequest(ValueError):
     """A request the server cannot serve; answered with HTTP 400."""
-
-
-class DrafterRejected(ValueError):
-    """A drafter checkpoint that does not load or does not fit the target; the old one stays."""
 
 
 @dataclass
@@ -493,3 +494,90 @@ def swap_drafter(drafter_dir: str | Path, app_name: str = APP_NAME) -> dict[str,
 def shutdown(app_name: str = APP_NAME) -> None:
     serve.delete(app_name)
     _APPS.pop(app_name, None)
+
+
+# ----------------------------------------------------------------------------------------------
+# One entry point for both engines
+
+
+class ServingEndpoint(Protocol):
+    """A running server the benchmark can score: `SGLangServerHandle` or `EmbeddedEndpoint`."""
+
+    engine: str  # "embedded" | "sglang"
+    url: str  # http://host:port, the OpenAI base without /v1
+
+    @property
+    def fixed_steps(self) -> int | None:
+        """Draft steps the server uses whatever a request asks (SGLang), or None when requests
+        may choose (the embedded engine: the benchmark's steps sweep works)."""
+        ...
+
+    def swap_drafter(self, drafter_dir: str | Path) -> dict[str, Any]:
+        """Serve another drafter; raises DrafterRejected (the previous one keeps serving)."""
+        ...
+
+    def info(self) -> dict[str, Any]: ...
+
+    def baseline(
+        self, measure: Callable[[str], dict[str, Any]], cache_path: str | Path, settings_key: str
+    ) -> tuple[dict[str, Any], bool] | None:
+        """Figures of a no-speculation server, when the server cannot run the baseline per
+        request (SGLang); None when it can (`speculative: false` on the same replica)."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass
+class EmbeddedEndpoint:
+    """The embedded engine's Serve app as a ServingEndpoint."""
+
+    url: str
+    app_name: str
+    engine: str = "embedded"
+    fixed_steps: int | None = None
+
+    def swap_drafter(self, drafter_dir: str | Path) -> dict[str, Any]:
+        """In place (`reconfigure`, no target reload), validated by the replica first."""
+        swap_drafter(drafter_dir, self.app_name)
+        return self.info()
+
+    def info(self) -> dict[str, Any]:
+        drafter = serve.get_app_handle(self.app_name).drafter_info.remote().result()
+        return {"engine": self.engine, "url": self.url, "app": self.app_name, **drafter}
+
+    def baseline(
+        self, measure: Callable[[str], dict[str, Any]], cache_path: str | Path, settings_key: str
+    ) -> None:
+        return None  # each request may say `speculative: false`: measured on this replica
+
+    def shutdown(self) -> None:
+        shutdown(self.app_name)
+
+
+def deploy_endpoint(
+    serve_cfg: Any,
+    target_cfg: Any,
+    drafter_dir: str | Path | None,
+    log_dir: str | Path,
+    *,
+    app_name: str = APP_NAME,
+    launch: Sequence[str] | None = None,
+) -> ServingEndpoint:
+    """Start the server `serve.engine` names with `drafter_dir` (None = no speculation).
+
+    embedded: the Ray Serve app above, `serve.num_cpus` CPUs and as many torch threads;
+    `log_dir` is unused (Serve logs under Ray's session dir). sglang: `sglang.launch_server` in
+    an actor that owns max(serve.num_gpus, target.tp_size) GPUs, logging to `log_dir`; `launch`
+    replaces `python -m sglang.launch_server` (e.g. another venv's Python)."""
+    if serve_cfg.engine == "sglang":
+        return deploy_sglang(serve_cfg, target_cfg, drafter_dir, log_dir, launch=launch)
+    ep = deploy(
+        serve_cfg,
+        target_cfg,
+        drafter_dir,
+        app_name=app_name,
+        num_cpus=serve_cfg.num_cpus,
+        torch_threads=int(serve_cfg.num_cpus),
+    )
+    return EmbeddedEndpoint(ep.url, ep.app_name)

@@ -13,9 +13,12 @@ owned by a Ray actor that holds the GPUs, plus the pure pieces around it.
 - Drafter swap is a restart. sglang 0.5.14's `/update_weights_from_disk` takes one `model_path` and
   loads it into the target first and then into the draft worker (scheduler_components/
   weight_updater.py): there is no way to address only the drafter, so the restart's cost is
-  measured and logged instead.
+  measured and logged instead. The drafter is checked against the target first
+  (`validate_drafter`); one that is refused, or with which the server does not come up, leaves
+  the previous drafter serving and raises `DrafterRejected`.
 - `BaselineCache`: the no-speculation server is measured once per (target, revision, tp, sglang
-  version) and kept in a small JSON file.
+  version, benchmark settings) and kept in a small JSON file. SGLang ignores the benchmark's
+  per-request `speculative: false`, so the baseline needs a server without a drafter.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -42,6 +46,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LAUNCH = [sys.executable, "-m", "sglang.launch_server"]
+GRPC_PORT_OFFSET = (
+    10000  # sglang 0.5.14 server_args: grpc_port = port + 10000 unless SGLANG_GRPC_PORT
+)
+
+
+class DrafterRejected(ValueError):
+    """A drafter checkpoint that does not load, does not fit the target, or with which the server
+    does not start; the previous drafter keeps serving."""
+
 
 # ---------------------------------------------------------------------------------------------
 # Command line
@@ -84,6 +97,18 @@ def build_server_args(
     return args + list(serve_cfg.extra_args)
 
 
+def check_port(serve_cfg: ServeConfig) -> None:
+    """sglang 0.5.14 refuses to start when port + 10000 (its gRPC port) exceeds 65535."""
+    if serve_cfg.port + GRPC_PORT_OFFSET > 65535 and not server_env(serve_cfg).get(
+        "SGLANG_GRPC_PORT"
+    ):
+        raise ValueError(
+            f"serve.port: {serve_cfg.port} -- sglang {SGLANG_VERSION} takes port + "
+            f"{GRPC_PORT_OFFSET} for its gRPC port, which must stay <= 65535; use a port <= "
+            f"{65535 - GRPC_PORT_OFFSET} or set SGLANG_GRPC_PORT in serve.env"
+        )
+
+
 def server_env(serve_cfg: ServeConfig, base: dict[str, str] | None = None) -> dict[str, str]:
     """The server's environment: this process's (the job's runtime_env) with `serve.env` over it."""
     return {**(os.environ if base is None else base), **serve_cfg.env}
@@ -121,12 +146,51 @@ def spec_stats_from_sglang(response: dict[str, Any]) -> dict[str, Any]:
 
 
 def _meta_info(response: dict[str, Any]) -> dict[str, Any]:
+    """The top-level meta_info (native /generate) or the first choice's (OpenAI chat)."""
     if isinstance(response.get("meta_info"), dict):
         return response["meta_info"]
-    choices = response.get("choices") or []
-    if choices and isinstance(choices[0].get("meta_info"), dict):
-        return choices[0]["meta_info"]
+    for choice in response.get("choices") or []:
+        if isinstance(choice, dict) and isinstance(choice.get("meta_info"), dict):
+            return choice["meta_info"]
     return {}
+
+
+def has_meta_info(response: dict[str, Any]) -> bool:
+    return bool(_meta_info(response))
+
+
+# ---------------------------------------------------------------------------------------------
+# Drafter check before a (re)start
+
+
+def validate_drafter(drafter_dir: str | Path, target_cfg: TargetConfig) -> str | None:
+    """Every reason SGLang would not serve this drafter well with this target, or None: the
+    strict checkpoint checks (names, shapes, vocab map) plus vocab size, target hidden size and
+    aux layer ids against the target's config.json. Catches before a restart what SGLang would
+    otherwise load silently (unknown names dropped, a missing d2t)."""
+    from actors.sglang_backend import resolve_layer_ids
+    from eagle3.checkpoint import CheckpointError, load_drafter
+    from eagle3.target_weights import read_target_config, target_info_from_dict
+
+    try:
+        cfg, _ = load_drafter(drafter_dir)
+    except (CheckpointError, OSError, ValueError) as e:
+        return f"{drafter_dir}: {e}"
+    info = target_info_from_dict(read_target_config(target_cfg.model, target_cfg.revision))
+    problems = []
+    if cfg.vocab_size != info.vocab_size:
+        problems.append(f"vocab_size {cfg.vocab_size} != target vocab {info.vocab_size}")
+    if cfg.target_hidden_size != info.hidden_size:
+        problems.append(
+            f"target_hidden_size {cfg.target_hidden_size} != target hidden {info.hidden_size}"
+        )
+    try:
+        resolve_layer_ids(cfg.aux_layer_ids or None, info.num_layers)
+    except ValueError as e:
+        problems.append(f"eagle_aux_hidden_state_layer_ids: {e}")
+    if problems:
+        return f"{drafter_dir} does not fit {target_cfg.model}: " + "; ".join(problems)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,6 +275,15 @@ def wait_healthy(
         time.sleep(2.0)
 
 
+def _die_with_parent() -> None:
+    """In the server's process before exec: SIGTERM when the process that started it dies
+    (Linux prctl PR_SET_PDEATHSIG), so a server never outlives a killed actor holding GPUs.
+    (Its own session keeps it out of the actor's process group.)"""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def _tail(path: Path, n: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
@@ -231,6 +304,7 @@ class SGLangServer:
         start_timeout_s: float = 3600.0,
         launch: Sequence[str] = tuple(LAUNCH),
     ):
+        check_port(serve_cfg)
         self.serve_cfg = serve_cfg
         self.target_cfg = target_cfg
         self.log_dir = Path(log_dir)
@@ -242,6 +316,7 @@ class SGLangServer:
         self.log_file: Path | None = None
         self.model_info: dict[str, Any] | None = None
         self.starts: list[dict[str, Any]] = []  # one record per (re)start: drafter, seconds
+        self.attempts = 0  # starts tried, failed ones included: each has its own log file
 
     @property
     def url(self) -> str:
@@ -251,7 +326,8 @@ class SGLangServer:
         """Start with this drafter (None = baseline); returns seconds until healthy."""
         self.stop()
         self.drafter_dir = None if drafter_dir is None else str(drafter_dir)
-        self.log_file = self.log_dir / f"sglang-{len(self.starts):03d}.log"
+        self.log_file = self.log_dir / f"sglang-{self.attempts:03d}.log"
+        self.attempts += 1
         argv = self.launch + build_server_args(
             self.serve_cfg, self.target_cfg, self.drafter_dir, self.serve_cfg.port
         )
@@ -264,7 +340,8 @@ class SGLangServer:
                 stdout=fh,
                 stderr=subprocess.STDOUT,
                 env=server_env(self.serve_cfg),
-                start_new_session=True,
+                start_new_session=True,  # stop() can kill the whole tree by its process group
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
         self.model_info = wait_healthy(self.url, self.proc, self.start_timeout_s, self.log_file)
         took = time.monotonic() - t0
@@ -274,11 +351,25 @@ class SGLangServer:
         log.info("sglang server up in %.1fs (drafter %s) at %s", took, self.drafter_dir, self.url)
         return took
 
-    def swap_drafter(self, drafter_dir: str | Path) -> float:
-        """Serve another drafter: a restart (see the module docstring); returns and logs its cost."""
-        took = self.start(drafter_dir)
+    def swap_drafter(self, drafter_dir: str | Path) -> dict[str, Any]:
+        """Serve another drafter by a restart (see the module docstring). Returns {"drafter",
+        "seconds", "error"}: with an error (drafter refused, or the server did not come up with
+        it) the previous drafter is serving again and "seconds" includes that restart."""
+        new, old = str(drafter_dir), self.drafter_dir
+        problem = validate_drafter(new, self.target_cfg)
+        if problem:
+            log.error("drafter swap refused, still serving %s: %s", old, problem)
+            return {"drafter": old, "seconds": 0.0, "error": problem}
+        t0 = time.monotonic()
+        try:
+            took = self.start(new)
+        except (RuntimeError, TimeoutError) as e:
+            log.error("sglang did not start with drafter %s; restarting with %s", new, old)
+            self.start(old)
+            error = f"{new}: the server did not come up with this drafter ({e})"
+            return {"drafter": old, "seconds": time.monotonic() - t0, "error": error}
         log.info("drafter swap by restart took %.1fs", took)
-        return took
+        return {"drafter": new, "seconds": took, "error": None}
 
     def decode_log(self) -> DecodeLogStats:
         if self.log_file is None or not self.log_file.exists():
@@ -289,11 +380,11 @@ class SGLangServer:
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            self.proc.terminate()
+            self.proc.terminate()  # SGLang drains, then stops its scheduler/detokenizer tree
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: children too
                 self.proc.wait()
         self.proc = None
 
@@ -318,22 +409,68 @@ class SGLangServer:
 
 
 class SGLangServerHandle:
-    """What the driver holds: a Ray actor running `SGLangServer` on GPUs it reserved."""
+    """What the driver holds: a Ray actor running `SGLangServer` on GPUs it reserved. It is a
+    `serve.deployment.ServingEndpoint` (url, swap_drafter, shutdown, info)."""
 
-    def __init__(self, actor: Any, reservation: Any, url: str):
+    engine = "sglang"
+
+    def __init__(
+        self,
+        actor: Any,
+        reservation: Any,
+        url: str,
+        serve_cfg: ServeConfig,
+        target_cfg: TargetConfig,
+    ):
         self.actor = actor
         self.reservation = reservation
         self.url = url
+        self.serve_cfg = serve_cfg
+        self.target_cfg = target_cfg
 
-    def swap_drafter(self, drafter_dir: str | Path) -> float:
+    @property
+    def fixed_steps(self) -> int:
+        """SGLang drafts `serve.steps` per cycle whatever a request asks (set at launch)."""
+        return self.serve_cfg.steps
+
+    def swap_drafter(self, drafter_dir: str | Path) -> dict[str, Any]:
+        """Restart with this drafter; raises DrafterRejected (previous drafter serving again)."""
         import ray
 
-        return ray.get(self.actor.swap_drafter.remote(str(drafter_dir)))
+        out = ray.get(self.actor.swap_drafter.remote(str(drafter_dir)))
+        if out["error"]:
+            raise DrafterRejected(
+                f"drafter swap refused, {out['drafter']} keeps serving: {out['error']}"
+            )
+        return {**self.info(), "swap_seconds": out["seconds"]}
 
     def status(self) -> dict[str, Any]:
         import ray
 
         return ray.get(self.actor.status.remote())
+
+    def info(self) -> dict[str, Any]:
+        """Engine, url, drafter, running, cuda_graph (decode log), and every (re)start's seconds."""
+        return {"engine": self.engine, **self.status()}
+
+    def baseline(
+        self, measure: Callable[[str], dict[str, Any]], cache_path: str | Path, settings_key: str
+    ) -> tuple[dict[str, Any], bool]:
+        """(no-speculation figures, was_cached) for this target and `settings_key` (the bench
+        settings): from the cache, or `measure(url)` run after restarting this server without a
+        drafter on the same GPUs; the drafter is restarted afterwards (two restarts, once)."""
+        import ray
+
+        def run() -> dict[str, Any]:
+            drafter = self.status()["drafter"]
+            ray.get(self.actor.start.remote(None))
+            try:
+                return {**measure(self.url), "server": self.status()}
+            finally:
+                ray.get(self.actor.start.remote(drafter))
+
+        key = f"{baseline_key(self.target_cfg)}|{settings_key}"
+        return cached_baseline(BaselineCache(Path(cache_path)), key, run)
 
     def shutdown(self) -> None:
         import ray
@@ -360,21 +497,39 @@ def deploy_sglang(
     target_cfg: TargetConfig,
     drafter_dir: str | Path | None,
     log_dir: str | Path,
+    *,
+    launch: Sequence[str] | None = None,
+    start_timeout_s: float = 3600.0,
 ) -> SGLangServerHandle:
-    """Reserve `serve.num_gpus` GPUs (at least target.tp_size) on one node, start the server there."""
+    """Reserve `serve.num_gpus` GPUs (at least target.tp_size) on one node, start the server there.
+
+    `launch`: the command before the server arguments (default: this Python's
+    `-m sglang.launch_server`; another venv's Python where SGLang pins another torch)."""
     import ray
 
     from actors.sglang_backend import gpu_actor_options, reserve_target_gpus
 
+    check_port(serve_cfg)
+    if drafter_dir is not None and (problem := validate_drafter(drafter_dir, target_cfg)):
+        raise DrafterRejected(problem)
     gpus = max(int(serve_cfg.num_gpus), target_cfg.tp_size)
     reservation = reserve_target_gpus(gpus)
+    kw: dict[str, Any] = {"start_timeout_s": start_timeout_s}
+    if launch is not None:
+        kw["launch"] = list(launch)
     actor = (
         ray.remote(_ServerActor)
         .options(**gpu_actor_options(reservation, serve_cfg.env))
-        .remote(serve_cfg, target_cfg, str(log_dir))
+        .remote(serve_cfg, target_cfg, str(log_dir), **kw)
     )
-    ray.get(actor.start.remote(None if drafter_dir is None else str(drafter_dir)))
-    return SGLangServerHandle(actor, reservation, ray.get(actor.status.remote())["url"])
+    handle = SGLangServerHandle(actor, reservation, "", serve_cfg, target_cfg)
+    try:
+        ray.get(actor.start.remote(None if drafter_dir is None else str(drafter_dir)))
+        handle.url = handle.status()["url"]
+    except BaseException:
+        handle.shutdown()  # give the GPUs back
+        raise
+    return handle
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,22 +588,28 @@ def measure_baseline(
     log_dir: str | Path,
     bench: Callable[[str], dict[str, Any]],
     cache_path: str | Path,
+    settings_key: str = "",
+    *,
+    launch: Sequence[str] | None = None,
 ) -> tuple[dict[str, Any], bool]:
     """Baseline (no speculation) numbers for this target, from the cache or from a server started
-    for it: `bench(url)` runs the benchmark against that server and returns its figures."""
+    for it: `bench(url)` runs the benchmark against that server and returns its figures. Needs
+    the GPUs free: with a speculative server running, use `SGLangServerHandle.baseline`."""
 
     def run() -> dict[str, Any]:
-        handle = deploy_sglang(serve_cfg, target_cfg, None, log_dir)
+        handle = deploy_sglang(serve_cfg, target_cfg, None, log_dir, launch=launch)
         try:
             return {**bench(handle.url), "server": handle.status()}
         finally:
             handle.shutdown()
 
-    return cached_baseline(BaselineCache(Path(cache_path)), baseline_key(target_cfg), run)
+    key = f"{baseline_key(target_cfg)}|{settings_key}" if settings_key else baseline_key(target_cfg)
+    return cached_baseline(BaselineCache(Path(cache_path)), key, run)
 
 
 __all__ = [
     "BaselineCache",
+    "DrafterRejected",
     "DecodeLogStats",
     "SGLangServer",
     "SGLangServerHandle",
@@ -456,7 +617,9 @@ __all__ = [
     "build_server_args",
     "cached_baseline",
     "deploy_sglang",
+    "has_meta_info",
     "measure_baseline",
     "parse_decode_log",
     "spec_stats_from_sglang",
+    "validate_drafter",
 ]

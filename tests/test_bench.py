@@ -12,35 +12,90 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eagle3.checkpoint import save_drafter
-from serve.bench import BenchResult, acceptance_per_position, extract_stats, run_bench
-from serve.deployment import deploy
+from serve.bench import (
+    BenchResult,
+    _level,
+    acceptance_per_position,
+    bench_endpoint,
+    chat_request,
+    extract_stats,
+    measure_baseline_levels,
+    run_bench,
+)
+from serve.deployment import deploy_endpoint
 from serve.engine import random_drafter
 
+# The meta_info of a finished speculative request in sglang 0.5.14 (tokenizer_manager.py:
+# _calculate_spec_decoding_metrics); the histogram only reaches the largest count it saw.
+SGL_SPEC_META = {
+    "id": "9b1c", "finish_reason": {"type": "length", "length": 64}, "prompt_tokens": 31,
+    "weight_version": "default", "num_retractions": 0, "reasoning_tokens": 0,
+    "completion_tokens": 64, "cached_tokens": 0, "cached_tokens_details": None, "dp_rank": None,
+    "e2e_latency": 0.8, "spec_accept_rate": 0.73, "spec_accept_length": 3.2,
+    "spec_num_correct_drafts": 44, "spec_num_proposed_drafts": 60, "spec_verify_ct": 20,
+    "spec_accepted_drafts": 44, "spec_proposed_drafts": 60,
+    "spec_correct_drafts_histogram": [2, 3, 1], "spec_accept_histogram": [2, 3, 1],
+}  # fmt: skip
 
-def test_extract_stats_reads_engine_usage_and_sglang_meta_info():
+
+def test_extract_stats_reads_engine_usage():
     ours = {
         "choices": [{"message": {"content": "hi"}}],
         "usage": {"completion_tokens": 12, "spec_verify_ct": 5, "spec_accepted_tokens": 6,
                   "spec_accept_hist": [2, 1, 1, 1], "draft_ms": 10.0, "verify_ms": 20.0, "spec_steps": 3},
     }  # fmt: skip
     s = extract_stats(ours, latency_s=0.5)
-    assert (
-        s.accept_len == 12 / 5
-        and s.tok_per_s == 24
-        and s.accept_hist == (2, 1, 1, 1)
-        and s.steps == 3
-    )
-    # SGLang's native /generate answer: statistics in a top-level meta_info
-    sgl = {
-        "text": "hi",
-        "meta_info": {"completion_tokens": 64, "spec_verify_ct": 20, "e2e_latency": 1.0},
-    }
-    s = extract_stats(sgl, latency_s=2.0)
-    assert s.accept_len == 3.2 and s.accept_hist is None and s.draft_ms is None
+    assert s.accept_len == 12 / 5 and s.tok_per_s == 24
+    assert s.accept_hist == (2, 1, 1, 1) and s.steps == 3 and s.accepted_drafts == 6
     plain = {"usage": {"completion_tokens": 8, "spec_verify_ct": 0}}
     assert extract_stats(plain, 1.0).accept_len is None
     with pytest.raises(ValueError, match="completion_tokens"):
         extract_stats({"choices": []}, 1.0)
+
+
+def test_extract_stats_reads_sglang_meta_info():
+    # native /generate: meta_info at the top level
+    native = {"text": "hi", "output_ids": list(range(64)), "meta_info": SGL_SPEC_META}
+    s = extract_stats(native, latency_s=2.0)
+    assert s.accept_len == 3.2 and s.verify_ct == 20 and s.accepted_drafts == 44
+    assert s.accept_hist == (2, 3, 1)  # spec_correct_drafts_histogram
+    assert s.verify_ms == 2000.0 and s.draft_ms == 0.0  # SGLang reports no draft/verify split
+    # chat completion sent with return_meta_info: under choices[0]; usage has no spec fields
+    chat = {
+        "id": "9b1c", "object": "chat.completion", "created": 1795970937, "model": "default",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi",
+                                             "reasoning_content": None, "tool_calls": None},
+                     "logprobs": None, "finish_reason": "length", "matched_stop": None,
+                     "meta_info": SGL_SPEC_META}],
+        "usage": {"prompt_tokens": 31, "total_tokens": 95, "completion_tokens": 64,
+                  "prompt_tokens_details": None, "reasoning_tokens": 0},
+        "metadata": {"weight_version": "default"},
+    }  # fmt: skip
+    assert extract_stats(chat, 2.0) == s
+    # a server without a drafter (shape seen from sglang 0.5.14 on CPU): no spec fields
+    base_meta = {k: v for k, v in SGL_SPEC_META.items() if not k.startswith("spec_")}
+    base = extract_stats({**chat, "choices": [{**chat["choices"][0], "meta_info": base_meta}]}, 1.0)
+    assert (base.completion_tokens, base.verify_ct, base.accept_len, base.accept_hist) == (
+        64,
+        None,
+        None,
+        None,
+    )
+
+
+def test_sglang_histograms_of_different_lengths_are_padded():
+    a = extract_stats({"meta_info": SGL_SPEC_META}, 1.0)  # [2, 3, 1]
+    b = extract_stats({"meta_info": {**SGL_SPEC_META, "spec_correct_drafts_histogram": [4]}}, 1.0)
+    lv = _level([a, b], 1, True, 3, 2.0)
+    assert lv.accept_hist == (6, 3, 1, 0)  # steps 3: positions 0..3
+    assert acceptance_per_position(lv.accept_hist) == (0.4, 0.1, 0.0)
+
+
+def test_chat_request_asks_sglang_for_meta_info():
+    path, body = chat_request("hi", 16, True, 3)
+    assert path == "/v1/chat/completions" and body["return_meta_info"] is True
+    assert body["messages"] == [{"role": "user", "content": "hi"}] and "stream" not in body
+    assert (body["speculative"], body["steps"], body["ignore_eos"]) == (True, 3, True)
 
 
 def test_acceptance_per_position():
@@ -61,7 +116,8 @@ def endpoint(ray_local, tiny_target, tmp_path_factory):
     from pipeline.config import ServeConfig, TargetConfig  # the driver passes its config sections
 
     serve_cfg, target_cfg = ServeConfig(port=port, steps=2), TargetConfig(model=str(tiny_target))
-    yield deploy(serve_cfg, target_cfg, ckpt, app_name="test-bench", torch_threads=1)
+    logs = tmp_path_factory.mktemp("logs")
+    yield deploy_endpoint(serve_cfg, target_cfg, ckpt, logs, app_name="test-bench")
     serve.shutdown()
 
 
@@ -99,3 +155,49 @@ def test_run_bench_against_the_deployment(endpoint, tmp_path):
 
     p = plan(**r.costs)
     assert p["break_even_accept_len"] == pytest.approx(r.break_even_accept_len)
+
+
+PROMPTS = [
+    [{"role": "user", "content": f"Say something about {w}."}] for w in ("rain", "tea", "maps")
+]
+SMALL = {
+    "num_prompts": 3,
+    "max_tokens": 6,
+    "concurrency": [1, 2],
+    "warmup": 1,
+    "steps_sweep": [1, 2],
+}
+
+
+def test_baseline_from_another_server_or_given_figures(endpoint, tmp_path):
+    """The SGLang way (server steps fixed at launch, baseline from a server without a drafter),
+    run against the embedded deployment, whose `speculative: false` requests are a baseline."""
+    base = measure_baseline_levels(endpoint.url, PROMPTS, SMALL)
+    assert [lv["concurrency"] for lv in base["levels"]] == [1, 2]
+    assert all(lv["accept_len"] is None and not lv["speculative"] for lv in base["levels"])
+
+    given = run_bench(
+        endpoint.url, PROMPTS, SMALL, tmp_path, tag="given", baseline=base, fixed_steps=2
+    )
+    assert given.sweep == () and given.steps == 2  # no sweep: the server's steps are fixed
+    got = [lv for lv in given.levels if not lv.speculative]
+    assert [lv.tok_per_s for lv in got] == [lv["tok_per_s"] for lv in base["levels"]]
+    assert given.baseline_tok_per_s == base["levels"][0]["tok_per_s"]
+    assert given.extra["settings"]["baseline"] == "given (cached) figures"
+
+    by_url = run_bench(endpoint.url, PROMPTS, SMALL, tmp_path, tag="url", baseline_url=endpoint.url)
+    assert by_url.extra["settings"]["baseline"] == endpoint.url and len(by_url.sweep) == 2
+    assert [lv.speculative for lv in by_url.levels] == [True, False, True, False]
+    with pytest.raises(ValueError, match="no level at concurrency 4"):
+        run_bench(endpoint.url, PROMPTS, dict(SMALL, concurrency=[4]), tmp_path, baseline=base)
+
+
+def test_bench_endpoint_on_the_embedded_engine(endpoint, tmp_path):
+    assert endpoint.engine == "embedded" and endpoint.fixed_steps is None
+    assert endpoint.info()["path"] and endpoint.info()["engine"] == "embedded"
+    r = bench_endpoint(
+        endpoint, PROMPTS, SMALL, tmp_path, baseline_cache=tmp_path / "b.json", tag="ep"
+    )
+    assert r.extra["settings"]["baseline"] == "same server, speculative: false"
+    assert r.extra["baseline_cached"] is False and not (tmp_path / "b.json").exists()
+    assert json.loads(Path(r.json_path).read_text())["extra"]["baseline_cached"] is False

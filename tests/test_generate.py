@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 
@@ -193,3 +194,67 @@ def test_storage_check_refuses_a_full_disk(tmp_path):
         OSError, match=rf"{tmp_path}: the shards need about \d+ bytes but only \d+ are free"
     ):
         _check_storage(tmp_path, info, [2048] * 10**6, data)
+
+
+# --- the two-phase round (the SGLang backend's path, forced here on the HF backend) ----------
+
+
+@pytest.fixture(scope="module")
+def two_phase_stage(stage, tmp_path_factory):
+    target, data, _, _ = stage
+    out = tmp_path_factory.mktemp("data2")
+    return out, run_generate(target, data, PROMPTS, out, "cfghash", two_phase=True)
+
+
+def test_two_phase_round_writes_the_same_shards(stage, two_phase_stage):
+    _, _, out, _ = stage
+    out2, result = two_phase_stage
+    assert verify_manifest(out2).shards == verify_manifest(out).shards  # byte-identical
+    assert sorted(p.name for p in out2.glob("*.gen.jsonl")) == [
+        "b00000.gen.jsonl",
+        "b00001.gen.jsonl",
+        "b00002.gen.jsonl",
+    ]
+    head = json.loads((out2 / "b00002.gen.jsonl").read_text().splitlines()[0])
+    assert head["num_samples"] == head["num_prompts"] == 2  # 10 prompts in batches of 4
+    assert result.gen_tok_per_s > 0 and result.capture_tok_per_s > 0
+    assert result.switch_seconds == 0.0  # the HF backend holds one model for both phases
+
+
+def test_two_phase_rerun_captures_from_the_sidecar_without_regenerating(
+    stage, two_phase_stage, tmp_path
+):
+    """After a kill: batch 1 lost its shards but kept its .gen.jsonl (killed in phase 2), batch 2
+    lost both (killed in phase 1). The rerun captures batch 1 from its .gen.jsonl (edited here, so
+    the shard shows where its ids came from), regenerates batch 2 and leaves batch 0 alone."""
+    target, data, _, _ = stage
+    src, _ = two_phase_stage
+    work = tmp_path / "data"
+    shutil.copytree(src, work)
+    for name in (MANIFEST, "b00001.json", "b00001-00.safetensors", "b00002.json",
+                 "b00002-00.safetensors", "b00002.gen.jsonl"):  # fmt: skip
+        (work / name).unlink()
+    side = work / "b00001.gen.jsonl"
+    head, *rows = [json.loads(x) for x in side.read_text().splitlines()]
+    rows[0]["input_ids"][-1] = (rows[0]["input_ids"][-1] + 1) % 49152  # not what greedy says
+    side.write_text("\n".join(json.dumps(x) for x in [head, *rows]) + "\n")
+    mtime = side.stat().st_mtime_ns
+
+    result = run_generate(target, data, PROMPTS, work, "cfghash", two_phase=True)
+
+    old, new = verify_manifest(src), verify_manifest(work)
+    assert new.shards[0] == old.shards[0] and new.shards[2] == old.shards[2]  # b2 regenerated
+    assert new.shards[1].sha256 != old.shards[1].sha256
+    first = next(iter_samples(read_shard(work / "b00001-00.safetensors")))
+    assert first["input_ids"].tolist() == rows[0]["input_ids"]  # the edited ids: not regenerated
+    assert side.stat().st_mtime_ns == mtime and (work / "b00002.gen.jsonl").is_file()
+    assert result.num_samples == len(PROMPTS) and result.gen_tok_per_s > 0
+
+
+def test_capture_phase_refuses_a_sidecar_of_other_settings(stage, two_phase_stage, tmp_path):
+    target, data, _, _ = stage
+    src, _ = two_phase_stage
+    shutil.copytree(src, tmp_path / "d")
+    worker = TargetWorker(target, data, num_threads=1)
+    with pytest.raises(RuntimeError, match=r"b00000\.gen\.jsonl: made for other prompts"):
+        worker.capture_batch(str(tmp_path / "d"), 0, "another-key")

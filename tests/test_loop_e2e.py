@@ -88,9 +88,14 @@ def _submit(
     if not wait:
         cmd.append("--no-wait")
     cmd += ["--", "python", "pipeline/run.py", "--config", str(config), "--run-dir", str(run_dir)]
-    return subprocess.run(
-        cmd, cwd=REPO, env=head["env"], capture_output=True, text=True, timeout=1500
-    )
+    for _ in range(30):  # a fresh head answers "No available agent" until its job agent is up
+        done = subprocess.run(
+            cmd, cwd=REPO, env=head["env"], capture_output=True, text=True, timeout=1500
+        )
+        if "No available agent" not in done.stderr + done.stdout:
+            break
+        time.sleep(2)
+    return done
 
 
 def _child_runs(tmp: Path) -> list:

@@ -1,11 +1,13 @@
 """The Serve deployment of the engine: handle and HTTP on 127.0.0.1, streaming, batching, the
-no-speculation switch, and drafter hot-swap with a bad checkpoint refused."""
+no-speculation switch, and drafter hot-swap with a bad checkpoint refused; `deploy_endpoint`,
+the driver's one entry point for both engines."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import json
 import socket
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,8 +15,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eagle3.checkpoint import save_drafter
-from serve.deployment import DrafterRejected, _run_app, deploy, swap_drafter
+from pipeline.config import ServeConfig, TargetConfig
+from serve.deployment import DrafterRejected, _run_app, deploy_endpoint, swap_drafter
 from serve.engine import random_drafter
+from serve.sglang_server import validate_drafter
 
 APP = "test-serve"
 CHAT = {
@@ -54,13 +58,13 @@ def drafters(tiny_target, tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def endpoint(ray_local, tiny_target, drafters):
+def endpoint(ray_local, tiny_target, drafters, tmp_path_factory):
     from ray import serve
 
-    serve_cfg = {"host": "127.0.0.1", "port": free_port(), "steps": 3}
-    ep = deploy(
-        serve_cfg, {"model": str(tiny_target)}, drafters["good1"], app_name=APP, torch_threads=1
-    )
+    serve_cfg = ServeConfig(port=free_port(), steps=3, num_cpus=1)  # 1 CPU = 1 torch thread
+    target_cfg = TargetConfig(model=str(tiny_target))
+    logs = tmp_path_factory.mktemp("logs")
+    ep = deploy_endpoint(serve_cfg, target_cfg, drafters["good1"], logs, app_name=APP)
     yield ep
     serve.shutdown()
 
@@ -169,3 +173,37 @@ def test_hot_swap_and_bad_checkpoint_refused(endpoint, drafters):
     out = handle.complete.remote(dict(CHAT, ignore_eos=True)).result()
     assert out["usage"]["speculative"] is True and out["usage"]["drafter"] == drafters["good2"]
     _run_app(APP, drafters["good2"])  # leave the app on a valid config
+
+
+def test_endpoint_swaps_and_refuses_through_one_interface(endpoint, drafters):
+    info = endpoint.info()
+    assert (info["engine"], info["url"], info["app"]) == ("embedded", endpoint.url, APP)
+    pid = info["pid"]
+    after = endpoint.swap_drafter(drafters["good1"])
+    assert after["path"] == drafters["good1"] and after["pid"] == pid
+    with pytest.raises(DrafterRejected, match="target_hidden_size"):
+        endpoint.swap_drafter(drafters["wrong"])
+    assert endpoint.info()["path"] == drafters["good1"]
+    assert endpoint.baseline(lambda url: {}, "unused.json", "k") is None  # per request instead
+
+
+def test_sglang_drafter_check_without_loading_the_target(tiny_target, drafters, tmp_path):
+    """What the SGLang endpoint checks before a restart: the checkpoint and its fit to the
+    target's config.json (no weights of the target loaded)."""
+    target = TargetConfig(model=str(tiny_target), backend="sglang")
+    assert validate_drafter(drafters["good1"], target) is None
+    assert "target_hidden_size 32 != target hidden 64" in validate_drafter(
+        drafters["wrong"], target
+    )
+    assert "config.json" in validate_drafter(drafters["broken"], target)
+    cfg = json.loads((Path(drafters["good1"]) / "config.json").read_text())
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 1, 3]  # 3 = last layer of 4
+    last = tmp_path / "last_layer"
+    last.mkdir()
+    (last / "config.json").write_text(json.dumps(cfg))
+    (last / "model.safetensors").symlink_to(Path(drafters["good1"]) / "model.safetensors")
+    assert "eagle_aux_hidden_state_layer_ids" in validate_drafter(last, target)
+    # deploy_endpoint refuses it before reserving any GPU (no Ray needed)
+    serve_cfg = ServeConfig(engine="sglang", port=30000)  # nothing binds it
+    with pytest.raises(DrafterRejected, match="target_hidden_size"):
+        deploy_endpoint(serve_cfg, target, drafters["wrong"], tmp_path / "logs")

@@ -299,6 +299,46 @@ def test_server_that_dies_reports_its_log(tmp_path):
     assert "weights not found" in str(err.value)
     logged = (tmp_path / "sglang-000.log").read_text()
     assert "--speculative-draft-model-path /drafter" in logged.splitlines()[0]
+    # sglang derives its gRPC port as port + 10000
+    with pytest.raises(ValueError, match="serve.port: 60000 .* SGLANG_GRPC_PORT"):
+        SGLangServer(ServeConfig(engine="sglang", port=60000), srv.target_cfg, tmp_path)
+
+
+_OWNER_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time
+    from pipeline.config import ServeConfig, TargetConfig
+    from serve.sglang_server import SGLangServer
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]  # never healthy
+    srv = SGLangServer(ServeConfig(engine="sglang", port=39998),
+                       TargetConfig(model="/nowhere", backend="sglang"), sys.argv[1],
+                       start_timeout_s=600, launch=sleeper)
+    threading.Thread(target=srv.start, args=(None,), daemon=True).start()
+    while srv.proc is None:
+        time.sleep(0.1)
+    print("CHILD", srv.proc.pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # the owner dies without cleaning up
+    """
+)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_server_dies_with_its_owner(tmp_path):
+    import time
+
+    script = tmp_path / "owner.py"
+    script.write_text(_OWNER_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    pid = int(proc.stdout.split("CHILD")[1].split()[0])
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)  # SIGTERM arrives when the owner dies; the zombie is reaped by init
+    assert (
+        not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    )
 
 
 # --- Ray: one actor owns the placement group's GPUs -------------------------------------------
@@ -463,3 +503,214 @@ def test_sglang_generate_and_capture_match_transformers(tiny_target, monkeypatch
             aux, torch.cat([hs[k + 1][0] for k in (0, 1, 2)], -1), atol=1e-5, rtol=1e-5
         )
         torch.testing.assert_close(final, hs[-1][0], atol=1e-5, rtol=1e-5)
+
+
+# --- the data stage on the SGLang backend: two phases, resume, GPUs released -------------------
+
+_DATA_SCRIPT = textwrap.dedent(
+    """
+    import dataclasses, json, sys
+    from pathlib import Path
+    import ray
+    from actors.generate import run_generate
+    from actors.prompts import builtin_prompts
+    from actors.sglang_backend import SGLangOptions
+    from pipeline.config import DataConfig, TargetConfig
+
+    model, out, cpu = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "cpu"
+    ray.init(num_cpus=3, num_gpus=1, include_dashboard=False, _node_ip_address="127.0.0.1",
+             runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
+    # On a host without CUDA: SGLang's CPU engine with torch-native attention.
+    env = {"SGLANG_USE_CPU_ENGINE": "1"} if cpu else {}
+    overrides = (("device", "cpu"), ("attention_backend", "torch_native")) if cpu else ()
+    target = TargetConfig(model=model, backend="sglang", dtype="float32", aux_layer_ids=[0, 1, 2],
+                          env=env)
+    data = DataConfig(batch_size=2, num_actors=1, max_new_tokens=6, max_length=96,
+                      shard_max_bytes=2**20)
+    opts = SGLangOptions(mem_fraction_static=0.1, max_capture_tokens=256, max_capture_requests=4,
+                         start_timeout_s=600, call_timeout_s=600, server_overrides=overrides)
+    runs = []
+    for attempt in range(2):
+        try:
+            r = run_generate(target, data, builtin_prompts(0)[:4], out, "h", sglang_options=opts)
+            runs.append({"result": dataclasses.asdict(r)})
+        except Exception as e:
+            runs.append({"error": str(e)})
+            break
+        if attempt == 0:  # as if killed in phase 2 before batch 1 was captured
+            for name in ("manifest.json", "b00001.json", "b00001-00.safetensors"):
+                (out / name).unlink()
+    states = [p["state"] for p in ray.util.placement_group_table().values()]
+    print("RESULT", json.dumps({"runs": runs, "placement_groups": states}))
+    """
+)
+
+
+def _run_data_script(tiny_target: Path, out: Path, timeout: int) -> tuple[dict, str]:
+    import torch
+
+    script = out.parent / "data_stage.py"
+    script.write_text(_DATA_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    device = "gpu" if torch.cuda.is_available() else "cpu"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tiny_target), str(out), device],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(line[len("RESULT ") :]), proc.stdout
+
+
+def test_data_stage_on_sglang_backend_without_sglang(tiny_target, tmp_path):
+    if importlib_find("sglang"):
+        pytest.skip("checks the missing-sglang error; sglang is installed here")
+    got, _ = _run_data_script(tiny_target, tmp_path / "data", timeout=300)
+    assert list(got["runs"][0]) == ["error"]
+    assert "target.backend" in got["runs"][0]["error"]
+    assert "pip install '.[sglang]'" in got["runs"][0]["error"]
+    assert got["placement_groups"] == ["REMOVED"]  # the actor's GPUs were given back
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_data_stage_on_sglang_backend(tiny_target, tmp_path):
+    """The whole round generated by sglang.Engine, then captured by the ModelRunner ranks, in a
+    Ray actor on a reserved placement group; the rerun after a phase-2 kill only captures."""
+    pytest.importorskip("sglang")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from actors.shards import iter_samples, read_shard, verify_manifest
+
+    out = tmp_path / "data"
+    got, stdout = _run_data_script(tiny_target, out, timeout=900)
+    first, rerun = (r.get("result") or pytest.fail(r["error"]) for r in got["runs"])
+    assert "phase 1 (generate): 2 batch(es), 0 already generated" in stdout
+    assert "phase 1 (generate): 0 batch(es), 1 already generated" in stdout
+    assert first["num_samples"] == rerun["num_samples"] == 4
+    assert first["gen_tok_per_s"] > 0 and first["switch_seconds"] > 0
+    assert rerun["gen_tok_per_s"] == 0 and rerun["capture_tok_per_s"] > 0
+    assert got["placement_groups"] == ["REMOVED", "REMOVED"]
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    m = verify_manifest(out)
+    assert m.aux_layer_ids == (0, 1, 2) and m.target["num_layers"] == 4
+    for path in m.shard_paths():
+        for s in iter_samples(read_shard(path)):
+            ids, mask = s["input_ids"].long(), s["loss_mask"]
+            n_prompt = int((mask == 0).nonzero().max()) + 1
+            with torch.no_grad():
+                want = hf.generate(ids[None, :n_prompt], max_new_tokens=6, do_sample=False)
+                hs = hf(ids[None], output_hidden_states=True).hidden_states
+            assert ids[n_prompt:].tolist() == want[0, n_prompt:].tolist()[: len(ids) - n_prompt]
+            aux = torch.cat([hs[k + 1][0] for k in (0, 1, 2)], -1)
+            torch.testing.assert_close(s["aux_hidden"].float(), aux, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(s["final_hidden"].float(), hs[-1][0], atol=2e-2, rtol=2e-2)
+
+
+# --- serving through deploy_endpoint: a live sglang.launch_server ----------------------------
+
+_SERVE_SCRIPT = textwrap.dedent(
+    """
+    import dataclasses, json, sys
+    from pathlib import Path
+    import httpx, ray
+    from pipeline.config import ServeConfig, TargetConfig
+    from serve.bench import bench_endpoint
+    from serve.deployment import DrafterRejected, deploy_endpoint
+    from serve.sglang_server import spec_stats_from_sglang
+
+    model, good, broken, port, logs, cpu = sys.argv[1:7]
+    logs, cpu = Path(logs), cpu == "cpu"
+    ray.init(num_cpus=3, num_gpus=1, include_dashboard=False, _node_ip_address="127.0.0.1",
+             runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
+    extra = ["--mem-fraction-static", "0.1"]
+    if cpu:  # SGLang's CPU engine with torch-native attention
+        extra += ["--device", "cpu", "--attention-backend", "torch_native"]
+    serve_cfg = ServeConfig(engine="sglang", port=int(port), steps=3, extra_args=extra,
+                            env={"SGLANG_USE_CPU_ENGINE": "1"} if cpu else {})
+    target = TargetConfig(model=model, backend="sglang", dtype="float32")
+    out = {}
+    ep = deploy_endpoint(serve_cfg, target, None, logs)
+    try:
+        out["info0"] = ep.info()
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+                "temperature": 0, "ignore_eos": True, "return_meta_info": True}
+        resp = httpx.post(f"{ep.url}/v1/chat/completions", json=body, timeout=300).json()
+        out["stats"] = spec_stats_from_sglang(resp)
+        for name, path in (("broken", broken), ("good", good)):
+            try:
+                out[name] = {"ok": ep.swap_drafter(path)}
+            except DrafterRejected as e:
+                out[name] = {"error": str(e), "starts": len(ep.info()["starts"])}
+        out["info1"] = ep.info()
+        prompts = [[{"role": "user", "content": f"Count to {i}."}] for i in range(3)]
+        cfg = {"num_prompts": 3, "max_tokens": 6, "concurrency": [1], "warmup": 1,
+               "steps_sweep": [1, 2]}
+        runs = [bench_endpoint(ep, prompts, cfg, logs / "bench", tag=t,
+                               baseline_cache=logs / "baseline.json") for t in ("r1", "r2")]
+        out["bench"] = [{"cached": r.extra["baseline_cached"], "sweep": len(r.sweep),
+                         "steps": r.steps, "baseline_tok_per_s": r.baseline_tok_per_s,
+                         "settings": r.extra["settings"]} for r in runs]
+        out["info2"] = ep.info()
+    finally:
+        ep.shutdown()
+    out["placement_groups"] = [p["state"] for p in ray.util.placement_group_table().values()]
+    print("RESULT", json.dumps(out, default=str))
+    """
+)
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_sglang_endpoint_serves_swaps_and_benchmarks(tiny_target, tmp_path):
+    """deploy_endpoint(engine=sglang) in a Ray actor on a reserved GPU: meta_info per request,
+    a refused drafter (no restart), a drafter swap by restart (on a host without CUDA SGLang's
+    EAGLE-3 worker cannot start, so the previous server is restored), the baseline measured
+    once by restarting without a drafter and then read from the cache."""
+    pytest.importorskip("sglang")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from eagle3.checkpoint import save_drafter
+    from serve.engine import random_drafter
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    d = random_drafter(hf, draft_vocab_size=4000, seed=1, aux_layer_ids=[0, 1, 2]).model
+    good = save_drafter(d.state_dict(), d.cfg, tmp_path / "good", dtype=torch.float32)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    port = 30000 + os.getpid() % 20000  # SGLang needs port + 10000 <= 65535 (its gRPC port)
+    cuda = torch.cuda.is_available()
+    script = tmp_path / "serve_sglang.py"
+    script.write_text(_SERVE_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    args = [tiny_target, good, broken, port, tmp_path / "logs", "gpu" if cuda else "cpu"]
+    proc = subprocess.run([sys.executable, str(script), *map(str, args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1500)  # fmt: skip
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(line[len("RESULT ") :])
+
+    info0 = got["info0"]
+    assert (info0["engine"], info0["running"], info0["drafter"]) == ("sglang", True, None)
+    assert got["stats"]["has_meta_info"] and got["stats"]["completion_tokens"] == 8
+    assert not got["stats"]["speculative"]  # no drafter: no spec_verify_ct in meta_info
+    assert "config.json" in got["broken"]["error"] and got["broken"]["starts"] == 1  # no restart
+    first_line = (tmp_path / "logs" / "sglang-000.log").read_text().splitlines()[0]
+    assert first_line.startswith("# ") and f"--model-path {tiny_target}" in first_line
+    if cuda:
+        assert got["good"]["ok"]["drafter"] == str(good)
+    else:  # EAGLE-3 on SGLang's CPU engine dies in the draft KV pool: the old server is back
+        assert "did not come up" in got["good"]["error"] and got["good"]["starts"] == 2
+        assert (got["info1"]["running"], got["info1"]["drafter"]) == (True, None)
+        assert "Traceback" in (tmp_path / "logs" / "sglang-001.log").read_text()
+    r1, r2 = got["bench"]
+    assert (r1["cached"], r2["cached"]) == (False, True)
+    assert r1["sweep"] == r2["sweep"] == 0 and r1["steps"] == 3  # steps fixed at launch
+    assert r1["baseline_tok_per_s"] == r2["baseline_tok_per_s"] > 0
+    assert len(got["info2"]["starts"]) == len(got["info1"]["starts"]) + 2  # baseline: 2 restarts
+    assert got["info2"]["decode_lines"] > 0 and got["info2"]["cuda_graph"] is cuda
+    assert got["placement_groups"] == ["REMOVED"]
