@@ -59,8 +59,8 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 _commit(state, clock, run_dir)
             if not rs.is_done("bench"):
                 t0 = clock.elapsed()
-                server = _serve(cfg, state, r, server)
-                rs.done["bench"] = _bench(cfg, run_dir, state, r, heldout, server, tracker, child)
+                server = _serve(cfg, run_dir, state, r, server)
+                rs.done["bench"] = _bench(cfg, run_dir, r, heldout, server, tracker, child)
                 rs.done["bench"]["wall_s"] = clock.elapsed() - t0
                 if cfg.serve.num_gpus > 0:  # the next round's stages need those GPUs
                     server = _stop_serving(server)
@@ -149,44 +149,36 @@ def _train(
     return rec
 
 
-def _serve(cfg: Config, state: RunState, r: int, server):
-    """Deploy once, then hot-swap the drafter each round (the replica validates it first)."""
-    from serve.deployment import deploy, swap_drafter
+def _serve(cfg: Config, run_dir: Path, state: RunState, r: int, server):
+    """Deploy once, then swap the drafter each round (validated first: a bad one is refused and
+    the old drafter keeps serving). Embedded engine: a Ray Serve hot-swap; SGLang: a restart."""
+    from serve.deployment import deploy_endpoint
 
     drafter = state.rounds[r].done["train"]["drafter_dir"]
     if server is None:
-        return deploy(
-            cfg.serve,
-            cfg.target,
-            drafter,
-            num_cpus=cfg.serve.num_cpus,
-            torch_threads=int(cfg.serve.num_cpus),
-        )
-    swap_drafter(drafter, server.app_name)
+        return deploy_endpoint(cfg.serve, cfg.target, drafter, run_dir / "serve")
+    server.swap_drafter(drafter)
     return server
 
 
 def _stop_serving(server) -> None:
     if server is not None:
-        from serve.deployment import shutdown
-
-        shutdown(server.app_name)
+        server.shutdown()
 
 
 def _bench(
-    cfg: Config,
-    run_dir: Path,
-    state: RunState,
-    r: int,
-    heldout: list,
-    server,
-    tracker: Tracker,
-    child: str,
+    cfg: Config, run_dir: Path, r: int, heldout: list, server, tracker: Tracker, child: str
 ) -> dict:
-    from serve.bench import run_bench
+    from serve.bench import bench_endpoint
 
-    res = run_bench(
-        server.url, heldout, cfg.bench, run_dir / "bench" / f"round-{r:03d}", tag=f"round-{r:03d}"
+    out = run_dir / "bench" / f"round-{r:03d}"
+    res = bench_endpoint(
+        server,
+        heldout,
+        cfg.bench,
+        out,
+        baseline_cache=run_dir / "baseline.json",
+        tag=f"round-{r:03d}",
     )
     rec = _record(res)
     tracker.log(child, {f"bench/{k}": v for k, v in rec.items()})
