@@ -145,7 +145,9 @@ def run_train(
         rec = json.loads(done.read_text())  # finished earlier: its checkpoints are pruned
         print(f"[train] already finished: {rec['drafter_dir']}", flush=True)
         return TrainResult(**{**rec, "resumed_from": tuple(rec["resumed_from"])})
-    job = prepare(cfg, [Path(d).resolve() for d in data_dirs], out, init or cfg.drafter.init, crash_at_step)
+    job = prepare(
+        cfg, [Path(d).resolve() for d in data_dirs], out, init or cfg.drafter.init, crash_at_step
+    )
     (out / "train_config.yaml").write_text(dump_config(cfg))
     tc = cfg.train
     resources = {"CPU": tc.cpus_per_worker}  # use_gpu adds one GPU per worker
