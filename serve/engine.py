@@ -44,6 +44,13 @@ TokenCallback = Callable[[int, list[int]], None]  # (request index, new token id
 # Requests and their statistics
 
 
+def _check_aux_ids(ids: list[int], num_layers: int) -> None:
+    """Shared by both target runners: aux layer ids must name decoder layers of the target."""
+    bad = [k for k in ids if not 0 <= k < num_layers]
+    if bad:
+        raise ValueError(f"aux layer ids {bad} out of range for a {num_layers}-layer target")
+
+
 @dataclass(frozen=True)
 class GenParams:
     max_tokens: int = 128
@@ -189,11 +196,7 @@ class TargetRunner:
         return len(self.layers)
 
     def set_aux_layers(self, ids: list[int]) -> None:
-        bad = [k for k in ids if not 0 <= k < self.num_layers]
-        if bad:
-            raise ValueError(
-                f"aux layer ids {bad} out of range for a {self.num_layers}-layer target"
-            )
+        _check_aux_ids(ids, self.num_layers)
         if ids == self.aux_ids:
             return
         for h in self._hooks:
@@ -421,11 +424,7 @@ class StaticTargetRunner:
         return len(self.layers)
 
     def set_aux_layers(self, ids: list[int]) -> None:
-        bad = [k for k in ids if not 0 <= k < self.num_layers]
-        if bad:
-            raise ValueError(
-                f"aux layer ids {bad} out of range for a {self.num_layers}-layer target"
-            )
+        _check_aux_ids(ids, self.num_layers)
         if list(ids) != self.aux_ids:
             self.aux_ids = list(ids)
             self._graphs.clear()  # the aux outputs are part of each captured graph
