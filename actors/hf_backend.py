@@ -234,6 +234,44 @@ class HFTarget:
         self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, seed: int = 0
     ) -> list[list[int]]:
         """New tokens for each prompt (one batch), ending with EOS unless ``max_new_tokens`` ran out."""
+        return [n for n, _ in self._decode(prompts, max_new_tokens, temperature, seed, None)]
+
+    @torch.inference_mode()
+    def generate_and_capture(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        layer_ids: list[int],
+    ) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+        """`generate` that also keeps the hidden states the decode forwards compute anyway: per
+        prompt (new tokens, aux [P+N, A*H], final [P+N, H]) in bf16 on CPU, the same layout as
+        `capture` of prompt + response. No second forward over the sequence: on a CPU that pass
+        cost a third of the data stage. Each response's last token is fed once more before its
+        row leaves the batch (one extra step per row), so every position has its states.
+
+        The states are those of batched, left-padded, KV-cached decoding rather than of one clean
+        forward per sequence: equal up to kernel rounding (tests/test_hf_backend.py), and closer
+        to what the drafter sees when serving, where states come from cached verify passes."""
+        ids = resolve_aux_layer_ids(layer_ids, self.num_layers)
+        base = _base_model(self.model)
+        if base is None or not hasattr(base, "norm"):
+            raise ValueError(
+                f"data.capture=decode needs a Llama-like target (model.model.layers and .norm); "
+                f"{type(self.model).__name__} is not: use data.capture=forward"
+            )
+        return self._decode(prompts, max_new_tokens, temperature, seed, _StateLog(base, ids))
+
+    def _decode(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        log: _StateLog | None,
+    ) -> list[tuple[list[int], Any]]:
+        """The decode loop of `generate` / `generate_and_capture`: (new tokens, states or None)."""
         if not prompts:
             return []
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # less left padding
@@ -246,40 +284,62 @@ class HFTarget:
             mask[r, width - len(p) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = self._new_cache(width + max_new_tokens)
+        cache = self._new_cache(width + max_new_tokens + 1)
         gen = torch.Generator(device=self.device).manual_seed(seed)
         eos = torch.tensor(self._info.eos_token_ids, device=self.device)
-
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            cache=cache,
-            logits_to_keep=1,
-        )
-        next_pos = mask.sum(-1, keepdim=True)
-        rows = list(range(len(batch)))  # batch row of each live slot
         new: list[list[int]] = [[] for _ in batch]
-        for _ in range(max_new_tokens):
-            tok = _pick(out.logits[:, -1, :], temperature, gen)
-            for slot, t in enumerate(tok.tolist()):
-                new[rows[slot]].append(t)
-            live = ~torch.isin(tok, eos)
-            if len(new[rows[0]]) == max_new_tokens or not bool(live.any()):
-                break
-            if not bool(live.all()):  # finished rows leave the batch and its cache
-                keep = live.nonzero().squeeze(-1)
-                cache.batch_select_indices(keep)
-                tok, mask, next_pos = tok[keep], mask[keep], next_pos[keep]
-                rows = [rows[k] for k in keep.tolist()]
-            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+        rows = list(range(len(batch)))  # batch row of each live slot
+        try:
             out = self.model(
-                input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, cache=cache
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                cache=cache,
+                logits_to_keep=1,
             )
-            next_pos = next_pos + 1
-        result: list[list[int]] = [[] for _ in prompts]
+            if log is not None:
+                log.prefill([len(p) for p in batch])
+            logits = out.logits[:, -1, :]
+            next_pos = mask.sum(-1, keepdim=True)
+            for _ in range(max_new_tokens):
+                tok = _pick(logits, temperature, gen)
+                for slot, t in enumerate(tok.tolist()):
+                    new[rows[slot]].append(t)
+                live = ~torch.isin(tok, eos)
+                last = len(new[rows[0]]) == max_new_tokens or not bool(live.any())
+                if log is not None:  # feed every row's new token first: its states are wanted
+                    mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+                    out = self.model(
+                        input_ids=tok[:, None],
+                        attention_mask=mask,
+                        position_ids=next_pos,
+                        cache=cache,
+                    )
+                    log.step(rows)
+                    logits, next_pos = out.logits[:, -1, :], next_pos + 1
+                if last:
+                    break
+                if not bool(live.all()):  # finished rows leave the batch and its cache
+                    keep = live.nonzero().squeeze(-1)
+                    cache.batch_select_indices(keep)
+                    tok, mask, next_pos = tok[keep], mask[keep], next_pos[keep]
+                    logits = logits[keep] if log is not None else logits
+                    rows = [rows[k] for k in keep.tolist()]
+                if log is None:
+                    mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+                    out = self.model(
+                        input_ids=tok[:, None],
+                        attention_mask=mask,
+                        position_ids=next_pos,
+                        cache=cache,
+                    )
+                    logits, next_pos = out.logits[:, -1, :], next_pos + 1
+        finally:
+            if log is not None:
+                log.close()
+        result: list[tuple[list[int], Any]] = [([], None) for _ in prompts]
         for r, i in enumerate(order):
-            result[i] = new[r]
+            result[i] = (new[r], log.states(r) if log is not None else None)
         return result
 
     @torch.inference_mode()
@@ -365,6 +425,52 @@ class HFTarget:
             _PreallocLayer(capacity) if type(la) is DynamicLayer else la for la in cache.layers
         ]
         return cache
+
+
+class _StateLog:
+    """Forward hooks that keep the aux layers' and the final norm's outputs of every decode
+    forward, in bf16 on the host, filed per batch row (prefill: the row's prompt without its left
+    padding; each step: one token per live row)."""
+
+    def __init__(self, base: torch.nn.Module, ids: list[int]):
+        self.ids = ids
+        self.grabbed: dict[Any, torch.Tensor] = {}
+        self.pieces: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+        def hook(key: Any):
+            def fn(_mod, _args, output):
+                self.grabbed[key] = output[0] if isinstance(output, tuple) else output
+
+            return fn
+
+        self.handles = [base.layers[k].register_forward_hook(hook(k)) for k in sorted(set(ids))]
+        self.handles.append(base.norm.register_forward_hook(hook("final")))
+
+    def _take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        aux = torch.cat([self.grabbed[k] for k in self.ids], dim=-1)  # [B, n, A*H]
+        final = self.grabbed["final"]
+        self.grabbed.clear()
+        return aux.to("cpu", torch.bfloat16), final.to("cpu", torch.bfloat16)
+
+    def prefill(self, lengths: list[int]) -> None:
+        aux, final = self._take()
+        width = aux.shape[1]
+        for r, n in enumerate(lengths):
+            self.pieces[r] = [(aux[r, width - n :], final[r, width - n :])]
+
+    def step(self, rows: list[int]) -> None:
+        aux, final = self._take()
+        for slot, r in enumerate(rows):
+            self.pieces[r].append((aux[slot], final[slot]))
+
+    def states(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = self.pieces.pop(row)
+        return torch.cat([a for a, _ in parts]), torch.cat([f for _, f in parts])
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
 
 
 class PinnedPool:

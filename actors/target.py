@@ -194,6 +194,12 @@ class TargetWorker:
         self.tokenizer = getattr(self.backend, "tokenizer", None) or load_tokenizer(target)
         self.aux_layer_ids = resolve_aux_layer_ids(target.aux_layer_ids, self.backend.num_layers)
         self._compute = threading.Lock()
+        mode = (
+            data.capture
+            if data.capture != "auto"
+            else ("forward" if target.backend == "sglang" else "decode")
+        )
+        self.capture_in_decode = mode == "decode"
 
     def info(self) -> dict[str, Any]:
         """Target identity for the manifest, plus the resolved aux layer ids."""
@@ -218,7 +224,10 @@ class TargetWorker:
         """Generate responses for one prompt batch, capture hidden states of prompt + response, and
         write the batch's shards and its sidecar into ``out_dir``.
 
-        Loss mask: the response (EOS included) plus earlier assistant turns of the prompt."""
+        Loss mask: the response (EOS included) plus earlier assistant turns of the prompt.
+        With ``data.capture`` decode (HF's default) the states come out of the generation itself."""
+        if self.capture_in_decode:
+            return self._generate_captured(batch, out_dir, batch_index, batch_key)
         gen = self._generate(batch, batch_index)
         r = self._capture_and_write(gen, out_dir, batch_index, batch_key)
         return replace(
@@ -282,6 +291,49 @@ class TargetWorker:
             gen_tokens=sum(len(n) for n in new),
             gen_seconds=seconds,
             switch_seconds=switch,
+        )
+
+    def _generate_captured(
+        self, batch: list[Conversation], out_dir: str, batch_index: int, batch_key: str
+    ) -> BatchResult:
+        """Generate with the states of every token kept by the decode forwards (no capture
+        pass), then write the batch's shards and sidecar outside the compute lock."""
+        d = self.data
+        with self._compute:
+            encoded = [self._encode(c) for c in batch]
+            encoded = [e for e in encoded if len(e[0]) < d.max_length]  # room for a response
+            t0 = time.perf_counter()
+            outs = self.backend.generate_and_capture(  # type: ignore[attr-defined]
+                [ids for ids, _ in encoded],
+                d.max_new_tokens,
+                d.temperature,
+                d.seed + batch_index,
+                self.aux_layer_ids,
+            )
+            seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        samples = []
+        for (ids, m), (new, (aux, final)) in zip(encoded, outs, strict=True):
+            n = min(len(ids) + len(new), d.max_length)
+            samples.append(Sample((ids + new)[:n], (m + [1] * len(new))[:n], aux[:n], final[:n]))
+        meta = {"batch_key": batch_key, "aux_layer_ids": ",".join(map(str, self.aux_layer_ids))}
+        out = Path(out_dir)
+        shards = [
+            write_shard(out / shard_name(batch_index, j), part, meta)
+            for j, part in enumerate(pack_parts(samples, d.shard_max_bytes))
+        ]
+        write_batch_record(out, batch_index, batch_key, shards, self.info())
+        gen_tokens = sum(len(new) for new, _ in outs)
+        return BatchResult(
+            batch_index=batch_index,
+            shards=tuple(shards),
+            num_prompts=len(batch),
+            skipped_prompts=len(batch) - len(encoded),
+            gen_tokens=gen_tokens,
+            gen_seconds=seconds,
+            capture_tokens=sum(len(s.input_ids) for s in samples),
+            capture_seconds=0.0,
+            write_seconds=time.perf_counter() - t1,
         )
 
     def _capture_and_write(

@@ -1,6 +1,7 @@
 """Throughput of the generate stage on this machine's CPU with SmolLM2-135M-Instruct; prints JSON.
 
     .venv/bin/python benchmarks/data_cpu.py --prompts 32 --max-new-tokens 128 --actors 2 --batch-size 16
+    .venv/bin/python benchmarks/data_cpu.py --dtype float32 --capture forward   # the previous stage
     .venv/bin/python benchmarks/data_cpu.py --hf-baseline 16,32   # plain HF generate, for reference
 
 The stage run is the real one (Ray actors, capture, shards on disk). The load average is printed
@@ -40,11 +41,12 @@ def stage(args: argparse.Namespace) -> dict:
         num_actors=args.actors,
         max_new_tokens=args.max_new_tokens,
         max_length=2048,
+        capture=args.capture,
     )
     prompts = builtin_prompts(0)[: args.prompts]
     with tempfile.TemporaryDirectory() as out:
         load0 = os.getloadavg()[0]
-        r = run_generate(TargetConfig(), data, prompts, Path(out), "bench")
+        r = run_generate(TargetConfig(dtype=args.dtype), data, prompts, Path(out), "bench")
     ray.shutdown()
     return {
         "bench": "data_stage_cpu",
@@ -53,6 +55,8 @@ def stage(args: argparse.Namespace) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "actors": args.actors,
         "batch_size": args.batch_size,
+        "dtype": args.dtype,
+        "capture": args.capture,
         "cpus": os.cpu_count(),
         "gen_tok_per_s": round(r.gen_tok_per_s, 1),
         "capture_tok_per_s": round(r.capture_tok_per_s, 1),
@@ -72,7 +76,7 @@ def hf_baseline(batch_sizes: list[int], args: argparse.Namespace) -> list[dict]:
     from actors.prompts import builtin_prompts
     from pipeline.config import TargetConfig
 
-    t = HFTarget(TargetConfig(), num_threads=os.cpu_count())
+    t = HFTarget(TargetConfig(dtype=args.dtype), num_threads=os.cpu_count())
     t.tokenizer.padding_side = "left"
     rows = []
     for bs in batch_sizes:
@@ -101,6 +105,13 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--actors", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument(
+        "--capture",
+        default="auto",
+        choices=["auto", "decode", "forward"],
+        help="decode (auto): states from the generation's forwards; forward: a second pass",
+    )
     ap.add_argument(
         "--hf-baseline", default="", help="comma-separated batch sizes: measure HF generate instead"
     )

@@ -62,6 +62,11 @@ class DataConfig(_Strict):
     """Conversations are truncated to this many tokens."""
     temperature: float = Field(0.0, ge=0)
     """0 = greedy regeneration; > 0 samples."""
+    capture: Literal["auto", "decode", "forward"] = "auto"
+    """Where the hidden states come from. `decode`: kept from the generation's own forwards (no
+    second pass; HF backend, Llama-like targets). `forward`: one clean forward per finished
+    conversation (the only way with SGLang, which generates and captures in separate phases).
+    `auto` = decode on the HF backend, forward on SGLang."""
     batch_size: int = Field(16, ge=1)
     """Prompts per generate call of one actor."""
     num_actors: int = Field(1, ge=1)
@@ -212,8 +217,11 @@ class Config(_Strict):
                 f"serve.num_draft_tokens: {self.serve.num_draft_tokens} with topk 1 must be "
                 f"steps+1 = {self.serve.steps + 1}; remove it or set topk > 1"
             )
-        if self.target.backend == "sglang" and self.serve.engine == "embedded":
-            pass  # allowed: capture with SGLang, score with the embedded engine is unusual but valid
+        if self.target.backend == "sglang" and self.data.capture == "decode":
+            errs.append(
+                "data.capture: 'decode' needs target.backend=hf (SGLang generates and captures in "
+                "separate phases); set data.capture to auto or forward"
+            )
         if errs:
             raise ValueError("; ".join(errs))
         return self
