@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from eagle3.config import default_aux_layer_ids
+from eagle3.train_step import target_dtype
 
 if TYPE_CHECKING:  # pydantic is not needed to run a target (GPU hosts may lack it)
     from pipeline.config import TargetConfig
@@ -147,10 +148,10 @@ class HFTarget:
                 f"target.model: {cfg.model!r} has no chat template in its tokenizer; use an instruct/chat "
                 "model or add a chat_template to its tokenizer_config.json"
             )
-        dtype = getattr(torch, cfg.dtype)  # float32 by default (SmolLM2's GGUF dequantizes to it)
         self.device = torch.device(
             "cuda" if cfg.num_gpus_per_actor > 0 and torch.cuda.is_available() else "cpu"
         )
+        dtype = target_dtype(cfg.dtype, self.device.type)
         self.model = (
             AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).to(self.device).eval()
         )

@@ -491,6 +491,14 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
+def target_dtype(name: str, device_type: str) -> torch.dtype:
+    """`target.dtype` as a torch dtype; `auto` = bf16 on GPUs and on CPUs with native bf16
+    matmuls (SmolLM2 decodes 2.3x faster than fp32 on this AVX512-BF16 CPU), fp32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device_type == "cuda" or cpu_has_native_bf16() else torch.float32
+    return getattr(torch, name)
+
+
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     """bf16 (autocast) or None (fp32) for `precision` in auto|bf16|fp32."""
     if precision == "fp32":

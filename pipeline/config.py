@@ -30,8 +30,10 @@ class TargetConfig(_Strict):
     """Revision (commit or tag) of an HF repo id; recorded in shard manifests."""
     backend: Literal["hf", "sglang"] = "hf"
     """`hf`: transformers in a Ray actor (CPU or GPU). `sglang`: SGLang engine owning `tp_size` GPUs."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Compute dtype of the target."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    """Compute dtype of the target (data stage and embedded serving). `auto` = bfloat16 on GPUs and
+    on CPUs with native bf16 matmuls (AVX512-BF16 / AMX), float32 on other CPUs; SGLang gets
+    `auto` as is (the checkpoint's dtype)."""
     trust_remote_code: bool = False
     """Pass trust_remote_code to transformers/SGLang (Kimi-K2.5 needs it)."""
     tp_size: int = Field(1, ge=1)
@@ -150,6 +152,9 @@ class ServeConfig(_Strict):
     """GPUs the serving replica reserves."""
     num_cpus: float = Field(1.0, gt=0)
     """CPUs the serving replica reserves; the embedded engine uses that many torch threads."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    """Dtype of the served target; None = `target.dtype` (the drafter then sees the numerics it
+    was trained on). Set it when the serving hardware prefers another dtype than the data stage."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments for sglang.launch_server."""
     env: dict[str, str] = Field(default_factory=dict)

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="deploy the embedded engine on Ray Serve and block")
     s.add_argument("--target", default="smollm2", help="HF repo id, local folder, or `smollm2`")
     s.add_argument("--gguf-file", default=None, help="GGUF file inside --target")
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
     s.add_argument(
         "--drafter", default=None, help="EAGLE-3 checkpoint folder (none = plain decoding)"
     )

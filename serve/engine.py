@@ -1039,7 +1039,11 @@ class SpecEngine:
         "eager" or "static" force one (static on CPU runs the same code without graphs).
         `static_capacity`: KV slots of the static runner (prompt + max_tokens + steps + 2 must fit)."""
         self.device = next(target.parameters()).device
-        self.fast_linear = fast_linear and self.device.type == "cpu"  # an MKL trick, CPU only
+        # An MKL trick for fp32 on CPU only. In bf16 (oneDNN) F.linear is already fast for few
+        # rows and W @ x^T is not: SmolLM2 decode 20.7 vs 31.1 ms, 10-token verify 23.5 vs 24.0.
+        self._cpu_fast = fast_linear and self.device.type == "cpu"
+        dtype = target.get_input_embeddings().weight.dtype
+        self.fast_linear = self._cpu_fast and dtype == torch.float32
         self.topk, self.num_draft_tokens = topk, num_draft_tokens
         if self.fast_linear:
             use_small_rows_linear(target)
@@ -1064,8 +1068,10 @@ class SpecEngine:
             self.target.set_aux_layers(drafter.aux_layer_ids)
             if self.static is not None:
                 self.static.set_aux_layers(drafter.aux_layer_ids)
-            if self.fast_linear and isinstance(getattr(drafter, "model", None), torch.nn.Module):
-                use_small_rows_linear(drafter.model)
+            model = getattr(drafter, "model", None)
+            if self._cpu_fast and isinstance(model, torch.nn.Module):
+                if next(model.parameters()).dtype == torch.float32:  # the drafter stays fp32
+                    use_small_rows_linear(model)
         self.drafter = drafter
 
     @torch.inference_mode()
@@ -1319,7 +1325,10 @@ def load_target(
     if gguf:
         kw["gguf_file"] = gguf
     tok = AutoTokenizer.from_pretrained(path, **kw)
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **kw).eval()
+    from eagle3.train_step import target_dtype
+
+    dt = target_dtype(dtype, torch.device(device).type if device else "cpu")
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=dt, **kw).eval()
     return (lm.to(device) if device else lm), tok
 
 

@@ -287,3 +287,12 @@ def test_training_state_round_trip_continues_exactly(tmp_path):
     assert sched2.get_last_lr() == sched.get_last_lr()
     for p, q in zip(module.parameters(), module2.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_target_dtype_auto_follows_the_hardware():
+    from eagle3.train_step import cpu_has_native_bf16, target_dtype
+
+    want = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    assert target_dtype("auto", "cpu") == want
+    assert target_dtype("auto", "cuda") == torch.bfloat16
+    assert target_dtype("float32", "cuda") == torch.float32
