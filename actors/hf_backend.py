@@ -290,6 +290,15 @@ class HFTarget:
         eos = torch.tensor(self._info.eos_token_ids, device=self.device)
         new: list[list[int]] = [[] for _ in batch]
         rows = list(range(len(batch)))  # batch row of each live slot
+
+        def feed(tok: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor):
+            """One decode step of the live rows: (mask, last logits, next positions)."""
+            mask = torch.cat([mask, mask.new_ones(len(tok), 1)], dim=1)
+            out = self.model(
+                input_ids=tok[:, None], attention_mask=mask, position_ids=pos, cache=cache
+            )
+            return mask, out.logits[:, -1, :], pos + 1
+
         try:
             out = self.model(
                 input_ids=ids,
@@ -309,15 +318,8 @@ class HFTarget:
                 live = ~torch.isin(tok, eos)
                 last = len(new[rows[0]]) == max_new_tokens or not bool(live.any())
                 if log is not None:  # feed every row's new token first: its states are wanted
-                    mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
-                    out = self.model(
-                        input_ids=tok[:, None],
-                        attention_mask=mask,
-                        position_ids=next_pos,
-                        cache=cache,
-                    )
+                    mask, logits, next_pos = feed(tok, mask, next_pos)
                     log.step(rows)
-                    logits, next_pos = out.logits[:, -1, :], next_pos + 1
                 if last:
                     break
                 if not bool(live.all()):  # finished rows leave the batch and its cache
@@ -327,14 +329,7 @@ class HFTarget:
                     logits = logits[keep] if log is not None else logits
                     rows = [rows[k] for k in keep.tolist()]
                 if log is None:
-                    mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
-                    out = self.model(
-                        input_ids=tok[:, None],
-                        attention_mask=mask,
-                        position_ids=next_pos,
-                        cache=cache,
-                    )
-                    logits, next_pos = out.logits[:, -1, :], next_pos + 1
+                    mask, logits, next_pos = feed(tok, mask, next_pos)
         finally:
             if log is not None:
                 log.close()

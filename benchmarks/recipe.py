@@ -42,6 +42,8 @@ from eagle3.train_step import (  # noqa: E402
     train_step,
 )
 from eagle3.vocab import build_vocab_map  # noqa: E402
+from pipeline.config import DrafterConfig  # noqa: E402
+from pipeline.train import _scratch_config  # noqa: E402
 
 
 def main() -> None:
@@ -68,21 +70,8 @@ def main() -> None:
         ids += [s.sha256 for s in m.shards]
         aux = list(m.aux_layer_ids)
     info = read_target_info(a.target)
-    cfg = Eagle3Config(
-        hidden_size=info.hidden_size,
-        intermediate_size=info.intermediate_size,
-        num_attention_heads=info.num_attention_heads,
-        num_key_value_heads=info.num_key_value_heads,
-        head_dim=info.head_dim,
-        vocab_size=info.vocab_size,
-        draft_vocab_size=a.draft_vocab,
-        target_hidden_size=info.hidden_size,
-        aux_layer_ids=aux,
-        rms_norm_eps=info.rms_norm_eps,
-        rope_theta=info.rope_theta,
-        rope_scaling=info.rope_scaling,
-        max_position_embeddings=info.max_position_embeddings or 2048,
-    )
+    # the loop's own scratch config (target shapes, aux ids of the shards, this draft vocab)
+    cfg = Eagle3Config(**_scratch_config(DrafterConfig(draft_vocab_size=a.draft_vocab), info, aux))
     tens = load_target_tensors(a.target)
     d2t, t2d = build_vocab_map(token_counts(paths, info.vocab_size), a.draft_vocab)
     drafter = scratch_drafter(cfg, tens["embed"], tens["lm_head"], tens["norm"], d2t, t2d, 0)

@@ -40,6 +40,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "host": args.host,
         "port": args.port,
         "steps": args.steps,
+        "topk": args.topk,
+        "num_draft_tokens": args.num_draft_tokens,
         "num_gpus": args.num_gpus,
     }
     target_cfg = {"model": args.target, "gguf_file": args.gguf_file, "dtype": args.dtype}
@@ -121,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--steps", type=int, default=3, help="default draft steps per cycle")
+    s.add_argument("--topk", type=int, default=1, help="draft tree branching (1 = chain)")
+    s.add_argument(
+        "--num-draft-tokens", type=int, default=None, help="tree: tokens per verify (root included)"
+    )
     s.add_argument("--num-cpus", type=float, default=1.0, help="CPUs the replica reserves")
     s.add_argument("--num-gpus", type=float, default=0.0)
     s.add_argument("--threads", type=int, default=None, help="torch threads in the replica")
