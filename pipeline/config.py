@@ -152,9 +152,6 @@ class ServeConfig(_Strict):
     """GPUs the serving replica reserves."""
     num_cpus: float = Field(1.0, gt=0)
     """CPUs the serving replica reserves; the embedded engine uses that many torch threads."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
-    """Dtype of the served target; None = `target.dtype` (the drafter then sees the numerics it
-    was trained on). Set it when the serving hardware prefers another dtype than the data stage."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments for sglang.launch_server."""
     env: dict[str, str] = Field(default_factory=dict)

@@ -570,12 +570,6 @@ def deploy_endpoint(
     `log_dir` is unused (Serve logs under Ray's session dir). sglang: `sglang.launch_server` in
     an actor that owns max(serve.num_gpus, target.tp_size) GPUs, logging to `log_dir`; `launch`
     replaces `python -m sglang.launch_server` (e.g. another venv's Python)."""
-    if getattr(serve_cfg, "dtype", None) is not None:  # the served target's own dtype
-        target_cfg = (
-            {**target_cfg, "dtype": serve_cfg.dtype}
-            if isinstance(target_cfg, dict)
-            else target_cfg.model_copy(update={"dtype": serve_cfg.dtype})
-        )
     if serve_cfg.engine == "sglang":
         return deploy_sglang(serve_cfg, target_cfg, drafter_dir, log_dir, launch=launch)
     ep = deploy(
