@@ -253,7 +253,7 @@ class HFTarget:
         row leaves the batch (one extra step per row), so every position has its states.
 
         The states are those of batched, left-padded, KV-cached decoding rather than of one clean
-        forward per sequence: equal up to kernel rounding (tests/test_hf_backend.py), and closer
+        forward per sequence: equal up to kernel rounding (tests/test_generate.py), and closer
         to what the drafter sees when serving, where states come from cached verify passes."""
         ids = resolve_aux_layer_ids(layer_ids, self.num_layers)
         base = _base_model(self.model)
@@ -326,7 +326,7 @@ class HFTarget:
                     keep = live.nonzero().squeeze(-1)
                     cache.batch_select_indices(keep)
                     tok, mask, next_pos = tok[keep], mask[keep], next_pos[keep]
-                    logits = logits[keep] if log is not None else logits
+                    logits = logits[keep]
                     rows = [rows[k] for k in keep.tolist()]
                 if log is None:
                     mask, logits, next_pos = feed(tok, mask, next_pos)

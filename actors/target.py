@@ -272,17 +272,14 @@ class TargetWorker:
     def _generate(self, batch: list[Conversation], batch_index: int) -> Generated:
         d = self.data
         with self._compute:
-            encoded = [self._encode(c) for c in batch]
-            encoded = [e for e in encoded if len(e[0]) < d.max_length]  # room for a response
-            prompts = [ids for ids, _ in encoded]
+            encoded = self._encode_batch(batch)
             sw, t0 = self._switch_seconds(), time.perf_counter()
             new = self.backend.generate(
-                prompts, d.max_new_tokens, d.temperature, d.seed + batch_index
+                [ids for ids, _ in encoded], d.max_new_tokens, d.temperature, d.seed + batch_index
             )
             switch = self._switch_seconds() - sw
             seconds = time.perf_counter() - t0 - switch
-        seqs = [(p + n)[: d.max_length] for p, n in zip(prompts, new, strict=True)]
-        masks = [(m + [1] * len(n))[: d.max_length] for (_, m), n in zip(encoded, new, strict=True)]
+        seqs, masks = self._join(encoded, new)
         return Generated(
             input_ids=seqs,
             loss_mask=masks,
@@ -300,8 +297,7 @@ class TargetWorker:
         pass), then write the batch's shards and sidecar outside the compute lock."""
         d = self.data
         with self._compute:
-            encoded = [self._encode(c) for c in batch]
-            encoded = [e for e in encoded if len(e[0]) < d.max_length]  # room for a response
+            encoded = self._encode_batch(batch)
             t0 = time.perf_counter()
             outs = self.backend.generate_and_capture(  # type: ignore[attr-defined]
                 [ids for ids, _ in encoded],
@@ -312,11 +308,12 @@ class TargetWorker:
             )
             seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
-        samples = []
-        for (ids, m), (new, (aux, final)) in zip(encoded, outs, strict=True):
-            n = min(len(ids) + len(new), d.max_length)
-            samples.append(Sample((ids + new)[:n], (m + [1] * len(new))[:n], aux[:n], final[:n]))
-        meta = {"batch_key": batch_key, "aux_layer_ids": ",".join(map(str, self.aux_layer_ids))}
+        seqs, masks = self._join(encoded, [new for new, _ in outs])
+        samples = [
+            Sample(ids, m, aux[: len(ids)], final[: len(ids)])
+            for ids, m, (_, (aux, final)) in zip(seqs, masks, outs, strict=True)
+        ]
+        meta = self._shard_meta(batch_key)
         out = Path(out_dir)
         shards = [
             write_shard(out / shard_name(batch_index, j), part, meta)
@@ -343,7 +340,7 @@ class TargetWorker:
         equals `pack_parts` over the whole batch), then the batch sidecar. Writing happens
         outside the compute lock, so the actor's other call computes meanwhile."""
         seqs, masks = gen.input_ids, gen.loss_mask
-        meta = {"batch_key": batch_key, "aux_layer_ids": ",".join(map(str, self.aux_layer_ids))}
+        meta = self._shard_meta(batch_key)
         out = Path(out_dir)
         lengths = [len(s) for s in seqs]
         bound = max([CAPTURE_TOKENS, *lengths])
@@ -385,6 +382,23 @@ class TargetWorker:
     def _switch_seconds(self) -> float:
         """Seconds the backend spent loading or switching phases so far (SGLang reports them)."""
         return sum(s for _, s in getattr(self.backend, "phase_switch_s", ()))
+
+    def _encode_batch(self, batch: list[Conversation]) -> list[tuple[list[int], list[int]]]:
+        """(prompt ids, mask) of each conversation that leaves room for a response."""
+        encoded = [self._encode(c) for c in batch]
+        return [e for e in encoded if len(e[0]) < self.data.max_length]
+
+    def _join(
+        self, encoded: list[tuple[list[int], list[int]]], new: list[list[int]]
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        """Prompt + response ids and loss masks (the response is masked in), cut at max_length."""
+        n = self.data.max_length
+        seqs = [(p + r)[:n] for (p, _), r in zip(encoded, new, strict=True)]
+        masks = [(m + [1] * len(r))[:n] for (_, m), r in zip(encoded, new, strict=True)]
+        return seqs, masks
+
+    def _shard_meta(self, batch_key: str) -> dict[str, str]:
+        return {"batch_key": batch_key, "aux_layer_ids": ",".join(map(str, self.aux_layer_ids))}
 
     def _encode(self, conv: Conversation) -> tuple[list[int], list[int]]:
         """Prompt ids (ending with the assistant header) and their mask, untruncated."""

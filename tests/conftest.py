@@ -31,24 +31,32 @@ def chat_tokenizer_dir(tmp_path_factory) -> Path:
     return out
 
 
-def build_tiny_llama(
-    out: Path, tokenizer_dir: Path, *, layers: int = 4, hidden: int = 64, seed: int = 0
-) -> Path:
-    """A random-init Llama saved like a hub checkpoint (config, safetensors, tokenizer)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def tiny_llama_config(*, vocab_size: int = 49152, layers: int = 4, hidden: int = 64, **overrides):
+    """The tests' tiny Llama shape: 4 heads of hidden/4, 2 KV heads, MLP 2x, untied head."""
+    from transformers import LlamaConfig
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=49152,
+    return LlamaConfig(
+        vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=hidden // 4,
-        max_position_embeddings=1024,
         tie_word_embeddings=False,
-        rms_norm_eps=1e-5,
+        **overrides,
+    )
+
+
+def build_tiny_llama(
+    out: Path, tokenizer_dir: Path, *, layers: int = 4, hidden: int = 64, seed: int = 0
+) -> Path:
+    """A random-init Llama saved like a hub checkpoint (config, safetensors, tokenizer)."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_llama_config(
+        layers=layers, hidden=hidden, max_position_embeddings=1024, rms_norm_eps=1e-5
     )
     model = LlamaForCausalLM(cfg).eval()
     model.save_pretrained(out, safe_serialization=True)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import tiny_llama_config
+from transformers import LlamaForCausalLM
 
 from actors.hf_backend import HFTarget, PinnedPool
 from actors.shards import Sample, ShardWriter, iter_samples, read_shard
@@ -25,16 +26,11 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 def tiny_llama(device: str, layers: int = 4, hidden: int = 64) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    cfg = LlamaConfig(
+    cfg = tiny_llama_config(
         vocab_size=V,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden // 4,
+        layers=layers,
+        hidden=hidden,
         max_position_embeddings=512,
-        tie_word_embeddings=False,
         eos_token_id=None,
         bos_token_id=None,
         pad_token_id=None,
