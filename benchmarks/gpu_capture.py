@@ -108,23 +108,23 @@ def run_capture(
     per_shard: int,
     threads: int,
     pool: PinnedPool | None,
-) -> tuple[float, list]:
+) -> tuple[float, float, list]:
     """The whole stage: forwards queued back to back, each group of `per_shard` sequences handed
-    to a writer thread as soon as it is queued. Returns (seconds, shard infos)."""
+    to a writer thread as soon as it is queued; each sample's `ready` waits for its own copy, so a
+    shard streams while its later sequences run. Returns (seconds, seconds until the last
+    forward's states were on the host, shard infos); the difference is the writer's tail."""
     sync(target.device)
     t = time.perf_counter()
     futures = []
+    last = None
     with ShardWriter(threads) as writer:
         for i in range(0, len(seqs), per_shard):
             group = seqs[i : i + per_shard]
             pending = target.capture_async(group, aux_ids, pool)
-
-            def samples(group=group, pending=pending) -> list[Sample]:
-                out = []
-                for s, p in zip(group, pending, strict=True):
-                    aux, final = p.wait()
-                    out.append(Sample(s, [1] * len(s), aux, final))
-                return out
+            samples = [
+                Sample(s, [1] * len(s), p.aux, p.final, ready=p.wait)
+                for s, p in zip(group, pending, strict=True)
+            ]
 
             def release(pending=pending) -> None:  # pooled host buffers go back once written
                 for p in pending:
@@ -132,8 +132,12 @@ def run_capture(
 
             path = out_dir / f"s{i:05d}.safetensors"
             futures.append(writer.submit(path, samples, after=release))
+            last = pending[-1]
+        if last is not None:
+            last.wait()
+        forward_s = time.perf_counter() - t
         infos = [f.result() for f in futures]
-    return time.perf_counter() - t, infos
+    return time.perf_counter() - t, forward_s, infos
 
 
 def decode_anchor(model, device: torch.device, base: dict, iters: int, ctx: int = 512) -> None:
@@ -200,6 +204,8 @@ def main() -> None:
                 timed(lambda kw=kw: model(input_ids=x, **kw), device, args.iters)
             )
             emit({"what": name, "ms": round(ms, 2), "tok_s": round(args.seq / ms * 1000)}, base)
+            if name == "hf_forward":
+                plain_tok_s = args.seq / ms * 1000
 
         decode_anchor(model, device, base, args.iters)
 
@@ -238,15 +244,22 @@ def main() -> None:
         for rep in range(2):
             out_dir = root / f"t{threads}-{rep}"
             out_dir.mkdir(parents=True, exist_ok=True)
-            s, infos = run_capture(target, seqs, aux_ids, out_dir, args.per_shard, threads, pool)
+            s, fwd, infos = run_capture(
+                target, seqs, aux_ids, out_dir, args.per_shard, threads, pool
+            )
             nbytes = sum(i.bytes for i in infos)
             emit(
                 {
                     "what": "capture_stage",
                     "writer_threads": threads,
                     "pool_slots": args.pool_slots,
+                    "per_shard": args.per_shard,
+                    "n": args.n,
                     "rep": rep,
                     "tok_s": round(tokens / s),
+                    "pct_of_plain": round(100 * tokens / s / plain_tok_s, 1),
+                    "forwards_s": round(fwd, 3),
+                    "writer_tail_s": round(s - fwd, 3),
                     "shard_GB_s": round(nbytes / s / 1e9, 3),
                     "bytes_per_token": width,
                     "shards": len(infos),

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -342,10 +342,19 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
+# HF's Llama-family RMSNorm classes: one code (fp32 statistics, cast back, then the weight), which
+# `_rms` reproduces; the static runner reads their weights instead of calling them.
+_PLAIN_RMSNORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+
+
+def _plain_rmsnorm(mod: Any) -> bool:
+    return type(mod).__name__ in _PLAIN_RMSNORMS and hasattr(mod, "variance_epsilon")
+
+
 def static_runner_problem(model: torch.nn.Module) -> str | None:
-    """Why `StaticTargetRunner` cannot run `model`, or None. It re-implements only the attention
-    of a Llama-like decoder (rotary, GQA, optional q/k norms, no sliding window); the norms, MLPs,
-    embedding and head are the model's own modules."""
+    """Why `StaticTargetRunner` cannot run `model`, or None. It re-implements the decoder of a
+    Llama-like model (rotary, GQA, optional q/k norms, no sliding window, plain RMSNorm, SwiGLU
+    MLP); only the embedding and rotary tables are the model's own modules."""
     cfg = model.config.get_text_config(decoder=True)
     base = getattr(model, "model", None)
     if base is None or not hasattr(base, "rotary_emb") or not hasattr(base, "norm"):
@@ -365,7 +374,150 @@ def static_runner_problem(model: torch.nn.Module) -> str | None:
             return f"{type(model).__name__}: a decoder layer without self_attn.q/k/v/o_proj"
         if not all(hasattr(la, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp")):
             return f"{type(model).__name__}: a decoder layer that is not pre-norm attention + MLP"
+        norms = [la.input_layernorm, la.post_attention_layernorm]
+        norms += [getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)]
+        if not all(_plain_rmsnorm(n) for n in [*norms, base.norm]):
+            return f"{type(model).__name__}: a norm that is not the Llama-family RMSNorm"
+        mlp = la.mlp
+        silu = getattr(cfg, "hidden_act", None) in ("silu", "swish")
+        if not silu or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            return f"{type(model).__name__}: an MLP that is not SwiGLU (gate/up/down, SiLU)"
     return None
+
+
+def _fuse_linears(owner: torch.nn.Module, name: str, mods: list[torch.nn.Linear]) -> Tensor:
+    """One [sum of outputs, in] weight for linears that read the same input (q/k/v, gate/up), so
+    a step runs one matmul instead of three or two. The modules' own weights become views of it:
+    the model computes exactly as before and no memory is added. Cached on `owner` (a second
+    runner on the same model reuses it). Biases stay with the modules (see `_fused_bias`)."""
+    cached = owner.__dict__.get(name)
+    if cached is not None:
+        offs, o = [], 0
+        for m in mods:
+            offs.append(o)
+            o += m.weight.shape[0]
+        if all(
+            m.weight.data_ptr() == cached[o].data_ptr() for m, o in zip(mods, offs, strict=True)
+        ):
+            return cached
+    with torch.inference_mode(False), torch.no_grad():
+        fused = torch.cat([m.weight for m in mods])
+        for m, part in zip(mods, fused.split([m.weight.shape[0] for m in mods]), strict=True):
+            m.weight = torch.nn.Parameter(part, requires_grad=m.weight.requires_grad)
+    owner.__dict__[name] = fused
+    return fused
+
+
+def _fused_bias(mods: list[torch.nn.Linear]) -> Tensor | None:
+    if all(m.bias is None for m in mods):
+        return None
+    return torch.cat(
+        [m.bias if m.bias is not None else m.weight.new_zeros(m.weight.shape[0]) for m in mods]
+    )
+
+
+class _LayerWeights(NamedTuple):
+    """One decoder layer's tensors as the static runner's pure functions take them (a tuple, so
+    torch.compile treats its tensors as inputs: one compiled code for every layer)."""
+
+    norm_in: Tensor
+    qkv: Tensor  # [(H + 2 Hkv) d, hidden]
+    qkv_bias: Tensor | None
+    q_norm: Tensor | None  # Qwen3-style per-head norms
+    k_norm: Tensor | None
+    o: Tensor
+    o_bias: Tensor | None
+    norm_post: Tensor
+    gate_up: Tensor  # [2 I, hidden]
+    gate_up_bias: Tensor | None
+    down: Tensor
+    down_bias: Tensor | None
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module) -> _LayerWeights:
+        at, mlp = layer.self_attn, layer.mlp
+        qkv = [at.q_proj, at.k_proj, at.v_proj]
+        gu = [mlp.gate_proj, mlp.up_proj]
+        return cls(
+            norm_in=layer.input_layernorm.weight,
+            qkv=_fuse_linears(at, "_static_qkv", qkv),
+            qkv_bias=_fused_bias(qkv),
+            q_norm=at.q_norm.weight if hasattr(at, "q_norm") else None,
+            k_norm=at.k_norm.weight if hasattr(at, "k_norm") else None,
+            o=at.o_proj.weight,
+            o_bias=at.o_proj.bias,
+            norm_post=layer.post_attention_layernorm.weight,
+            gate_up=_fuse_linears(mlp, "_static_gate_up", gu),
+            gate_up_bias=_fused_bias(gu),
+            down=mlp.down_proj.weight,
+            down_bias=mlp.down_proj.bias,
+        )
+
+
+# The static runner's step, as pure functions of tensors (no modules, no host reads), so that
+# torch.compile can fuse each one's elementwise work (norms, residual adds, RoPE, the masked
+# softmax, SwiGLU) into a few kernels, and one compiled code serves all layers. The matmuls stay
+# cuBLAS calls. `heads` = (H, Hkv, head dim); `eps` = (norm eps, q/k norm eps).
+
+
+def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """HF's Llama RMSNorm: fp32 statistics, cast back to x's dtype, then the weight."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def _attn_in(
+    x: Tensor,
+    d: Tensor,
+    w: _LayerWeights,
+    cos: Tensor,
+    sin: Tensor,
+    heads: tuple[int, int, int],
+    eps: tuple[float, float],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Add the previous layer's MLP output `d` to the residual `x`, norm, q/k/v in one matmul,
+    q/k norms, RoPE. Returns (x, queries [Hkv, rep*q, d] with the rep query heads of a KV head as
+    extra rows, new keys/values [2, Hkv, q, d])."""
+    H, Hkv, dh = heads
+    q = x.shape[1]
+    x = x + d
+    qkv = F.linear(_rms(x, w.norm_in, eps[0]), w.qkv, w.qkv_bias)[0]
+    qs, ks, vs = qkv.split([H * dh, Hkv * dh, Hkv * dh], -1)
+    qs, ks, vs = qs.view(q, H, dh), ks.view(q, Hkv, dh), vs.view(q, Hkv, dh)
+    if w.q_norm is not None and w.k_norm is not None:
+        qs, ks = _rms(qs, w.q_norm, eps[1]), _rms(ks, w.k_norm, eps[1])
+    qs = qs * cos + _rotate_half(qs) * sin  # cos, sin: [q, 1, d]
+    ks = ks * cos + _rotate_half(ks) * sin
+    queries = qs.transpose(0, 1).reshape(Hkv, (H // Hkv) * q, dh)
+    return x, queries, torch.stack([ks, vs]).transpose(1, 2)
+
+
+def _probs(scores: Tensor, mask: Tensor, scale: float, rep: int) -> Tensor:
+    """Softmax over key slots in fp32 with the additive mask [q, span] (GQA rows: rep x q)."""
+    Hkv, rows, span = scores.shape
+    s = scores.float().view(Hkv, rep, rows // rep, span) * scale + mask
+    return torch.softmax(s, dim=-1).to(scores.dtype).view(Hkv, rows, span)
+
+
+def _attn_out_mlp(
+    o: Tensor, x: Tensor, w: _LayerWeights, heads: tuple[int, int, int], eps: tuple[float, float]
+) -> tuple[Tensor, Tensor]:
+    """o_proj and its residual add, the post-attention norm, gate/up in one matmul, SwiGLU and
+    down_proj. Returns (x, the MLP output): the next layer's `_attn_in` adds it to x."""
+    H, _, dh = heads
+    q = x.shape[1]
+    o = o.view(H, q, dh).transpose(0, 1).reshape(1, q, H * dh)
+    x = x + F.linear(o, w.o, w.o_bias)
+    g, u = F.linear(_rms(x, w.norm_post, eps[0]), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+    return x, F.linear(F.silu(g) * u, w.down, w.down_bias)
+
+
+def _head(
+    x: Tensor, d: Tensor, norm: Tensor, eps: float, head: Tensor, head_bias: Tensor | None
+) -> Tensor:
+    """Last residual add, final norm, lm_head; float logits."""
+    return F.linear(_rms(x + d, norm, eps), head, head_bias).float()
 
 
 @dataclass
@@ -379,12 +531,17 @@ class _Graph:
 
 
 class StaticTargetRunner:
-    """The target at batch 1 over a preallocated KV cache [layers, kv heads, capacity, head dim],
-    with the forward of each (width q, cache bucket) captured once as a CUDA graph and replayed.
+    """The target at batch 1 over a preallocated KV cache [layers, k/v, kv heads, capacity,
+    head dim], with the forward of each (width q, cache bucket) captured once as a CUDA graph and
+    replayed.
 
     Why: at batch 1 an 8B target's HF eager forward is launch-bound (about 22 ms a token on an
     H200, against a 3.4 ms HBM floor), and a verify of q tokens costs 1.3x a decode. A graph
     replays all kernels of a step with one launch, and the static cache needs no concatenation.
+    Inside the graph the kernels still run one by one, so the step is written as a few pure
+    functions (`_attn_in`, `_probs`, `_attn_out_mlp`, `_head`) over fused q/k/v and gate/up
+    weights, compiled with torch.compile on CUDA (`compiled`): about 15 kernels a layer instead
+    of about 50. The matmuls read the weights once per step either way.
 
     Layout: slot i holds position i (batch 1 has no padding). A forward writes its q entries at
     slots base..base+q-1 (base = committed length) and attends to slots < base plus the new entries
@@ -393,11 +550,19 @@ class StaticTargetRunner:
     of slots (>= 256) so short contexts do not read the whole capacity.
 
     Same interface as `TargetRunner` (prefill / forward / commit / select / release), batch 1 only.
-    Without CUDA (or with graphs=False) the same code runs eagerly: that is what the CPU tests pin."""
+    Without CUDA (or with graphs=False) the same code runs eagerly: that is what the CPU tests pin.
+    Building one makes the model's q/k/v and gate/up weights views of one fused tensor each
+    (same values; see `_fuse_linears`)."""
 
     MIN_BUCKET = 256
 
-    def __init__(self, model: torch.nn.Module, capacity: int = 4096, graphs: bool | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        capacity: int = 4096,
+        graphs: bool | None = None,
+        compiled: bool | None = None,
+    ):
         if (problem := static_runner_problem(model)) is not None:
             raise ValueError(f"StaticTargetRunner: {problem}; use TargetRunner")
         self.model = model.eval()
@@ -411,13 +576,31 @@ class StaticTargetRunner:
         self.head_dim = int(getattr(cfg, "head_dim", None) or self.hidden_size // self.n_heads)
         self.capacity = int(capacity)
         self.use_graphs = self.device.type == "cuda" if graphs is None else bool(graphs)
+        self.weights = [_LayerWeights.of(la) for la in self.layers]
+        at0 = self.layers[0].self_attn
+        self.scale = float(getattr(at0, "scaling", self.head_dim**-0.5))
+        qk_eps = float(at0.q_norm.variance_epsilon) if hasattr(at0, "q_norm") else 0.0
+        self.eps = (float(self.layers[0].input_layernorm.variance_epsilon), qk_eps)
+        self.compiled = self.use_graphs if compiled is None else bool(compiled)
+        self._fns = self._step_functions(self.compiled)
         self.aux_ids: list[int] = []
         self.length = 0  # committed slots
-        self.k: Tensor | None = None  # [L, Hkv, capacity, d], made on first prefill
-        self.v: Tensor | None = None
+        self.kv: Tensor | None = None  # [L, 2, Hkv, capacity, d], made on first prefill
         self._graphs: dict[tuple[int, int, bool], _Graph] = {}
         self._pool: Any = None
+        self._causal: dict[int, Tensor] = {}
         self.valid = torch.zeros(1, 0, dtype=torch.bool)  # TargetRunner compatibility
+
+    @staticmethod
+    def _step_functions(compiled: bool) -> dict[str, Callable[..., Any]]:
+        fns = {"attn_in": _attn_in, "probs": _probs, "attn_out_mlp": _attn_out_mlp, "head": _head}
+        if not compiled:
+            return fns
+        # Static shapes give the best kernels; each (width, bucket) is one more specialisation
+        # (compiled once, during the graph's warm-up), more than dynamo's default limit of 8.
+        cfg = torch._dynamo.config
+        cfg.recompile_limit = max(cfg.recompile_limit, 64)
+        return {k: torch.compile(f, dynamic=False, fullgraph=True) for k, f in fns.items()}
 
     @property
     def num_layers(self) -> int:
@@ -433,7 +616,8 @@ class StaticTargetRunner:
     def _core(self, inputs: Tensor, q: int, span: int, aux: bool) -> tuple[Tensor, Tensor | None]:
         """One forward of q entries from the packed int64 `inputs` (ids, positions, base, tree),
         attending over slots [0, span). Graph-safe: no host reads, fixed shapes for fixed (q, span)."""
-        m, dev = self.model, self.device
+        m, dev, fns, kv = self.model, self.device, self._fns, self.kv
+        assert kv is not None
         ids, pos = inputs[:q][None], inputs[q : 2 * q][None]
         base = inputs[2 * q : 2 * q + 1]
         tree = inputs[2 * q + 1 :].view(q, q).bool()
@@ -444,35 +628,24 @@ class StaticTargetRunner:
         mask = torch.zeros(q, span, device=dev).masked_fill_(~allowed, float("-inf"))
         x = m.get_input_embeddings()(ids)
         cos, sin = m.model.rotary_emb(x, pos)
-        cos, sin = cos[:, None], sin[:, None]  # [1, 1, q, d]
-        H, Hkv, d = self.n_heads, self.n_kv, self.head_dim
-        rep = H // Hkv
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [q, 1, d]
+        heads = (self.n_heads, self.n_kv, self.head_dim)
+        rep = self.n_heads // self.n_kv
+        d = torch.zeros_like(x)
         states = []
-        for i, layer in enumerate(self.layers):
-            at = layer.self_attn
-            h = layer.input_layernorm(x)
-            qs = at.q_proj(h).view(1, q, H, d).transpose(1, 2)
-            ks = at.k_proj(h).view(1, q, Hkv, d).transpose(1, 2)
-            vs = at.v_proj(h).view(1, q, Hkv, d).transpose(1, 2)
-            if hasattr(at, "q_norm"):  # Qwen3-style per-head norms, before RoPE
-                qs, ks = at.q_norm(qs), at.k_norm(ks)
-            qs = qs * cos + _rotate_half(qs) * sin
-            ks = ks * cos + _rotate_half(ks) * sin
-            self.k[i].index_copy_(1, slots, ks[0].to(self.k.dtype))
-            self.v[i].index_copy_(1, slots, vs[0].to(self.v.dtype))
-            # GQA without repeating K/V: the rep query heads of a KV head become extra rows.
-            qh = qs[0].reshape(Hkv, rep * q, d)
-            scale = getattr(at, "scaling", d**-0.5)
-            scores = torch.matmul(qh, self.k[i, :, :span].transpose(1, 2)) * scale
-            scores = scores.float().view(Hkv, rep, q, span) + mask
-            p = torch.softmax(scores, dim=-1).to(qs.dtype).view(Hkv, rep * q, span)
-            o = torch.matmul(p, self.v[i, :, :span])  # [Hkv, rep*q, d] = [H, q, d]
-            o = o.view(H, q, d).transpose(0, 1).reshape(1, q, H * d)
-            x = x + at.o_proj(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        for i, w in enumerate(self.weights):
+            x, queries, new_kv = fns["attn_in"](x, d, w, cos, sin, heads, self.eps)
+            kv[i].index_copy_(2, slots, new_kv)
+            scores = torch.matmul(queries, kv[i, 0, :, :span].transpose(1, 2))
+            p = fns["probs"](scores, mask, self.scale, rep)
+            o = torch.matmul(p, kv[i, 1, :, :span])  # [Hkv, rep*q, d] = [H, q, d]
+            x, d = fns["attn_out_mlp"](o, x, w, heads, self.eps)
             if aux and i in self.aux_ids:
-                states.append((i, x))
-        logits = m.get_output_embeddings()(m.model.norm(x)).float()
+                states.append((i, x + d))
+        norm, head = m.model.norm, m.get_output_embeddings()
+        logits = fns["head"](
+            x, d, norm.weight, float(norm.variance_epsilon), head.weight, head.bias
+        )
         if not aux or not self.aux_ids:
             return logits, None
         by_id = dict(states)
@@ -480,14 +653,14 @@ class StaticTargetRunner:
 
     def _pack(self, ids: Tensor, positions: Tensor, tree: Tensor | None) -> Tensor:
         q = ids.shape[1]
-        t = torch.ones(q, q, dtype=torch.bool).tril() if tree is None else tree[0]
+        if tree is None:
+            if q not in self._causal:
+                self._causal[q] = torch.ones(q, q, dtype=torch.long).tril().reshape(-1)
+            t = self._causal[q]
+        else:
+            t = tree[0].long().cpu().reshape(-1)
         return torch.cat(
-            [
-                ids[0].long().cpu(),
-                positions[0].long().cpu(),
-                torch.tensor([self.length]),
-                t.long().cpu().reshape(-1),
-            ]
+            [ids[0].long().cpu(), positions[0].long().cpu(), torch.tensor([self.length]), t]
         )
 
     def _span(self, q: int) -> int:
@@ -506,7 +679,7 @@ class StaticTargetRunner:
         inputs = packed.to(self.device)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up (kernels chosen, workspaces made) off the graph
+        with torch.cuda.stream(side):  # warm up (compiled, kernels chosen, workspaces made)
             for _ in range(2):
                 self._core(inputs, q, span, aux)
         torch.cuda.current_stream().wait_stream(side)
@@ -565,10 +738,9 @@ class StaticTargetRunner:
         L = len(prompts[0])
         if L > self.capacity:
             raise ValueError(f"prompt of {L} tokens > static KV cache capacity {self.capacity}")
-        if self.k is None:
-            shape = (self.num_layers, self.n_kv, self.capacity, self.head_dim)
-            self.k = torch.zeros(shape, device=self.device, dtype=self.dtype)
-            self.v = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        if self.kv is None:
+            shape = (self.num_layers, 2, self.n_kv, self.capacity, self.head_dim)
+            self.kv = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.length = 0
         ids = torch.tensor([prompts[0]], dtype=torch.long)
         logits, states = self._prefill(ids.to(self.device), aux and bool(self.aux_ids))
@@ -577,7 +749,10 @@ class StaticTargetRunner:
         return logits[:, -1], states, ids, torch.ones(1, L, dtype=torch.bool)
 
     def _prefill(self, ids: Tensor, aux: bool) -> tuple[Tensor, Tensor | None]:
-        m, L = self.model, ids.shape[1]
+        """The prompt in one eager pass: the model's own modules (their q/k/v and gate/up weights
+        are views of the fused ones) and causal SDPA; the keys and values go to the cache."""
+        m, L, kv = self.model, ids.shape[1], self.kv
+        assert kv is not None
         pos = torch.arange(L, device=self.device)[None]
         x = m.get_input_embeddings()(ids)
         cos, sin = m.model.rotary_emb(x, pos)
@@ -594,14 +769,14 @@ class StaticTargetRunner:
                 qs, ks = at.q_norm(qs), at.k_norm(ks)
             qs = qs * cos + _rotate_half(qs) * sin
             ks = ks * cos + _rotate_half(ks) * sin
-            self.k[i, :, :L] = ks[0]
-            self.v[i, :, :L] = vs[0]
+            kv[i, 0, :, :L] = ks[0]
+            kv[i, 1, :, :L] = vs[0]
             o = F.scaled_dot_product_attention(
                 qs,
                 ks.repeat_interleave(H // Hkv, 1),
                 vs.repeat_interleave(H // Hkv, 1),
                 is_causal=True,
-                scale=getattr(at, "scaling", d**-0.5),
+                scale=self.scale,
             )
             x = x + at.o_proj(o.transpose(1, 2).reshape(1, L, H * d))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -616,9 +791,9 @@ class StaticTargetRunner:
         idx = keep[0].nonzero().squeeze(1)
         n = int(idx.numel())
         if n and int(idx[-1]) != n - 1:  # not a prefix: move the kept entries together
+            assert self.kv is not None
             src = (self.length + idx).to(self.device)
-            self.k[:, :, self.length : self.length + n] = self.k[:, :, src]
-            self.v[:, :, self.length : self.length + n] = self.v[:, :, src]
+            self.kv[:, :, :, self.length : self.length + n] = self.kv[:, :, :, src]
         self.length += n
         self.valid = torch.ones(1, self.length, dtype=torch.bool)
 

@@ -73,11 +73,19 @@ def check_capture_pipeline(device: str, tmp_path) -> None:
                     Sample(s, [1] * len(s), *p.wait()) for s, p in zip(group, pending, strict=True)
                 ]
 
+            # The first shard streams (each sample's states waited for just before they are
+            # read), the second waits for all of its samples first.
+            streamed = [
+                Sample(s, [1] * len(s), p.aux, p.final, ready=p.wait)
+                for s, p in zip(group, pending, strict=True)
+            ]
+
             def done(pending=pending) -> None:
                 for p in pending:
                     p.release()
 
-            infos.append(writer.submit(tmp_path / f"s{i}.safetensors", make, after=done))
+            job = streamed if i == 0 else make
+            infos.append(writer.submit(tmp_path / f"s{i}.safetensors", job, after=done))
         infos = [f.result() for f in infos]
     got = [s for info in infos for s in iter_samples(read_shard(tmp_path / info.file))]
     for seq, s in zip(seqs, got, strict=True):
@@ -134,3 +142,33 @@ def test_cuda_graph_engine_equals_hf_greedy():
     tree = engine.generate(prompts, GenParams(max_tokens=n_tok, topk=2, num_draft_tokens=6))
     assert [r.token_ids for r in tree] == want
     assert len(engine.static._graphs) >= 3  # decode, chain verify and tree verify widths
+
+
+@pytest.mark.gpu
+@cuda
+def test_graphed_compiled_runner_equals_eager_on_the_same_inputs():
+    """fp32 (TF32 off), identical prompt and new ids: the graphed runner over the compiled step
+    functions (bucketed span, masked slots) gives the eager runner's logits and aux states, for a
+    chain and a tree, within fp32 rounding; argmax equal."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_llama("cuda", layers=4, hidden=128)
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, V, (37,), generator=g).tolist()
+    graphed = StaticTargetRunner(model, capacity=512)
+    eager = StaticTargetRunner(model, capacity=512, graphs=False, compiled=False)
+    assert graphed.use_graphs and graphed.compiled
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]).bool()[None]
+    with torch.inference_mode():
+        for r in (graphed, eager):
+            r.set_aux_layers(AUX)
+            r.prefill([prompt], aux=False)
+        for q, t in [(1, None), (4, None), (4, tree)]:
+            ids = torch.randint(0, V, (1, q), generator=g)
+            depth = torch.arange(q) if t is None else torch.tensor([0, 1, 1, 2])
+            pos = (len(prompt) + depth)[None]
+            ones = torch.ones(1, q, dtype=torch.bool)
+            lg, ag = graphed.forward(ids, pos, ones, aux=True, tree=t)
+            le, ae = eager.forward(ids, pos, ones, aux=True, tree=t)
+            torch.testing.assert_close(lg, le, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(ag, ae, rtol=1e-4, atol=1e-4)
+            assert torch.equal(lg.argmax(-1), le.argmax(-1))

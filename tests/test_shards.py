@@ -155,3 +155,51 @@ def test_streamed_shard_is_deterministic_and_writer_threads_agree(tmp_path):
     with pytest.raises(ValueError, match="aux_hidden"):
         bad.result()
     assert sorted(calls) == [1, 2] and not (tmp_path / "d.safetensors").exists()
+
+
+def test_ready_samples_stream_in_chunks_to_the_same_file(tmp_path, monkeypatch):
+    """Samples whose states arrive late (`ready`, as from GPU copies) give the same bytes and
+    sha256 as ready ones, also in many small chunks (hashing and writing are pipelined); each
+    `ready` runs before its sample's states are read, in file order; a failing one leaves no file."""
+    import hashlib
+
+    import actors.shards as shards
+
+    monkeypatch.setattr(shards, "CHUNK", 40)  # bytes: every tensor spans several chunks
+    want = [_sample(n, i) for i, n in enumerate([7, 3, 5])]
+    plain = write_shard(tmp_path / "plain.safetensors", want, {"k": "v"})
+    calls: list[int] = []
+
+    def late(i: int, s: Sample) -> Sample:
+        aux, final = torch.empty_like(s.aux_hidden), torch.empty_like(s.final_hidden)
+
+        def fill() -> None:  # the "copy" lands only when the writer asks for it
+            calls.append(i)
+            aux.copy_(s.aux_hidden)
+            final.copy_(s.final_hidden)
+
+        return Sample(s.input_ids, s.loss_mask, aux, final, ready=fill)
+
+    got = write_shard(
+        tmp_path / "late.safetensors", [late(i, s) for i, s in enumerate(want)], {"k": "v"}
+    )
+    data = (tmp_path / "late.safetensors").read_bytes()
+    assert data == (tmp_path / "plain.safetensors").read_bytes()
+    assert got.sha256 == plain.sha256 == hashlib.sha256(data).hexdigest()
+    assert calls == [0, 1, 2, 0, 1, 2]  # before its aux rows, and again before its final rows
+
+    def fail() -> None:
+        raise RuntimeError("copy failed")
+
+    s = want[0]
+    with pytest.raises(RuntimeError, match="copy failed"):
+        write_shard(
+            tmp_path / "x.safetensors",
+            [Sample(s.input_ids, s.loss_mask, s.aux_hidden, s.final_hidden, fail)],
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["late.safetensors", "plain.safetensors"]
+    with pytest.raises(ValueError, match="contiguous bf16"):
+        write_shard(
+            tmp_path / "y.safetensors",
+            [Sample(s.input_ids, s.loss_mask, s.aux_hidden.float(), s.final_hidden, lambda: None)],
+        )
