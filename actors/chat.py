@@ -53,6 +53,20 @@ def prompt_ids(tokenizer: Any, messages: Conversation) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def user_turn_prefix(tokenizer: Any) -> list[int]:
+    """Token ids of the template up to where a user's message starts (with the default system
+    turn the template adds), so the model's continuation is a user turn it writes itself."""
+    mark = "\u2063USER\u2063"  # invisible separators around a word: no template emits that
+    text = render(tokenizer, [{"role": "user", "content": mark}])
+    if mark not in text:
+        raise ValueError(
+            f"data.self_prompts_per_round: the chat template of "
+            f"{getattr(tokenizer, 'name_or_path', '?')!r} does not render a user message verbatim; "
+            "set data.self_prompts_per_round: 0"
+        )
+    return list(tokenizer(text[: text.index(mark)], add_special_tokens=False)["input_ids"])
+
+
 def _assistant_spans(tokenizer: Any, messages: Conversation, text: str) -> list[tuple[int, int]]:
     """Character spans [start, end) of each assistant content + its end-of-turn token in ``text``."""
     specials = sorted(_special_strings(tokenizer), key=len, reverse=True)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from actors.prompts import Conversation, prompt_key
+from actors.prompts import Batch, Conversation, SelfWritten, prompt_key, self_written_batches
 from actors.shards import MANIFEST, bytes_per_token, finished_batch, write_manifest
 from pipeline.config import DataConfig, TargetConfig
 
@@ -62,10 +62,13 @@ def run_generate(
     out_dir: Path,
     config_hash: str,
     *,
+    round_index: int = 0,
     two_phase: bool | None = None,
     sglang_options: SGLangOptions | None = None,
 ) -> DataResult:
-    """Generate, capture and write shards for ``prompts`` into ``out_dir``; Ray must be initialised.
+    """Generate, capture and write shards for ``prompts`` into ``out_dir``, then for
+    ``data.self_prompts_per_round`` conversations whose user turns the target writes (drawn fresh
+    for ``round_index``); Ray must be initialised.
 
     ``two_phase``: generate the whole round, then capture it (None = only for the SGLang backend).
     ``sglang_options``: knobs of the SGLang backend the config does not carry (tests, tuning)."""
@@ -73,7 +76,12 @@ def run_generate(
     two_phase = target.backend == "sglang" if two_phase is None else two_phase
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    batches = [prompts[i : i + data.batch_size] for i in range(0, len(prompts), data.batch_size)]
+    batches: list[Batch] = [
+        prompts[i : i + data.batch_size] for i in range(0, len(prompts), data.batch_size)
+    ]
+    batches += self_written_batches(
+        data.self_prompts_per_round, data.batch_size, data.seed, round_index
+    )
     keys = [batch_key(b, target, data) for b in batches]
     records: dict[int, dict[str, Any]] = {}
     for i, k in enumerate(keys):
@@ -124,7 +132,7 @@ def run_generate(
 
 def _run_batches(
     actors: list[Any],
-    batches: list[list[Conversation]],
+    batches: list[Batch],
     keys: list[str],
     todo: list[int],
     out_dir: Path,
@@ -140,9 +148,14 @@ def _run_batches(
     t0 = time.perf_counter()
     info = ray.get(actors[0].info.remote())
     print(f"[generate] {len(actors)} actor(s) ready in {time.perf_counter() - t0:.1f}s", flush=True)
-    lengths = ray.get(actors[0].prompt_lengths.remote([p for i in todo for p in batches[i]]))
+    given = [p for i in todo if not isinstance(b := batches[i], SelfWritten) for p in b]
+    lengths = ray.get(actors[0].prompt_lengths.remote(given))
+    # a self-written prompt: the template's header (~40 tokens) and a turn of at most the budget
+    lengths += [40 + data.self_prompt_max_tokens] * sum(
+        b.count for i in todo if isinstance(b := batches[i], SelfWritten)
+    )
     _check_storage(out_dir, info, lengths, data)
-    out, sizes = str(out_dir), [len(b) for b in batches]
+    out, sizes = str(out_dir), [b.count if isinstance(b, SelfWritten) else len(b) for b in batches]
     if not two_phase:
         done = _dispatch(actors, "process", {i: (batches[i], out, i, keys[i]) for i in todo}, sizes)
         generated = done
@@ -160,18 +173,30 @@ def _run_batches(
         done = _dispatch(actors, "capture_batch", {i: (out, i, keys[i]) for i in todo}, sizes)
     skipped = sum(r.skipped_prompts for r in done)
     if skipped:
-        print(f"[generate] skipped {skipped} prompt(s) longer than data.max_length", flush=True)
+        print(
+            f"[generate] skipped {skipped} prompt(s): longer than data.max_length, or a "
+            "self-written turn that did not end, was too short or repeated",
+            flush=True,
+        )
     calls = done if generated is done else generated + done
     return done, generated, info, sum(r.switch_seconds for r in calls)
 
 
-def batch_key(batch: list[Conversation], target: TargetConfig, data: DataConfig) -> str:
+def batch_key(batch: Batch, target: TargetConfig, data: DataConfig) -> str:
     """Identity of a batch's output: its prompts and every setting that changes the shards."""
-    settings = {
+    settings: dict[str, Any] = {
         "target": target.model_dump(mode="json", exclude={"env", "num_gpus_per_actor"}),
         "data": data.model_dump(mode="json", include={"max_new_tokens", "max_length", "temperature", "seed", "shard_max_bytes"}),
-        "prompts": [prompt_key(c) for c in batch],
     }  # fmt: skip
+    if isinstance(batch, SelfWritten):
+        settings["self_written"] = {
+            "count": batch.count,
+            "seed": batch.seed,
+            "temperature": data.self_prompt_temperature,
+            "max_tokens": data.self_prompt_max_tokens,
+        }
+    else:
+        settings["prompts"] = [prompt_key(c) for c in batch]
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -315,7 +340,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     train, _ = split_prompts(load_prompts(cfg.data), cfg.data.heldout_prompts, cfg.data.seed)
     prompts = round_prompts(train, args.round, cfg.data.prompts_per_round)
-    result = run_generate(cfg.target, cfg.data, prompts, args.out, cfg.digest())
+    result = run_generate(
+        cfg.target, cfg.data, prompts, args.out, cfg.digest(), round_index=args.round
+    )
     print(json.dumps(asdict(result), indent=1))
 
 

@@ -23,6 +23,7 @@ import random
 import subprocess
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,44 @@ ACCEPTED_FORMATS = (
 )
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SelfWritten:
+    """A batch of `count` conversations whose user turn the target writes itself before it
+    answers (Magpie: sampling continues the chat template's user header), drawn with `seed`.
+    Such turns follow the target's own idea of what users ask: the breadth of its chat tuning,
+    which a narrow prompt source lacks (docs/data.md)."""
+
+    count: int
+    seed: int
+
+
+Batch = list[Conversation] | SelfWritten
+
+
+def self_written_batches(
+    count: int, batch_size: int, seed: int, round_index: int
+) -> list[SelfWritten]:
+    """`count` self-written conversations of round `round_index` in batches; seeds differ per
+    round and batch, so every round draws fresh turns."""
+    sizes = [min(batch_size, count - s) for s in range(0, count, batch_size)]
+    return [
+        SelfWritten(n, (seed * 1_000_003 + round_index) * 10_007 + b) for b, n in enumerate(sizes)
+    ]
+
+
+def keep_written_turns(texts: list[str], ended: list[bool]) -> list[Conversation]:
+    """User turns worth answering: ended within the token budget, at least three words, not a
+    repeat of an earlier one in the batch."""
+    seen: set[str] = set()
+    out: list[Conversation] = []
+    for text, done in zip(texts, ended, strict=True):
+        t = text.strip()
+        if done and len(t.split()) >= 3 and t not in seen:
+            seen.add(t)
+            out.append([{"role": "user", "content": t}])
+    return out
 
 
 class PromptFormatError(ValueError):

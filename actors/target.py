@@ -1,6 +1,7 @@
 """The Ray actor that owns the target LLM: regenerate responses, capture hidden states, write shards.
 
-The driver sends prompt batches (plain conversations) and gets back small `BatchResult` records;
+The driver sends prompt batches (plain conversations, or a `SelfWritten` count whose user turns
+the target writes first) and gets back small `BatchResult` records;
 tokens, hidden states and shards never leave the actor. The model sits behind `TargetBackend`:
 `HFTarget` (transformers) or `SGLangTarget` (actors/sglang_backend.py).
 
@@ -32,8 +33,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import ray
 import torch
 
-from actors.chat import Conversation, encode_conversation, prompt_ids
+from actors.chat import Conversation, encode_conversation, prompt_ids, user_turn_prefix
 from actors.hf_backend import HFTarget, load_tokenizer, resolve_aux_layer_ids
+from actors.prompts import Batch, SelfWritten, keep_written_turns
 from actors.sglang_backend import token_bounded_batches
 from actors.shards import (
     Sample,
@@ -100,7 +102,7 @@ class BatchResult:
     batch_index: int
     shards: tuple[ShardInfo, ...]
     num_prompts: int
-    skipped_prompts: int  # prompts longer than data.max_length
+    skipped_prompts: int  # prompts longer than data.max_length, self-written turns not kept
     gen_tokens: int
     gen_seconds: float
     capture_tokens: int
@@ -120,6 +122,24 @@ class Generated:
     gen_tokens: int
     gen_seconds: float
     switch_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Written:
+    """What writing a batch's own user turns cost, added to the batch's figures."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    dropped: int = 0
+
+    def add_to(self, r: BatchResult) -> BatchResult:
+        return replace(
+            r,
+            num_prompts=r.num_prompts + self.dropped,
+            skipped_prompts=r.skipped_prompts + self.dropped,
+            gen_tokens=r.gen_tokens + self.tokens,
+            gen_seconds=r.gen_seconds + self.seconds,
+        )
 
 
 def generated_path(out_dir: str | Path, batch_index: int) -> Path:
@@ -218,43 +238,47 @@ class TargetWorker:
         """Templated token counts (for the storage estimate)."""
         return [len(prompt_ids(self.tokenizer, c)) for c in prompts]
 
-    def process(
-        self, batch: list[Conversation], out_dir: str, batch_index: int, batch_key: str
-    ) -> BatchResult:
+    def process(self, batch: Batch, out_dir: str, batch_index: int, batch_key: str) -> BatchResult:
         """Generate responses for one prompt batch, capture hidden states of prompt + response, and
         write the batch's shards and its sidecar into ``out_dir``.
 
         Loss mask: the response (EOS included) plus earlier assistant turns of the prompt.
         With ``data.capture`` decode (HF's default) the states come out of the generation itself."""
+        convs, wrote = self._conversations(batch)
         if self.capture_in_decode:
-            return self._generate_captured(batch, out_dir, batch_index, batch_key)
-        gen = self._generate(batch, batch_index)
-        r = self._capture_and_write(gen, out_dir, batch_index, batch_key)
-        return replace(
-            r,
-            gen_tokens=gen.gen_tokens,
-            gen_seconds=gen.gen_seconds,
-            switch_seconds=r.switch_seconds + gen.switch_seconds,
-        )
+            r = self._generate_captured(convs, out_dir, batch_index, batch_key)
+        else:
+            gen = self._generate(convs, batch_index)
+            c = self._capture_and_write(gen, out_dir, batch_index, batch_key)
+            r = replace(
+                c,
+                gen_tokens=gen.gen_tokens,
+                gen_seconds=gen.gen_seconds,
+                switch_seconds=c.switch_seconds + gen.switch_seconds,
+            )
+        return wrote.add_to(r)
 
     def generate_batch(
-        self, batch: list[Conversation], out_dir: str, batch_index: int, batch_key: str
+        self, batch: Batch, out_dir: str, batch_index: int, batch_key: str
     ) -> BatchResult:
         """Phase 1 of the two-phase round: generate and keep the ids in the batch's
         `.gen.jsonl` sidecar (no capture, no shards)."""
-        gen = self._generate(batch, batch_index)
+        convs, wrote = self._conversations(batch)
+        gen = self._generate(convs, batch_index)
         write_generated(out_dir, batch_index, batch_key, gen)
-        return BatchResult(
-            batch_index=batch_index,
-            shards=(),
-            num_prompts=gen.num_prompts,
-            skipped_prompts=gen.skipped_prompts,
-            gen_tokens=gen.gen_tokens,
-            gen_seconds=gen.gen_seconds,
-            capture_tokens=0,
-            capture_seconds=0.0,
-            write_seconds=0.0,
-            switch_seconds=gen.switch_seconds,
+        return wrote.add_to(
+            BatchResult(
+                batch_index=batch_index,
+                shards=(),
+                num_prompts=gen.num_prompts,
+                skipped_prompts=gen.skipped_prompts,
+                gen_tokens=gen.gen_tokens,
+                gen_seconds=gen.gen_seconds,
+                capture_tokens=0,
+                capture_seconds=0.0,
+                write_seconds=0.0,
+                switch_seconds=gen.switch_seconds,
+            )
         )
 
     def capture_batch(self, out_dir: str, batch_index: int, batch_key: str) -> BatchResult:
@@ -268,6 +292,26 @@ class TargetWorker:
         if close is not None:
             with self._compute:
                 close()
+
+    def _conversations(self, batch: Batch) -> tuple[list[Conversation], _Written]:
+        """The batch's conversations; a `SelfWritten` batch first samples its user turns by
+        continuing the chat template's user header (tokens and time count as generation)."""
+        if not isinstance(batch, SelfWritten):
+            return batch, _Written()
+        d = self.data
+        with self._compute:
+            t0 = time.perf_counter()
+            turns = self.backend.generate(
+                [user_turn_prefix(self.tokenizer)] * batch.count,
+                d.self_prompt_max_tokens,
+                d.self_prompt_temperature,
+                batch.seed,
+            )
+            seconds = time.perf_counter() - t0
+        texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in turns]
+        # a turn shorter than the budget ended with EOS; one that used it all was cut off
+        convs = keep_written_turns(texts, [len(t) < d.self_prompt_max_tokens for t in turns])
+        return convs, _Written(sum(map(len, turns)), seconds, batch.count - len(convs))
 
     def _generate(self, batch: list[Conversation], batch_index: int) -> Generated:
         d = self.data

@@ -58,6 +58,16 @@ class DataConfig(_Strict):
     """Fresh prompts regenerated each round; data accumulates across rounds."""
     heldout_prompts: int = Field(64, ge=1)
     """Prompts reserved for the benchmark; training never sees them."""
+    self_prompts_per_round: int = Field(0, ge=0)
+    """Extra conversations per round whose user turn the target writes itself before answering it
+    (Magpie: sampling continues the chat template's user header). They follow the target's own
+    idea of what users ask, the breadth of its chat tuning, which a narrow prompt source lacks;
+    each costs about a quarter more decoding than a given prompt. Held-out prompts still come from
+    `source`."""
+    self_prompt_temperature: float = Field(0.9, gt=0)
+    """Sampling temperature of self-written user turns (their answers use `temperature`)."""
+    self_prompt_max_tokens: int = Field(64, ge=8)
+    """Longest self-written user turn; a turn still going at this length is dropped."""
     max_new_tokens: int = Field(256, ge=1)
     """Tokens the target generates per response."""
     max_length: int = Field(2048, ge=16)
@@ -162,7 +172,10 @@ class BenchConfig(_Strict):
     num_prompts: int = Field(32, ge=1)
     """Held-out prompts scored per round."""
     max_tokens: int = Field(128, ge=1)
-    """Completion tokens per request."""
+    """Most completion tokens per request (a request also ends at its end of sequence)."""
+    ignore_eos: bool = False
+    """Generate exactly `max_tokens` past the end of sequence (fixed-length load tests); the
+    acceptance measured on text after EOS says little about real requests."""
     concurrency: list[int] = Field(default_factory=lambda: [1])
     """Concurrency levels measured."""
     warmup: int = Field(2, ge=0)

@@ -117,7 +117,12 @@ def _generate(
 
     prompts = round_prompts(train_prompts, r, cfg.data.prompts_per_round)
     res = run_generate(
-        cfg.target, cfg.data, prompts, run_dir / "data" / f"round-{r:03d}", cfg.digest()
+        cfg.target,
+        cfg.data,
+        prompts,
+        run_dir / "data" / f"round-{r:03d}",
+        cfg.digest(),
+        round_index=r,
     )
     rec = _record(res)
     tracker.log(child, {f"data/{k}": v for k, v in rec.items()})

@@ -1,7 +1,9 @@
 """Benchmark client: scores a drafter on any OpenAI-compatible endpoint that reports speculative
 statistics (this project's engine in `usage`, SGLang in `meta_info`).
 
-One run, at temperature 0 with a fixed `max_tokens` (`ignore_eos`) on held-out prompts:
+One run, at temperature 0 on held-out prompts, each answered up to `max_tokens` or its end of
+sequence (`ignore_eos: true` forces exactly `max_tokens`: the tokens after EOS are text no user
+reads, where a drafter trained on real responses accepts less; see docs/serving.md):
   1. warm-up requests (excluded);
   2. optional steps sweep at the first concurrency level: the best steps by output tok/s is kept
      (skipped when the server's steps are fixed at launch: `fixed_steps`, SGLang);
@@ -27,6 +29,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -99,17 +102,17 @@ def extract_stats(body: dict[str, Any], latency_s: float) -> RequestStats:
 
 
 def chat_request(
-    prompt: Prompt, max_tokens: int, speculative: bool, steps: int | None
+    prompt: Prompt, max_tokens: int, speculative: bool, steps: int | None, ignore_eos: bool = False
 ) -> tuple[str, dict[str, Any]]:
-    """OpenAI chat completion at temperature 0 with a fixed length. `speculative`/`steps` are this
-    engine's fields (SGLang ignores them); `return_meta_info` makes SGLang put its per-request
-    speculative stats under `choices[0].meta_info` (non-streaming only; ignored by this engine)."""
+    """OpenAI chat completion at temperature 0. `speculative`/`steps` are this engine's fields
+    (SGLang ignores them); `return_meta_info` makes SGLang put its per-request speculative stats
+    under `choices[0].meta_info` (non-streaming only; ignored by this engine)."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     body: dict[str, Any] = {
         "messages": messages,
         "max_tokens": max_tokens,
         "temperature": 0,
-        "ignore_eos": True,
+        "ignore_eos": ignore_eos,
         "speculative": speculative,
         "return_meta_info": True,
     }
@@ -220,8 +223,17 @@ def acceptance_per_position(hist: tuple[int, ...]) -> tuple[float, ...]:
     return tuple(sum(hist[i:]) / total for i in range(1, len(hist)))
 
 
-def _get(cfg: Any, name: str) -> Any:
-    return getattr(cfg, name) if hasattr(cfg, name) else cfg[name]
+def _get(cfg: Any, name: str, default: Any = None) -> Any:
+    if hasattr(cfg, name):
+        return getattr(cfg, name)
+    return cfg[name] if default is None else cfg.get(name, default)
+
+
+def _builder(bench_cfg: Any, build: RequestBuilder | None) -> RequestBuilder:
+    """`build`, or chat requests with the config's `ignore_eos` (default false)."""
+    if build is not None:
+        return build
+    return partial(chat_request, ignore_eos=bool(_get(bench_cfg, "ignore_eos", False)))
 
 
 def run_bench(
@@ -231,7 +243,7 @@ def run_bench(
     out_dir: str | Path,
     *,
     tag: str = "bench",
-    build: RequestBuilder = chat_request,
+    build: RequestBuilder | None = None,
     timeout_s: float = 900.0,
     baseline_url: str | None = None,
     baseline: dict[str, Any] | None = None,
@@ -246,6 +258,7 @@ def run_bench(
     --speculative-num-steps): the sweep is skipped and the levels are labelled with it."""
     n, max_tokens = _get(bench_cfg, "num_prompts"), _get(bench_cfg, "max_tokens")
     levels_c, warmup = list(_get(bench_cfg, "concurrency")), _get(bench_cfg, "warmup")
+    build = _builder(bench_cfg, build)
     sweep_steps = [] if fixed_steps else list(_get(bench_cfg, "steps_sweep"))
     if len(prompts) < n:
         raise ValueError(
@@ -286,6 +299,7 @@ def run_bench(
         "url": url,
         "num_prompts": n,
         "max_tokens": max_tokens,
+        "ignore_eos": bool(_get(bench_cfg, "ignore_eos", False)),
         "concurrency": levels_c,
         "warmup": warmup,
         "steps_sweep": sweep_steps,
@@ -300,7 +314,7 @@ def measure_baseline_levels(
     prompts: list[Prompt],
     bench_cfg: Any,
     *,
-    build: RequestBuilder = chat_request,
+    build: RequestBuilder | None = None,
     timeout_s: float = 900.0,
 ) -> dict[str, Any]:
     """No-speculation figures of `url` at every concurrency level of `bench_cfg` (warm-up
@@ -308,6 +322,7 @@ def measure_baseline_levels(
     `BaselineCache` stores."""
     n, max_tokens = _get(bench_cfg, "num_prompts"), _get(bench_cfg, "max_tokens")
     levels_c, warmup = list(_get(bench_cfg, "concurrency")), _get(bench_cfg, "warmup")
+    build = _builder(bench_cfg, build)
     prompts = prompts[:n]
     limits = httpx.Limits(max_connections=max(levels_c) + 2)
     levels = []
@@ -324,6 +339,7 @@ def bench_settings_key(prompts: list[Prompt], bench_cfg: Any) -> str:
     """Identity of what a baseline measured (prompts, lengths, levels): its cache key part."""
     n = _get(bench_cfg, "num_prompts")
     what = {k: _get(bench_cfg, k) for k in ("num_prompts", "max_tokens", "concurrency", "warmup")}
+    what["ignore_eos"] = bool(_get(bench_cfg, "ignore_eos", False))
     blob = json.dumps({**what, "prompts": prompts[:n]}, sort_keys=True, default=str)
     return "bench-" + hashlib.sha256(blob.encode()).hexdigest()[:16]
 

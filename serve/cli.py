@@ -90,6 +90,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "concurrency": _ints(args.concurrency),
         "warmup": args.warmup,
         "steps_sweep": _ints(args.steps_sweep),
+        "ignore_eos": args.ignore_eos,
     }
     r = run_bench(args.url, prompts, cfg, args.out, tag=args.tag, timeout_s=args.timeout)
     summary = {
@@ -143,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--seed", type=int, default=0, help="split seed (as data.seed)")
     b.add_argument("--num-prompts", type=int, default=32)
     b.add_argument("--max-tokens", type=int, default=128)
+    b.add_argument(
+        "--ignore-eos", action="store_true", help="always generate --max-tokens (past the EOS)"
+    )
     b.add_argument("--concurrency", default="1", help="comma list, e.g. 1,4")
     b.add_argument("--warmup", type=int, default=2)
     b.add_argument("--steps-sweep", default="", help="comma list of steps to try, e.g. 1,2,3,4")

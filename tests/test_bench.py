@@ -95,7 +95,8 @@ def test_chat_request_asks_sglang_for_meta_info():
     path, body = chat_request("hi", 16, True, 3)
     assert path == "/v1/chat/completions" and body["return_meta_info"] is True
     assert body["messages"] == [{"role": "user", "content": "hi"}] and "stream" not in body
-    assert (body["speculative"], body["steps"], body["ignore_eos"]) == (True, 3, True)
+    assert (body["speculative"], body["steps"], body["ignore_eos"]) == (True, 3, False)
+    assert chat_request("hi", 16, False, None, ignore_eos=True)[1]["ignore_eos"] is True
 
 
 def test_acceptance_per_position():

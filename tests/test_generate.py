@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from actors.chat import prompt_ids
-from actors.generate import _check_storage, run_generate
+from actors.chat import prompt_ids, user_turn_prefix
+from actors.generate import _check_storage, batch_key, run_generate
 from actors.hf_backend import HFTarget, resolve_aux_layer_ids
-from actors.prompts import builtin_prompts
+from actors.prompts import SelfWritten, builtin_prompts
 from actors.shards import MANIFEST, ShardError, iter_samples, read_shard, verify_manifest
 from actors.target import TargetWorker
 from pipeline.config import DataConfig, TargetConfig
@@ -304,3 +304,40 @@ def test_capture_phase_refuses_a_sidecar_of_other_settings(stage, two_phase_stag
     worker = TargetWorker(target, data, num_threads=1)
     with pytest.raises(RuntimeError, match=r"b00000\.gen\.jsonl: made for other prompts"):
         worker.capture_batch(str(tmp_path / "d"), 0, "another-key")
+
+
+def test_self_written_batch_writes_its_turns_then_answers_them(tiny_target, tmp_path):
+    """A `SelfWritten` batch: the target samples user turns from the template's user header,
+    keeps those that ended, answers them greedily and writes shards like any batch; the same
+    seed draws the same turns, so a rerun writes the same shards."""
+    target, data = _cfgs(tiny_target)
+    data = data.model_copy(update={"self_prompt_max_tokens": 10})
+    worker = TargetWorker(target, data, num_threads=1)
+    tok, head = worker.tokenizer, user_turn_prefix(worker.tokenizer)
+    free = worker.backend.generate([head] * 6, 10, 0.9, 7)
+    # a random model rarely ends a turn by itself: some tokens of its own turns become stop tokens
+    stops = tuple({row[k] for row in free[:4] for k in (3, 6)})
+    worker.backend._info = dataclasses.replace(worker.backend.info(), eos_token_ids=stops)
+
+    batch = SelfWritten(count=6, seed=7)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    r = worker.process(batch, str(tmp_path / "a"), 0, batch_key(batch, target, data))
+    samples = [s for sh in r.shards for s in iter_samples(read_shard(tmp_path / "a" / sh.file))]
+    assert r.num_prompts == 6 and 0 < len(samples) == 6 - r.skipped_prompts
+    end = tok("<|im_end|>", add_special_tokens=False).input_ids
+    answered, texts = 0, set()
+    for s in samples:  # each: header, a kept turn, then the greedy answer (masked in)
+        ids, mask = s["input_ids"].tolist(), s["loss_mask"].tolist()
+        assert ids[: len(head)] == head
+        n = next(i for i in range(len(head), len(ids)) if ids[i : i + len(end)] == end)
+        text = tok.decode(ids[len(head) : n], skip_special_tokens=True).strip()
+        p = prompt_ids(tok, [{"role": "user", "content": text}])
+        assert ids[: len(p)] == p and len(text.split()) >= 3 and text not in texts
+        assert mask == [0] * len(p) + [1] * (len(ids) - len(p))
+        texts.add(text)
+        answered += len(ids) - len(p)
+    assert r.gen_tokens > answered  # the turns' tokens count as generation too
+
+    again = worker.process(batch, str(tmp_path / "b"), 0, batch_key(batch, target, data))
+    assert [sh.sha256 for sh in again.shards] == [sh.sha256 for sh in r.shards]
+    assert batch_key(SelfWritten(6, 8), target, data) != batch_key(batch, target, data)

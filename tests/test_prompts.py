@@ -9,13 +9,15 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from actors.chat import encode_conversation, prompt_ids
+from actors.chat import encode_conversation, prompt_ids, user_turn_prefix
 from actors.prompts import (
     PromptFormatError,
     builtin_prompts,
+    keep_written_turns,
     load_prompts,
     prompt_key,
     round_prompts,
+    self_written_batches,
     split_prompts,
 )
 from pipeline.config import DataConfig
@@ -163,3 +165,39 @@ def test_heldout_split_does_not_depend_on_imports():
     out = [subprocess.run([sys.executable, "-c", code, m], capture_output=True, text=True, check=True).stdout
            for m in ("light", "heavy")]  # fmt: skip
     assert out[0] == out[1] and len(out[0]) == 65
+
+
+def test_self_written_turns_continue_the_user_header_and_answer_like_given_ones(
+    chat_tokenizer_dir,
+):
+    """The header the target continues plus its turn and EOS is exactly the prompt it then
+    answers: writing and answering see one conversation."""
+    tok = AutoTokenizer.from_pretrained(chat_tokenizer_dir)
+    head = user_turn_prefix(tok)
+    assert tok.decode(head).endswith("<|im_start|>user\n")
+    text = "How do I keep basil alive on a windowsill?"
+    turn = tok(text + "<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).input_ids
+    assert head + turn == prompt_ids(tok, [{"role": "user", "content": text}])
+
+
+def test_keep_written_turns_drops_cut_short_and_repeated_ones():
+    texts = [
+        " Plan a picnic for six. ",
+        "Hi",
+        "Plan a picnic for six.",
+        "Is this cut off and",
+        "Why is it?",
+    ]
+    ended = [True, True, True, False, True]
+    kept = keep_written_turns(texts, ended)
+    assert kept == [
+        [{"role": "user", "content": "Plan a picnic for six."}],
+        [{"role": "user", "content": "Why is it?"}],
+    ]
+
+
+def test_self_written_batches_are_fresh_per_round_and_sized_by_the_batch():
+    r0, r1 = self_written_batches(70, 32, 0, 0), self_written_batches(70, 32, 0, 1)
+    assert [b.count for b in r0] == [32, 32, 6] and self_written_batches(0, 32, 0, 0) == []
+    seeds = [b.seed for b in r0 + r1 + self_written_batches(70, 32, 1, 0)]
+    assert len(set(seeds)) == len(seeds)
