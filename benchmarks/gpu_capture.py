@@ -108,6 +108,7 @@ def run_capture(
     per_shard: int,
     threads: int,
     pool: PinnedPool | None,
+    sync_mode: str = "fsync",
 ) -> tuple[float, float, list]:
     """The whole stage: forwards queued back to back, each group of `per_shard` sequences handed
     to a writer thread as soon as it is queued; each sample's `ready` waits for its own copy, so a
@@ -117,7 +118,7 @@ def run_capture(
     t = time.perf_counter()
     futures = []
     last = None
-    with ShardWriter(threads) as writer:
+    with ShardWriter(threads, sync_mode) as writer:
         for i in range(0, len(seqs), per_shard):
             group = seqs[i : i + per_shard]
             pending = target.capture_async(group, aux_ids, pool)
@@ -166,11 +167,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--n", type=int, default=32, help="sequences per capture run")
-    ap.add_argument("--per-shard", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--per-shard", default="4", help="sequences per shard; a comma list runs each")
+    ap.add_argument("--threads", default="4", help="writer threads; a comma list runs each")
+    ap.add_argument("--sync", default="fsync", help="write_shard sync modes to run (fsync,none)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out-dir", default=None, help="shard directory (default: a temp dir)")
     ap.add_argument("--pool-slots", type=int, default=16, help="0 = no PinnedPool")
+    ap.add_argument("--io-mb", type=int, default=256, help="file size of the host I/O probe")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16
@@ -240,42 +243,47 @@ def main() -> None:
             )
 
     root = Path(args.out_dir) if args.out_dir else Path(tempfile.mkdtemp(prefix="capture_"))
-    for threads in sorted({args.threads, 1}):
-        for rep in range(2):
-            out_dir = root / f"t{threads}-{rep}"
-            out_dir.mkdir(parents=True, exist_ok=True)
-            s, fwd, infos = run_capture(
-                target, seqs, aux_ids, out_dir, args.per_shard, threads, pool
-            )
-            nbytes = sum(i.bytes for i in infos)
-            emit(
-                {
-                    "what": "capture_stage",
-                    "writer_threads": threads,
-                    "pool_slots": args.pool_slots,
-                    "per_shard": args.per_shard,
-                    "n": args.n,
-                    "rep": rep,
-                    "tok_s": round(tokens / s),
-                    "pct_of_plain": round(100 * tokens / s / plain_tok_s, 1),
-                    "forwards_s": round(fwd, 3),
-                    "writer_tail_s": round(s - fwd, 3),
-                    "shard_GB_s": round(nbytes / s / 1e9, 3),
-                    "bytes_per_token": width,
-                    "shards": len(infos),
-                },
-                base,
-            )
-            if rep == 1:  # the shards hold the right numbers
-                got = read_shard(out_dir / infos[0].file)
-                want = target.capture(seqs[:1], aux_ids)[0]
-                ok = torch.equal(got["aux_hidden"][: args.seq], want[0]) and torch.equal(
-                    got["final_hidden"][: args.seq], want[1]
-                )
-                emit({"what": "shard_check", "writer_threads": threads, "equal": bool(ok)}, base)
-            shutil.rmtree(out_dir)
+    threads_list = [int(t) for t in str(args.threads).split(",")]
+    for sync_mode in args.sync.split(","):
+        for per_shard in [int(p) for p in str(args.per_shard).split(",")]:
+            for threads in threads_list:
+                for rep in range(2):
+                    out_dir = root / f"t{threads}-{rep}"
+                    out_dir.mkdir(parents=True, exist_ok=True)
+                    s, fwd, infos = run_capture(
+                        target, seqs, aux_ids, out_dir, per_shard, threads, pool, sync_mode
+                    )
+                    nbytes = sum(i.bytes for i in infos)
+                    emit(
+                        {
+                            "what": "capture_stage",
+                            "writer_threads": threads,
+                            "sync": sync_mode,
+                            "pool_slots": args.pool_slots,
+                            "per_shard": per_shard,
+                            "n": args.n,
+                            "rep": rep,
+                            "tok_s": round(tokens / s),
+                            "pct_of_plain": round(100 * tokens / s / plain_tok_s, 1),
+                            "forwards_s": round(fwd, 3),
+                            "writer_tail_s": round(s - fwd, 3),
+                            "shard_GB_s": round(nbytes / s / 1e9, 3),
+                            "bytes_per_token": width,
+                            "shards": len(infos),
+                        },
+                        base,
+                    )
+                    if rep == 1:  # the shards hold the right numbers
+                        got = read_shard(out_dir / infos[0].file)
+                        want = target.capture(seqs[:1], aux_ids)[0]
+                        ok = torch.equal(got["aux_hidden"][: args.seq], want[0]) and torch.equal(
+                            got["final_hidden"][: args.seq], want[1]
+                        )
+                        emit({"what": "shard_check", "equal": bool(ok)}, base)
+                    shutil.rmtree(out_dir)
 
     # The writer alone on CPU tensors (disk + hash bandwidth ceiling of this host).
+    per_shard = int(str(args.per_shard).split(",")[0])
     fake = [
         Sample(
             s,
@@ -283,23 +291,92 @@ def main() -> None:
             torch.randn(len(s), 3 * model.config.hidden_size).bfloat16(),
             torch.randn(len(s), model.config.hidden_size).bfloat16(),
         )
-        for s in seqs[: args.per_shard * 2]
+        for s in seqs[:per_shard]
     ]
-    for threads in sorted({args.threads, 1}):
-        out_dir = root / f"w{threads}"
-        out_dir.mkdir(parents=True, exist_ok=True)
-        t = time.perf_counter()
-        with ShardWriter(threads) as w:
-            futs = [
-                w.submit(out_dir / f"w{i}.safetensors", fake[: args.per_shard]) for i in range(8)
-            ]
-            nbytes = sum(f.result().bytes for f in futs)
-        s = time.perf_counter() - t
-        emit(
-            {"what": "writer_only", "writer_threads": threads, "GB_s": round(nbytes / s / 1e9, 3)},
-            base,
-        )
-        shutil.rmtree(out_dir)
+    for sync_mode in args.sync.split(","):
+        for threads in sorted({*threads_list, 1}):
+            out_dir = root / f"w{threads}"
+            out_dir.mkdir(parents=True, exist_ok=True)
+            t = time.perf_counter()
+            with ShardWriter(threads, sync_mode) as w:
+                futs = [w.submit(out_dir / f"w{i}.safetensors", fake) for i in range(8)]
+                nbytes = sum(f.result().bytes for f in futs)
+            s = time.perf_counter() - t
+            emit(
+                {
+                    "what": "writer_only",
+                    "writer_threads": threads,
+                    "sync": sync_mode,
+                    "GB_s": round(nbytes / s / 1e9, 3),
+                },
+                base,
+            )
+            shutil.rmtree(out_dir)
+    host_io(root, base, args.io_mb << 20)
+
+
+def host_io(root: Path, base: dict, nbytes: int = 256 << 20, files: int = 6) -> None:
+    """What the host's hashing and file writing cost on their own (GB/s): sha256 on one thread;
+    writing `files` files of `nbytes` one after another without and with fsync; the same from
+    `files` threads at once; and the same into /dev/shm (no disk)."""
+    import hashlib
+    import threading
+
+    buf = memoryview(os.urandom(1 << 20) * (nbytes >> 20))
+    t = time.perf_counter()
+    hashlib.sha256(buf).digest()
+    emit(
+        {
+            "what": "host_io",
+            "op": "sha256",
+            "GB_s": round(nbytes / (time.perf_counter() - t) / 1e9, 3),
+        },
+        base,
+    )
+
+    def write(path: Path, mode: str) -> None:
+        with open(path, "wb") as f:
+            for a in range(0, nbytes, 8 << 20):
+                f.write(buf[a : a + (8 << 20)])
+            f.flush()
+            if mode != "none":
+                os.fsync(f.fileno())
+
+    targets = [("disk", root / "io")]
+    if Path("/dev/shm").is_dir():
+        targets.append(("shm", Path(tempfile.mkdtemp(prefix="io_", dir="/dev/shm"))))
+    for where, d in targets:
+        d.mkdir(parents=True, exist_ok=True)
+        for mode in ("none", "fsync"):
+            for par in (1, files):
+                t = time.perf_counter()
+                if par == 1:
+                    for i in range(files):
+                        write(d / f"f{i}", mode)
+                else:
+                    ths = [
+                        threading.Thread(target=write, args=(d / f"f{i}", mode))
+                        for i in range(files)
+                    ]
+                    for th in ths:
+                        th.start()
+                    for th in ths:
+                        th.join()
+                s = time.perf_counter() - t
+                emit(
+                    {
+                        "what": "host_io",
+                        "op": "write",
+                        "where": where,
+                        "sync": mode,
+                        "threads": par,
+                        "GB_s": round(files * nbytes / s / 1e9, 3),
+                    },
+                    base,
+                )
+                for i in range(files):
+                    (d / f"f{i}").unlink()
+        shutil.rmtree(d)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,11 @@ Builds a random-weight target of a real shape on the GPU (no download) and, in o
   (HF forward of prompt + ids, no cache) and with the bf16 HF forward of the same tokens
   (`parity` lines: ||a - ref|| / ||ref||, share of rows whose argmax equals the fp32 one);
 - the anchor: plain HF eager forwards over a DynamicCache of `--ctx` tokens;
-- `StaticTargetRunner` (serve/engine.py) in three variants: CUDA graphs over the torch.compile'd
-  step functions (the default on CUDA), graphs over the same functions uncompiled, and no graphs
-  (eager); for graphs also the replay alone timed with CUDA events;
+- `StaticTargetRunner` (serve/engine.py) in four variants: CUDA graphs over the torch.compile'd
+  step functions with the split (flash-decoding) attention kernel (the default on CUDA), the same
+  with cuBLAS batched products for attention, graphs over the functions uncompiled, and no
+  graphs (eager); for graphs also the replay alone timed with CUDA events, and for the default
+  where a step's host-clock time goes;
 - a kernel profile of one step (kernel count and GPU time by kernel);
 - the engine end to end: `plain_generate` and speculative `generate` with an untrained drafter
   (accept length about 1, so it measures the cycle's overhead, not a speed-up).
@@ -102,8 +104,42 @@ def reference_logits(
     return out
 
 
+def host_breakdown(runner: StaticTargetRunner, ids, pos, ones, base: dict, iters: int) -> None:
+    """Where a graphed decode step's host-clock time goes (medians, ms): packing the inputs; the
+    whole `forward` call on the host (no sync); one replay waited for (launch + GPU); the full
+    synchronized `forward`."""
+
+    def host(fn, wait: bool) -> float:
+        out = []
+        for _ in range(iters):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            if wait:
+                torch.cuda.synchronize()
+            out.append((time.perf_counter() - t) * 1000)
+        return statistics.median(out)
+
+    graph = runner._graphs[1, runner._span(1), True].graph
+    emit(
+        {
+            "what": "host_breakdown",
+            "q": 1,
+            "pack_ms": round(host(lambda: runner._pack(ids, pos, None), False), 4),
+            "forward_host_ms": round(
+                host(lambda: runner.forward(ids, pos, ones, aux=True), False), 4
+            ),
+            "replay_waited_ms": round(host(graph.replay, True), 4),
+            "forward_waited_ms": round(
+                host(lambda: runner.forward(ids, pos, ones, aux=True), True), 4
+            ),
+        },
+        base,
+    )
+
+
 def profile_step(runner: StaticTargetRunner, ids, pos, ones, base: dict, label: str) -> None:
-    """Kernel count and GPU time of one forward, by kernel name (top 12)."""
+    """Kernel count and GPU time of one forward, by kernel name (top 30)."""
     from torch.profiler import ProfilerActivity, profile
 
     runner.forward(ids, pos, ones, aux=True)
@@ -116,7 +152,7 @@ def profile_step(runner: StaticTargetRunner, ids, pos, ones, base: dict, label: 
         if e.device_type == torch.autograd.DeviceType.CUDA:
             by_name[e.name].append(e.time_range.elapsed_us())
     total = sum(sum(v) for v in by_name.values())
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:30]
     emit(
         {
             "what": "profile",
@@ -196,16 +232,19 @@ def main() -> None:
 
     aux_ids = [1, model.config.num_hidden_layers // 2 - 1, model.config.num_hidden_layers - 4]
     cuda = device.type == "cuda"
-    variants = {  # name: (graphs, compiled)
-        "static_graph_compiled": (True, True),
-        "static_graph": (True, False),
-        "static_eager": (False, False),
+    variants = {  # name: (graphs, compiled, split attention); the first is the CUDA default
+        "static_graph_compiled": (True, True, True),
+        "static_graph_compiled_bmm": (True, True, False),
+        "static_graph": (True, False, False),
+        "static_eager": (False, False, False),
     }
     if not cuda:
-        variants = {"static_eager": (False, False)}
+        variants = {"static_eager": (False, False, False)}
     logits_of: dict[tuple[str, int], torch.Tensor] = {}
-    for name, (graphs, compiled) in variants.items():
-        r = StaticTargetRunner(model, capacity=args.capacity, graphs=graphs, compiled=compiled)
+    for name, (graphs, compiled, split) in variants.items():
+        r = StaticTargetRunner(
+            model, capacity=args.capacity, graphs=graphs, compiled=compiled, split_attention=split
+        )
         r.set_aux_layers(aux_ids)
         r.prefill([prompt], aux=False)
         decode = None
@@ -241,12 +280,14 @@ def main() -> None:
         if cuda and name == "static_graph_compiled":
             ones = torch.ones(1, 1, dtype=torch.bool)
             pos = torch.tensor([[args.ctx]])
+            host_breakdown(r, new[1], pos, ones, base, args.iters)
             profile_step(r, new[1], pos, ones, base, "graph replay")
             r.use_graphs = False  # the same compiled functions launched one by one
             profile_step(r, new[1], pos, ones, base, "compiled, no graph")
         del r
     # Same inputs, two paths: what the graphs and the compiled functions change.
     pairs = [
+        ("static_graph_compiled", "static_graph_compiled_bmm"),
         ("static_graph", "static_eager_bucket"),
         ("static_graph", "static_eager"),
         ("static_graph_compiled", "static_graph"),

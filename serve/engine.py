@@ -34,6 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+try:  # the static runner's GPU attention kernel; CPU-only installs have no triton
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is missing
+    triton = None
+
 from eagle3.config import Eagle3Config, default_aux_layer_ids
 from eagle3.model import DrafterCache, Eagle3Drafter, drafter_from_state, rope_cos_sin
 
@@ -475,10 +481,10 @@ def _attn_in(
     sin: Tensor,
     heads: tuple[int, int, int],
     eps: tuple[float, float],
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor]:
     """Add the previous layer's MLP output `d` to the residual `x`, norm, q/k/v in one matmul,
-    q/k norms, RoPE. Returns (x, queries [Hkv, rep*q, d] with the rep query heads of a KV head as
-    extra rows, new keys/values [2, Hkv, q, d])."""
+    q/k norms, RoPE. Returns (x, the rotated queries, rotated keys and values [q, H + 2 Hkv, d]
+    in one tensor, so one kernel writes them; `_gqa_views` splits it)."""
     H, Hkv, dh = heads
     q = x.shape[1]
     x = x + d
@@ -489,8 +495,16 @@ def _attn_in(
         qs, ks = _rms(qs, w.q_norm, eps[1]), _rms(ks, w.k_norm, eps[1])
     qs = qs * cos + _rotate_half(qs) * sin  # cos, sin: [q, 1, d]
     ks = ks * cos + _rotate_half(ks) * sin
-    queries = qs.transpose(0, 1).reshape(Hkv, (H // Hkv) * q, dh)
-    return x, queries, torch.stack([ks, vs]).transpose(1, 2)
+    return x, torch.cat([qs, ks, vs], dim=1)
+
+
+def _gqa_views(rot: Tensor, heads: tuple[int, int, int]) -> tuple[Tensor, Tensor]:
+    """Views of `_attn_in`'s [q, H + 2 Hkv, d]: queries [Hkv, rep, q, d] (the rep query heads of
+    a KV head; flattened, rep x q rows) and the new keys/values [2, Hkv, q, d]."""
+    H, Hkv, dh = heads
+    q = rot.shape[0]
+    queries = rot[:, :H].view(q, Hkv, H // Hkv, dh).permute(1, 2, 0, 3)
+    return queries, rot[:, H:].view(q, 2, Hkv, dh).permute(1, 2, 0, 3)
 
 
 def _probs(scores: Tensor, mask: Tensor, scale: float, rep: int) -> Tensor:
@@ -520,6 +534,179 @@ def _head(
     return F.linear(_rms(x + d, norm, eps), head, head_bias).float()
 
 
+# Attention of q new entries over the cache at batch 1, split over the key slots (flash
+# decoding). cuBLAS's batched products give only Hkv blocks of work for [rep*q, span] scores and
+# take three kernels (scores, softmax, products) plus an index copy for the new keys/values; here
+# Hkv x SPLITS programs each take a slice of the slots with an online softmax in fp32, the program
+# whose slice holds the new slots writes the new keys/values into the cache (and uses them), and
+# a second kernel merges the slices, one program per row. Rows are the GQA rows of `_attn_in`
+# (row r is new entry r % q); `mask` [q, span] is additive (0 or -inf).
+ATTN_SPLITS = 16
+ATTN_BLOCK_N = 64
+
+if triton is not None:
+
+    @triton.jit
+    def _attn_split_kernel(
+        Q,
+        K,
+        V,
+        New,
+        Base,
+        Mask,
+        Part,
+        Stats,
+        stride_qh,
+        stride_qr,
+        stride_qt,
+        stride_kh,
+        stride_kn,
+        stride_vh,
+        stride_vn,
+        stride_nc,
+        stride_nh,
+        stride_nq,
+        R,
+        q,
+        span,
+        chunk,
+        scale,
+        BLOCK_R: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        D: tl.constexpr,
+        SPLITS: tl.constexpr,
+        PREC: tl.constexpr,
+    ):
+        h = tl.program_id(0)
+        sp = tl.program_id(1)
+        rows = tl.arange(0, BLOCK_R)
+        dims = tl.arange(0, D)
+        live = rows < R
+        at_q = Q + h * stride_qh + (rows // q) * stride_qr + (rows % q) * stride_qt
+        qv = tl.load(at_q[:, None] + dims[None, :], mask=live[:, None])
+        base = tl.load(Base)
+        m_i = tl.full([BLOCK_R], -1e30, tl.float32)  # finite: a slice may be fully masked
+        l_i = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        start = sp * chunk
+        for j in range(0, chunk, BLOCK_N):
+            cols = start + j + tl.arange(0, BLOCK_N)
+            ok = (cols < start + chunk) & (cols < span)
+            rel = cols - base
+            new = ok & (rel >= 0) & (rel < q)
+            old = ok & ~new
+            at_k = K + h * stride_kh + cols[:, None] * stride_kn + dims[None, :]
+            at_v = V + h * stride_vh + cols[:, None] * stride_vn + dims[None, :]
+            at_n = New + h * stride_nh + rel[:, None] * stride_nq + dims[None, :]
+            k_new = tl.load(at_n, mask=new[:, None], other=0.0)
+            v_new = tl.load(at_n + stride_nc, mask=new[:, None], other=0.0)
+            tl.store(at_k, k_new, mask=new[:, None])
+            tl.store(at_v, v_new, mask=new[:, None])
+            k = tl.load(at_k, mask=old[:, None], other=0.0) + k_new
+            sc = tl.dot(qv, tl.trans(k), input_precision=PREC) * scale
+            add = tl.load(
+                Mask + (rows % q)[:, None] * span + cols[None, :],
+                mask=live[:, None] & ok[None, :],
+                other=float("-inf"),
+            )
+            sc = sc + add
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            p = tl.exp(sc - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(at_v, mask=old[:, None], other=0.0) + v_new
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+        at = h * SPLITS + sp
+        tl.store(Part + (at * BLOCK_R + rows[:, None]) * D + dims[None, :], acc)
+        tl.store(Stats + (at * 2) * BLOCK_R + rows, m_i)
+        tl.store(Stats + (at * 2 + 1) * BLOCK_R + rows, l_i)
+
+    @triton.jit
+    def _attn_merge_kernel(
+        Part,
+        Stats,
+        Out,
+        R,
+        BLOCK_R: tl.constexpr,
+        D: tl.constexpr,
+        SPLITS: tl.constexpr,
+    ):
+        h = tl.program_id(0)
+        r = tl.program_id(1)
+        dims = tl.arange(0, D)
+        at = h * SPLITS + tl.arange(0, SPLITS)
+        m = tl.load(Stats + (at * 2) * BLOCK_R + r)
+        w = tl.exp(m - tl.max(m, 0))
+        total = tl.sum(w * tl.load(Stats + (at * 2 + 1) * BLOCK_R + r), 0)
+        part = tl.load(Part + (at[:, None] * BLOCK_R + r) * D + dims[None, :])
+        out = tl.sum(part * w[:, None], 0) / total
+        tl.store(Out + (h * R + r) * D + dims, out)
+
+
+def triton_attention_ok(device: torch.device, head_dim: int) -> bool:
+    """Whether `_split_attention` can run: triton present, CUDA, a power-of-two head dim."""
+    pow2 = head_dim >= 16 and not (head_dim & (head_dim - 1))
+    return triton is not None and device.type == "cuda" and pow2
+
+
+def _split_attention(
+    queries: Tensor,
+    k: Tensor,
+    v: Tensor,
+    new_kv: Tensor,
+    base: Tensor,
+    mask: Tensor,
+    scale: float,
+) -> Tensor:
+    """softmax(queries k^T * scale + mask) v over the first `span` = mask.shape[1] slots of the
+    cache views k, v [Hkv, capacity, d], after writing the q new keys/values `new_kv`
+    [2, Hkv, q, d] at slots base..base+q-1 (`base`: a one-element int64 device tensor). queries
+    [Hkv, rep, q, d] (views of `_gqa_views`; each row's last dim contiguous). Returns
+    [Hkv, rep * q, d]: what `_core`'s CPU path computes (index copy, batched products, softmax),
+    with fp32 scores."""
+    Hkv, rep, q, D = queries.shape
+    R = rep * q
+    span = mask.shape[1]
+    block_r = max(16, triton.next_power_of_2(R))
+    chunk = max(ATTN_BLOCK_N, triton.cdiv(span, ATTN_SPLITS))
+    part = torch.empty(Hkv, ATTN_SPLITS, block_r, D, device=queries.device, dtype=torch.float32)
+    stats = torch.empty(Hkv, ATTN_SPLITS, 2, block_r, device=queries.device, dtype=torch.float32)
+    out = torch.empty(Hkv, R, D, device=queries.device, dtype=queries.dtype)
+    _attn_split_kernel[(Hkv, ATTN_SPLITS)](
+        queries,
+        k,
+        v,
+        new_kv,
+        base,
+        mask,
+        part,
+        stats,
+        queries.stride(0),
+        queries.stride(1),
+        queries.stride(2),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        new_kv.stride(0),
+        new_kv.stride(1),
+        new_kv.stride(2),
+        R,
+        q,
+        span,
+        chunk,
+        scale,
+        BLOCK_R=block_r,
+        BLOCK_N=ATTN_BLOCK_N,
+        D=D,
+        SPLITS=ATTN_SPLITS,
+        PREC="ieee" if queries.dtype == torch.float32 else "tf32",
+    )
+    _attn_merge_kernel[(Hkv, R)](part, stats, out, R, BLOCK_R=block_r, D=D, SPLITS=ATTN_SPLITS)
+    return out
+
+
 @dataclass
 class _Graph:
     graph: Any  # torch.cuda.CUDAGraph
@@ -527,7 +714,7 @@ class _Graph:
     staging: Tensor  # pinned host copy of `inputs`
     logits: Tensor
     aux: Tensor | None
-    copied: Any = None  # torch.cuda.Event: the last staging -> inputs copy finished
+    copied: Any  # torch.cuda.Event: the last staging -> inputs copy finished
 
 
 class StaticTargetRunner:
@@ -540,8 +727,11 @@ class StaticTargetRunner:
     replays all kernels of a step with one launch, and the static cache needs no concatenation.
     Inside the graph the kernels still run one by one, so the step is written as a few pure
     functions (`_attn_in`, `_probs`, `_attn_out_mlp`, `_head`) over fused q/k/v and gate/up
-    weights, compiled with torch.compile on CUDA (`compiled`): about 15 kernels a layer instead
-    of about 50. The matmuls read the weights once per step either way.
+    weights, compiled with torch.compile on CUDA (`compiled`), and attention is one split-KV
+    triton kernel plus a merge (`split_attention`, CUDA): about 14 kernels a layer instead of
+    about 50. The matmuls read the weights once per step either way. Without `compiled` the same
+    functions run eagerly; without `split_attention` attention is two batched products and a
+    softmax (the CPU path).
 
     Layout: slot i holds position i (batch 1 has no padding). A forward writes its q entries at
     slots base..base+q-1 (base = committed length) and attends to slots < base plus the new entries
@@ -562,6 +752,7 @@ class StaticTargetRunner:
         capacity: int = 4096,
         graphs: bool | None = None,
         compiled: bool | None = None,
+        split_attention: bool | None = None,
     ):
         if (problem := static_runner_problem(model)) is not None:
             raise ValueError(f"StaticTargetRunner: {problem}; use TargetRunner")
@@ -582,6 +773,10 @@ class StaticTargetRunner:
         qk_eps = float(at0.q_norm.variance_epsilon) if hasattr(at0, "q_norm") else 0.0
         self.eps = (float(self.layers[0].input_layernorm.variance_epsilon), qk_eps)
         self.compiled = self.use_graphs if compiled is None else bool(compiled)
+        can_split = triton_attention_ok(self.device, self.head_dim)
+        if split_attention and not can_split:
+            raise ValueError("split_attention needs triton, CUDA and a power-of-two head dim")
+        self.split_attention = can_split if split_attention is None else bool(split_attention)
         self._fns = self._step_functions(self.compiled)
         self.aux_ids: list[int] = []
         self.length = 0  # committed slots
@@ -634,11 +829,16 @@ class StaticTargetRunner:
         d = torch.zeros_like(x)
         states = []
         for i, w in enumerate(self.weights):
-            x, queries, new_kv = fns["attn_in"](x, d, w, cos, sin, heads, self.eps)
-            kv[i].index_copy_(2, slots, new_kv)
-            scores = torch.matmul(queries, kv[i, 0, :, :span].transpose(1, 2))
-            p = fns["probs"](scores, mask, self.scale, rep)
-            o = torch.matmul(p, kv[i, 1, :, :span])  # [Hkv, rep*q, d] = [H, q, d]
+            x, rot = fns["attn_in"](x, d, w, cos, sin, heads, self.eps)
+            queries, new_kv = _gqa_views(rot, heads)
+            if self.split_attention:  # also writes the new keys/values
+                o = _split_attention(queries, kv[i, 0], kv[i, 1], new_kv, base, mask, self.scale)
+            else:
+                kv[i].index_copy_(2, slots, new_kv)
+                queries = queries.reshape(self.n_kv, rep * q, self.head_dim)
+                scores = torch.matmul(queries, kv[i, 0, :, :span].transpose(1, 2))
+                p = fns["probs"](scores, mask, self.scale, rep)
+                o = torch.matmul(p, kv[i, 1, :, :span])  # [Hkv, rep*q, d] = [H, q, d]
             x, d = fns["attn_out_mlp"](o, x, w, heads, self.eps)
             if aux and i in self.aux_ids:
                 states.append((i, x + d))
@@ -688,7 +888,8 @@ class StaticTargetRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits, states = self._core(inputs, q, span, aux)
-        g = _Graph(graph, inputs, torch.empty_like(packed).pin_memory(), logits, states)
+        staging = torch.empty_like(packed).pin_memory()
+        g = _Graph(graph, inputs, staging, logits, states, torch.cuda.Event())
         self._graphs[key] = g
         return g
 
@@ -718,11 +919,9 @@ class StaticTargetRunner:
         if not self.use_graphs:
             return self._core(packed.to(self.device), q, span, aux)
         g = self._graph(q, span, aux, packed)
-        if g.copied is not None:
-            g.copied.synchronize()  # the staging buffer may still be in flight
+        g.copied.synchronize()  # the staging buffer may still be in flight
         g.staging.copy_(packed)
         g.inputs.copy_(g.staging, non_blocking=True)
-        g.copied = torch.cuda.Event()
         g.copied.record()
         g.graph.replay()
         # Graphs share one memory pool: hand out copies, not the static outputs.

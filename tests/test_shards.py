@@ -159,13 +159,15 @@ def test_streamed_shard_is_deterministic_and_writer_threads_agree(tmp_path):
 
 def test_ready_samples_stream_in_chunks_to_the_same_file(tmp_path, monkeypatch):
     """Samples whose states arrive late (`ready`, as from GPU copies) give the same bytes and
-    sha256 as ready ones, also in many small chunks (hashing and writing are pipelined); each
+    sha256 as ready ones, also in many small chunks (hashing and writing are pipelined, writeback
+    requested as it goes), and with sync="none"; each
     `ready` runs before its sample's states are read, in file order; a failing one leaves no file."""
     import hashlib
 
     import actors.shards as shards
 
     monkeypatch.setattr(shards, "CHUNK", 40)  # bytes: every tensor spans several chunks
+    monkeypatch.setattr(shards, "KICK", 100)  # and writeback is requested along the way
     want = [_sample(n, i) for i, n in enumerate([7, 3, 5])]
     plain = write_shard(tmp_path / "plain.safetensors", want, {"k": "v"})
     calls: list[int] = []
@@ -187,6 +189,9 @@ def test_ready_samples_stream_in_chunks_to_the_same_file(tmp_path, monkeypatch):
     assert data == (tmp_path / "plain.safetensors").read_bytes()
     assert got.sha256 == plain.sha256 == hashlib.sha256(data).hexdigest()
     assert calls == [0, 1, 2, 0, 1, 2]  # before its aux rows, and again before its final rows
+    lazy = write_shard(tmp_path / "lazy.safetensors", want, {"k": "v"}, sync="none")
+    assert lazy.sha256 == plain.sha256
+    (tmp_path / "lazy.safetensors").unlink()
 
     def fail() -> None:
         raise RuntimeError("copy failed")
