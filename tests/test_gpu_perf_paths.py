@@ -172,3 +172,29 @@ def test_graphed_compiled_runner_equals_eager_on_the_same_inputs():
             torch.testing.assert_close(lg, le, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(ag, ae, rtol=1e-4, atol=1e-4)
             assert torch.equal(lg.argmax(-1), le.argmax(-1))
+
+
+def test_static_runner_fuses_weights_in_place():
+    """Building the runner makes q/k/v and gate/up views of one fused weight each: HF's own
+    forward gives the same logits, no weight memory is added, and a second runner reuses them."""
+    model = tiny_llama("cpu")
+    x = torch.randint(0, V, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        before = model(input_ids=x).logits
+    n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    runner = StaticTargetRunner(model, capacity=64, graphs=False)
+    at, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    w = runner.weights[1]
+    rows = [at.q_proj.weight.shape[0], at.k_proj.weight.shape[0], at.v_proj.weight.shape[0]]
+    assert w.qkv.shape[0] == sum(rows) and w.gate_up.shape[0] == 2 * mlp.up_proj.weight.shape[0]
+    for mod, start in [(at.q_proj, 0), (at.k_proj, rows[0]), (at.v_proj, rows[0] + rows[1])]:
+        assert mod.weight.data_ptr() == w.qkv[start].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == w.gate_up[mlp.gate_proj.weight.shape[0]].data_ptr()
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    fused = {t.untyped_storage().data_ptr() for lw in runner.weights for t in (lw.qkv, lw.gate_up)}
+    assert fused <= storages  # the fused weights are the model's own memory, not copies
+    assert sum(p.numel() * p.element_size() for p in model.parameters()) == n_bytes
+    with torch.inference_mode():
+        assert torch.equal(model(input_ids=x).logits, before)
+    again = StaticTargetRunner(model, capacity=64, graphs=False)
+    assert again.weights[1].qkv is w.qkv and again.weights[1].gate_up is w.gate_up
