@@ -49,7 +49,7 @@ from eagle3.train_step import (  # noqa: E402
     train_step,
     wrap_ddp,
 )
-from eagle3.vocab import build_vocab_map  # noqa: E402
+from eagle3.vocab import build_vocab_map, draft_ids  # noqa: E402
 
 # Drafter shapes (SGLang LlamaForCausalLMEagle3 configs): SpecForge's Kimi-K2 and Llama-3.1-8B
 # drafters, and the one this project trains for the embedded SmolLM2-135M target.
@@ -176,6 +176,9 @@ def worker(rank: int, args: argparse.Namespace, port: int, results) -> None:
     d2t, t2d = build_vocab_map(
         torch.randint(0, 1000, (cfg.vocab_size,), generator=g), cfg.draft_vocab_size
     )
+    # A real target's argmax is a draft token ~95% of the time; a random head's only Vd/V of it,
+    # and the TTT step skips rows that no step scores, so the draft rows are made to win.
+    lm_head[draft_ids(d2t)] *= 4
     drafter = scratch_drafter(cfg, embed, lm_head, None, d2t, t2d, seed=0).to(device)
     if args.path == "auto":  # what the Ray workers do
         module, autocast, dt = parallelize(drafter, device, args.precision, args.fsdp)

@@ -216,28 +216,43 @@ class Eagle3Drafter(nn.Module):
         for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
             seg_end[s:e] = e
         idx = torch.arange(T, device=input_ids.device)
-        hidden = self.project(aux_hidden)
-        keys: list[tuple[Tensor, Tensor]] = []  # (k, v) of steps 0..i, each [Hkv, T, d]
+        # Step i at index t is scored when token t+2+i is a loss token of the same sample.
+        masks = [
+            (idx + 2 + i < seg_end) & valid[(idx + 2 + i).clamp(max=T - 1)]
+            for i in range(ttt_length)
+        ]
+        # A row's step-i output is needed only if step i or a later one scores it (its hidden
+        # carries over, its diagonal keys serve only itself): prompt rows drop out after their
+        # step-0 keys, about 30% of the rows of chat data. Asking for logits keeps every row.
+        live = [torch.ones_like(valid, dtype=torch.bool)] * ttt_length
+        if not return_logits:
+            acc = torch.zeros_like(masks[0])
+            for i in reversed(range(ttt_length)):
+                acc = acc | masks[i]
+                live[i] = acc
+        hidden = self.project(aux_hidden)  # [T, H]: every row's step-0 keys are needed
+        rows = idx
+        keys: list[tuple[Tensor, Tensor, Tensor]] = []  # (k, v, their rows) of steps 0..i
         total = hidden.new_zeros((), dtype=torch.float32)
         step_losses, correct, counted, all_logits = [], [], [], []
         for i in range(ttt_length):
-            src = idx + 1 + i  # token fed at this step
-            ok = src < seg_end
+            src = rows + 1 + i  # token fed at this step
             tok = input_ids[src.clamp(max=T - 1)]
             x = self.midlayer.attn_input(self.embed(tok), hidden)
-            cos, sin = rope_cos_sin(self.inv_freq, self.rope_factor, position_ids + i)
+            cos, sin = rope_cos_sin(self.inv_freq, self.rope_factor, position_ids[rows] + i)
             q, k, v = self.midlayer.self_attn.qkv(x, cos, sin)
-            keys.append((k, v))
-            attn = ttt_attention(q, keys, cu_seqlens)  # [T, Hq·d]
+            keys.append((k, v, rows))
+            keep = live[i][rows]  # the rows this step computes on past its keys
+            rows, hidden, q = rows[keep], hidden[keep], q[:, keep]
+            diag = [(kj[:, live[i][rj]], vj[:, live[i][rj]]) for kj, vj, rj in keys[1:]]
+            attn = ttt_attention(q, [keys[0][:2], *diag], cu_seqlens, rows)  # [R, Hq·d]
             hidden = self.midlayer.finish(hidden, attn)
             logits = self.logits(hidden)
             if return_logits:
                 all_logits.append(logits.detach())
             logp = F.log_softmax(logits.float(), dim=-1)
-            tgt = target_p[src.clamp(max=T - 1)]
-            lbl = idx + 2 + i  # the token this step predicts
-            mask = ok & (lbl < seg_end) & valid[lbl.clamp(max=T - 1)]
-            m = mask.float()
+            tgt = target_p[(rows + 1 + i).clamp(max=T - 1)]
+            m = masks[i][rows].float()
             n = m.sum()
             loss_i = -((tgt * logp).sum(-1) * m).sum() / n.clamp(min=1.0)
             total = total + (step_decay**i) * loss_i
@@ -272,31 +287,41 @@ def _expand_kv(t: Tensor, n_heads: int) -> Tensor:
     return t.repeat_interleave(n_heads // t.shape[-3], dim=-3)
 
 
-def ttt_attention(q: Tensor, keys: list[tuple[Tensor, Tensor]], cu_seqlens: list[int]) -> Tensor:
+def ttt_attention(
+    q: Tensor, keys: list[tuple[Tensor, Tensor]], cu_seqlens: list[int], rows: Tensor | None = None
+) -> Tensor:
     """Reference TTT attention, explicit math per sample.
 
-    q [Hq, T, d]; keys[0] = step-0 (k, v) [Hkv, T, d] (causal within a sample); keys[j>0] = the
-    diagonal keys of step j (each query sees only its own index). Returns [T, Hq·d]."""
-    n_heads, T, d = q.shape
+    q [Hq, R, d] are the queries of packed indices `rows` (sorted; None = all T indices);
+    keys[0] = step-0 (k, v) [Hkv, T, d] of every index (causal within a sample); keys[j>0] = the
+    diagonal keys of step j at the same `rows` (each query sees only its own). Returns [R, Hq·d]."""
+    n_heads, R, d = q.shape
     k0, v0 = (_expand_kv(t, n_heads) for t in keys[0])
     kd = [_expand_kv(k, n_heads) for k, _ in keys[1:]]
     vd = [_expand_kv(v, n_heads) for _, v in keys[1:]]
+    idx = torch.arange(k0.shape[1], device=q.device) if rows is None else rows
+    # the query slice [a, b) of each sample [s, e)
+    cuts = torch.searchsorted(idx, torch.tensor(cu_seqlens, device=q.device)).tolist()
     scale = 1.0 / math.sqrt(d)
     outs = []
-    for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
-        qs = q[:, s:e].float()
-        sc = qs @ k0[:, s:e].float().transpose(-1, -2) * scale  # [H, L, L]
-        L = e - s
-        causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    for s, e, a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], cuts[:-1], cuts[1:], strict=True):
+        if a == b:
+            continue
+        qs = q[:, a:b].float()
+        sc = qs @ k0[:, s:e].float().transpose(-1, -2) * scale  # [H, Lq, L]
+        causal = torch.arange(s, e, device=q.device)[None, :] <= idx[a:b, None]
         sc = sc.masked_fill(~causal, float("-inf"))
-        diag = [(qs * k[:, s:e].float()).sum(-1, keepdim=True) * scale for k in kd]  # [H, L, 1]
+        diag = [(qs * k[:, a:b].float()).sum(-1, keepdim=True) * scale for k in kd]  # [H, Lq, 1]
         w = torch.softmax(torch.cat([sc, *diag], dim=-1), dim=-1)
+        L = e - s
         o = w[..., :L] @ v0[:, s:e].float()
         for j, v in enumerate(vd):
-            o = o + w[..., L + j : L + j + 1] * v[:, s:e].float()
+            o = o + w[..., L + j : L + j + 1] * v[:, a:b].float()
         outs.append(o)
-    out = torch.cat(outs, dim=1).to(q.dtype)  # [H, T, d]
-    return out.transpose(0, 1).reshape(T, n_heads * d)
+    if not outs:
+        return q.new_zeros(R, n_heads * d)
+    out = torch.cat(outs, dim=1).to(q.dtype)  # [H, R, d]
+    return out.transpose(0, 1).reshape(R, n_heads * d)
 
 
 class DrafterCache:

@@ -54,6 +54,28 @@ GOLDEN_LOSS = 10.057046890258789
 GOLDEN_STEPS = [4.116865634918213, 4.136316776275635, 4.1111369132995605]
 
 
+def test_rows_no_step_scores_are_skipped_without_changing_loss_or_gradients():
+    """Prompt rows (not scored at any step) stop after their step-0 keys; the loss and every
+    gradient equal the run over all rows (`return_logits` keeps every row)."""
+    cfg = tiny_cfg()
+    ids, aux, tp, valid, cu, pos = packed_batch(cfg)
+    valid[:7] = False  # a 7-token prompt in sample 0, 3 in sample 1, one unscored token later
+    valid[12:15] = False
+    valid[18] = False
+    runs = []
+    for keep_all in (False, True):
+        model = fixed_drafter(cfg)
+        out = model.ttt_forward(ids, aux, tp, valid, cu, pos, 3, return_logits=keep_all)
+        out.loss.backward()
+        runs.append((out, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (pruned, g1), (full, g2) = runs
+    assert pruned.counted.tolist() == full.counted.tolist() and pruned.counted[0] < 16
+    assert torch.equal(pruned.correct, full.correct)
+    torch.testing.assert_close(pruned.loss, full.loss, rtol=1e-6, atol=1e-6)
+    for name in g1:
+        torch.testing.assert_close(g1[name], g2[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_training_and_serving_paths_agree():
     """Step i of TTT at index t equals the cached serving path drafting i tokens after slot t."""
     cfg = tiny_cfg()
