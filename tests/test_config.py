@@ -12,7 +12,8 @@ CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
 
 def test_every_shipped_config_validates():
-    assert len(CONFIGS) == 3, [c.name for c in CONFIGS]
+    names = {c.name for c in CONFIGS}
+    assert {"smollm2-cpu.yaml", "llama31-8b-1gpu.yaml", "kimi-k25-8gpu.yaml"} <= names, names
     for path in CONFIGS:
         cfg = load_config(path)
         assert isinstance(cfg, Config)
