@@ -351,7 +351,11 @@ class HFTarget:
 
     @torch.inference_mode()
     def capture_async(
-        self, sequences: list[list[int]], layer_ids: list[int], pool: PinnedPool | None = None
+        self,
+        sequences: list[list[int]],
+        layer_ids: list[int],
+        pool: PinnedPool | None = None,
+        slot: int | None = None,
     ) -> list[PendingCapture]:
         """`capture` without waiting: every forward is queued on the GPU at once and each result
         is copied into pinned host memory behind it, so the caller (a shard writer thread) can pack
@@ -367,10 +371,17 @@ class HFTarget:
         memory. A fresh 64 MB pinned buffer cost 24 ms on the H200 host and stalled the queue
         (capture ran at 84 instead of 60 ms per 2048 tokens); a pooled one costs nothing. Pooled
         results must be handed back with `PendingCapture.release()` once written; taking a slot
-        waits for one to be released, which also bounds how far capture runs ahead of the writer."""
+        waits for one to be released, which also bounds how far capture runs ahead of the writer.
+
+        `slot` (with `pool`): a slot the caller already took; every sequence of this call goes into
+        it, back to back (a shard's worth: the data stage sizes slots to `data.shard_max_bytes`).
+        Its results release nothing: the caller gives the slot back once their shard is written.
+        Many short sequences then share one slot instead of needing a slot each."""
         ids = resolve_aux_layer_ids(layer_ids, self.num_layers)
         if pool is not None:
-            pool.check(sequences, (len(ids) + 1) * self.hidden_size)
+            pool.check(sequences, (len(ids) + 1) * self.hidden_size, shared=slot is not None)
+        elif slot is not None:
+            raise ValueError("capture_async: `slot` needs the `pool` it was taken from")
         base = _base_model(self.model)
         if base is None:  # not Llama-like: HF's own hidden_states tuple
             return [self._capture_all_states(seq, ids) for seq in sequences]
@@ -386,20 +397,32 @@ class HFTarget:
         handles = [layers[k].register_forward_hook(hook(k)) for k in sorted(set(ids))]
         cuda = self.device.type == "cuda"
         out: list[PendingCapture] = []
+        at = 0  # tokens of this call already placed in the shared `slot`
         try:
             for seq in sequences:
-                slot = pool.take() if pool is not None else None
-                if slot is None:
+                own = pool.take() if pool is not None and slot is None else None
+                where = own if slot is None else slot
+                if pool is None or where is None:
                     x = torch.tensor([seq], dtype=torch.long, pin_memory=cuda)
+                    host = None
                 else:  # the slot is free, so its last host-to-device copy finished long ago
-                    x = pool.ids(slot, len(seq))
+                    x = pool.ids(where, len(seq), at)
                     x.copy_(torch.tensor(seq, dtype=torch.long))
                     x = x[None]
+                    host = pool.states(where, len(seq), len(ids) * self.hidden_size, at)
                 x = x.to(self.device, non_blocking=True)
                 grabbed.clear()
                 final = base(input_ids=x, use_cache=False).last_hidden_state[0]
                 aux = torch.cat([grabbed[k][0] for k in ids], dim=-1)
-                out.append(PendingCapture.start(aux, final, cuda, pool, slot))
+                out.append(PendingCapture.start(aux, final, cuda, host, pool, own))
+                if slot is not None:
+                    at += len(seq)
+        except BaseException:
+            # Copies already queued may still read or write the pool's buffers; once this raises,
+            # the caller may hand the slots back, so let them finish first.
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            raise
         finally:
             for h in handles:
                 h.remove()
@@ -488,9 +511,16 @@ class PinnedPool:
         for i in range(slots):
             self._free.put(i)
 
-    def check(self, sequences: list[list[int]], width: int) -> None:
+    def check(self, sequences: list[list[int]], width: int, shared: bool = False) -> None:
+        """`shared`: all `sequences` go into one slot, back to back."""
         if width != self.width:
             raise ValueError(f"PinnedPool: width {self.width}, this capture needs {width}")
+        if shared:
+            if (total := sum(map(len, sequences))) > self.max_tokens:
+                raise ValueError(
+                    f"PinnedPool: {total} tokens for one slot; slots hold {self.max_tokens} tokens"
+                )
+            return
         if len(sequences) > self.slots:
             raise ValueError(
                 f"PinnedPool: {len(sequences)} sequences in one capture_async call but only "
@@ -507,15 +537,18 @@ class PinnedPool:
     def give(self, slot: int) -> None:
         self._free.put(slot)
 
-    def ids(self, slot: int, n: int) -> torch.Tensor:
-        return self._ids[slot][:n]
+    def ids(self, slot: int, n: int, at: int = 0) -> torch.Tensor:
+        """Room for n token ids in a slot, from token `at` on."""
+        return self._ids[slot][at : at + n]
 
-    def states(self, slot: int, n: int, aux_width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Contiguous (aux [n, aux_width], final [n, width - aux_width]) views of one slot."""
-        flat = self._states[slot]
+    def states(
+        self, slot: int, n: int, aux_width: int, at: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous (aux [n, aux_width], final [n, width - aux_width]) views of one slot, for
+        the sequence that starts at token `at` of it."""
+        flat = self._states[slot][at * self.width : (at + n) * self.width]
         na = n * aux_width
-        final = flat[na : n * self.width].view(n, self.width - aux_width)
-        return flat[:na].view(n, aux_width), final
+        return flat[:na].view(n, aux_width), flat[na:].view(n, self.width - aux_width)
 
 
 @dataclass
@@ -534,15 +567,18 @@ class PendingCapture:
         aux: torch.Tensor,
         final: torch.Tensor,
         cuda: bool,
+        host: tuple[torch.Tensor, torch.Tensor] | None = None,
         pool: PinnedPool | None = None,
         slot: int | None = None,
     ) -> PendingCapture:
+        """Queue the copies of (aux, final) into `host` (pinned views, e.g. `PinnedPool.states`)
+        or fresh pinned buffers; `pool`/`slot`: what `release()` hands back (None: nothing)."""
         if not cuda:
             if pool is not None and slot is not None:
                 pool.give(slot)  # CPU results are ready at once; the slot was only for the ids
             return cls(aux.to(torch.bfloat16), final.to(torch.bfloat16))
-        if pool is not None and slot is not None:
-            host_aux, host_final = pool.states(slot, aux.shape[0], aux.shape[1])
+        if host is not None:
+            host_aux, host_final = host
         else:
             host_aux = torch.empty(aux.shape, dtype=torch.bfloat16, pin_memory=True)
             host_final = torch.empty(final.shape, dtype=torch.bfloat16, pin_memory=True)

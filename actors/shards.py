@@ -111,22 +111,41 @@ def sample_bytes(s: Sample) -> int:
     return len(s.input_ids) * 5 + 8 + s.aux_hidden.numel() * 2 + s.final_hidden.numel() * 2
 
 
+def token_sample_bytes(num_tokens: int, width: int) -> int:
+    """`sample_bytes` of a sample of `num_tokens` tokens whose aux + final states are `width`
+    bf16 values a token, known before its states exist."""
+    return num_tokens * (5 + 2 * width) + 8
+
+
 def pack_parts(samples: list[Sample], max_bytes: int) -> list[list[Sample]]:
     """Split samples (in order) into groups that each fit one shard of at most ``max_bytes``."""
+    groups = _pack(
+        [sample_bytes(s) for s in samples], [len(s.input_ids) for s in samples], max_bytes
+    )
+    return [[samples[i] for i in g] for g in groups]
+
+
+def pack_lengths(lengths: list[int], width: int, max_bytes: int) -> list[list[int]]:
+    """`pack_parts` planned from token counts alone (indices into `lengths`): the same groups,
+    before any state is captured, so each shard's sequences can be captured and streamed to its
+    file together."""
+    return _pack([token_sample_bytes(n, width) for n in lengths], lengths, max_bytes)
+
+
+def _pack(sizes: list[int], tokens: list[int], max_bytes: int) -> list[list[int]]:
     budget = max_bytes - HEADER_RESERVE
-    parts: list[list[Sample]] = [[]]
+    parts: list[list[int]] = [[]]
     used = 0
-    for s in samples:
-        b = sample_bytes(s)
+    for i, b in enumerate(sizes):
         if b > budget:
             raise ValueError(
-                f"data.shard_max_bytes: one sample of {len(s.input_ids)} tokens needs {b + HEADER_RESERVE} "
+                f"data.shard_max_bytes: one sample of {tokens[i]} tokens needs {b + HEADER_RESERVE} "
                 f"bytes, more than {max_bytes}; raise data.shard_max_bytes or lower data.max_length"
             )
         if parts[-1] and used + b > budget:
             parts.append([])
             used = 0
-        parts[-1].append(s)
+        parts[-1].append(i)
         used += b
     return [p for p in parts if p]
 

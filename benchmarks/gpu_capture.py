@@ -8,6 +8,14 @@ tokens, with and without `output_hidden_states`.
     python benchmarks/gpu_capture.py --shape llama-3.1-8b --seq 2048 --n 32
     python benchmarks/gpu_capture.py --device cpu --shape tiny --seq 128 --n 4   # smoke test
 
+`--worker TOKENIZER_DIR` measures the data stage itself instead: the random target is saved
+with that tokenizer (any chat-template tokenizer; the ids are random anyway) and loaded by a real
+`TargetWorker` (`data.capture: forward`); each batch's `.gen.jsonl` is written with
+`write_generated` and `TargetWorker.capture_batch` captures it, two calls in flight as the actor
+runs them. Needs pydantic (pipeline.config), not Ray.
+
+    python benchmarks/gpu_capture.py --worker .devtok --shape llama-3.1-8b --seq 2048 --n 48
+
 Prints one JSON line per measurement (also to $OUT/capture.jsonl when $OUT is set).
 """
 
@@ -22,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -174,6 +183,9 @@ def main() -> None:
     ap.add_argument("--out-dir", default=None, help="shard directory (default: a temp dir)")
     ap.add_argument("--pool-slots", type=int, default=16, help="0 = no PinnedPool")
     ap.add_argument("--io-mb", type=int, default=256, help="file size of the host I/O probe")
+    ap.add_argument("--worker", default=None, help="tokenizer dir: measure TargetWorker instead")
+    ap.add_argument("--batch-size", type=int, default=16, help="--worker: sequences per batch")
+    ap.add_argument("--slots", default="3", help="--worker: CAPTURE_SLOTS values to run")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16
@@ -188,6 +200,9 @@ def main() -> None:
     t0 = time.perf_counter()
     model = build_target(args.shape, device, dtype)
     emit({"what": "build", "s": round(time.perf_counter() - t0, 1)}, base)
+    if args.worker:
+        worker_stage(model, args, base)
+        return
     L = model.config.num_hidden_layers
     aux_ids = [1, L // 2 - 1, L - 4]  # SGLang's default for Llama
     g = torch.Generator().manual_seed(0)
@@ -313,6 +328,126 @@ def main() -> None:
             )
             shutil.rmtree(out_dir)
     host_io(root, base, args.io_mb << 20)
+
+
+def worker_stage(model, args: argparse.Namespace, base: dict) -> None:
+    """The data stage's capture phase as it runs: `TargetWorker.capture_batch` on `.gen.jsonl`
+    sidecars, two calls in flight (the actor's max_concurrency=2), against the plain forward of
+    the worker's own model. Also the capture-then-write path the SGLang backend keeps
+    (`_capture_then_write`, what the HF backend ran before), and whether both wrote the same
+    bytes."""
+    import actors.target as target_mod
+    from actors.target import Generated, TargetWorker, read_generated, write_generated
+    from pipeline.config import DataConfig, TargetConfig
+
+    device = next(model.parameters()).device
+    root = Path(args.out_dir) if args.out_dir else Path(tempfile.mkdtemp(prefix="capture_"))
+    L = model.config.num_hidden_layers
+    aux_ids = [1, L // 2 - 1, L - 4]
+    model_dir = root / "target"
+    t0 = time.perf_counter()
+    model.save_pretrained(model_dir)
+    for f in Path(args.worker).iterdir():
+        shutil.copy(f, model_dir / f.name)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    target = TargetConfig(
+        model=str(model_dir),
+        dtype="bfloat16",
+        aux_layer_ids=aux_ids,
+        num_gpus_per_actor=1.0 if device.type == "cuda" else 0.0,
+    )
+    data = DataConfig(capture="forward", max_length=args.seq, batch_size=args.batch_size)
+    worker = TargetWorker(target, data)
+    shutil.rmtree(model_dir)  # loaded: free the disk for the shards
+    emit({"what": "worker_load", "s": round(time.perf_counter() - t0, 1)}, base)
+    model = worker.backend.model
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, V, (args.seq,), generator=g).tolist() for _ in range(args.n)]
+    x = torch.tensor([seqs[0]], device=device)
+    with torch.inference_mode():
+        timed(lambda: model(input_ids=x), device, 2)
+        ms = statistics.median(timed(lambda: model(input_ids=x), device, args.iters))
+    plain_tok_s = args.seq / ms * 1000
+    emit({"what": "hf_forward", "ms": round(ms, 2), "tok_s": round(plain_tok_s)}, base)
+
+    B = args.batch_size
+    batches = [seqs[i : i + B] for i in range(0, len(seqs), B)]
+    masks = [[[0] * (len(s) // 4) + [1] * (len(s) - len(s) // 4) for s in b] for b in batches]
+    key = "bench"
+
+    def sidecars(out: Path, count: int) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            gen = Generated(batches[i], masks[i], len(batches[i]), 0, 0, 0.0)
+            write_generated(out, i, key, gen)
+
+    def inline(out: str, i: int, k: str):  # the pre-change path, SGLang's today
+        return worker._capture_then_write(read_generated(out, i, k), out, i, k)
+
+    def use_slots(n: int) -> None:
+        """`CAPTURE_SLOTS` = n from here on (the worker makes its pinned buffers on its next
+        capture; a first capture makes them, so no timed run pays for pinning)."""
+        target_mod.CAPTURE_SLOTS = n
+        worker._pinned = None
+        warm = root / "warm"
+        sidecars(warm, 1)
+        worker.capture_batch(str(warm), 0, key)
+        shutil.rmtree(warm)
+
+    tokens = sum(map(len, seqs))
+    slots = [int(n) for n in str(args.slots).split(",")]
+    runs = [("capture_batch", 2, worker.capture_batch, n) for n in slots for _ in range(2)]
+    runs += [("capture_batch", 1, worker.capture_batch, slots[0])]
+    runs += [("capture_then_write", 2, inline, 0)]
+    first: tuple[list[tuple[str, str]], list[bytes]] | None = None  # run 0's shards, sidecars
+    for rep, (name, in_flight, call, n_slots) in enumerate(runs):
+        if n_slots and n_slots != target_mod.CAPTURE_SLOTS or rep == 0:
+            use_slots(n_slots)
+        out = root / f"run{rep}"
+        sidecars(out, len(batches))
+        sync(device)
+        t = time.perf_counter()
+        with ThreadPoolExecutor(in_flight) as ex:  # batches in order, `in_flight` at a time
+            results = list(
+                ex.map(lambda i, out=out, call=call: call(str(out), i, key), range(len(batches)))
+            )
+        s = time.perf_counter() - t
+        shards = [(sh.file, sh.sha256) for r in results for sh in r.shards]
+        records = [(out / f"b{i:05d}.json").read_bytes() for i in range(len(batches))]
+        first = first or (shards, records)
+        emit(
+            {
+                "what": "worker_stage",
+                "path": name,
+                "calls_in_flight": in_flight,
+                "capture_slots": n_slots or None,
+                "rep": rep,
+                "n": args.n,
+                "batch_size": B,
+                "shard_max_bytes": data.shard_max_bytes,
+                "shards": len(shards),
+                "tok_s": round(tokens / s),
+                "pct_of_plain": round(100 * tokens / s / plain_tok_s, 1),
+                "s": round(s, 3),
+                "capture_s": round(sum(r.capture_seconds for r in results), 3),
+                "write_s": round(sum(r.write_seconds for r in results), 3),
+                # same names and sha256, same sidecar bytes as run 0 (streamed)
+                "same_shards_as_run0": shards == first[0],
+                "same_sidecars_as_run0": records == first[1],
+            },
+            base,
+        )
+        if rep == 0:  # the shard holds what a direct capture gives
+            got = read_shard(out / shards[0][0])
+            want = worker.backend.capture(seqs[:1], aux_ids)[0]
+            ok = torch.equal(got["aux_hidden"][: args.seq], want[0]) and torch.equal(
+                got["final_hidden"][: args.seq], want[1]
+            )
+            emit({"what": "shard_check", "equal": bool(ok)}, base)
+        shutil.rmtree(out)
 
 
 def host_io(root: Path, base: dict, nbytes: int = 256 << 20, files: int = 6) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +17,19 @@ from actors.chat import prompt_ids, user_turn_prefix
 from actors.generate import _check_storage, batch_key, run_generate
 from actors.hf_backend import HFTarget, resolve_aux_layer_ids
 from actors.prompts import SelfWritten, builtin_prompts
-from actors.shards import MANIFEST, ShardError, iter_samples, read_shard, verify_manifest
-from actors.target import TargetWorker
+from actors.shards import (
+    MANIFEST,
+    Sample,
+    ShardError,
+    finished_batch,
+    iter_samples,
+    pack_parts,
+    read_shard,
+    shard_name,
+    verify_manifest,
+    write_shard,
+)
+from actors.target import CAPTURE_SLOTS, Generated, TargetWorker, write_generated
 from pipeline.config import DataConfig, TargetConfig
 
 AUX = [2, 0, 1]  # distinct and unsorted: pins id k <-> hidden_states[k+1] and the concat order
@@ -304,6 +317,52 @@ def test_capture_phase_refuses_a_sidecar_of_other_settings(stage, two_phase_stag
     worker = TargetWorker(target, data, num_threads=1)
     with pytest.raises(RuntimeError, match=r"b00000\.gen\.jsonl: made for other prompts"):
         worker.capture_batch(str(tmp_path / "d"), 0, "another-key")
+
+
+def test_capture_phase_streams_the_bytes_that_capturing_first_would_write(tiny_target, tmp_path):
+    """The HF capture phase queues each shard's forwards into one pinned buffer and writes the
+    shard while the next one is captured; its files and sidecar are byte for byte those of
+    capturing the whole batch and packing it with `pack_parts`. Small shards: several
+    sequences share a buffer, and the batch has more shards than the worker has buffers."""
+    target, data = _cfgs(tiny_target)
+    data = data.model_copy(update={"shard_max_bytes": 2**16, "capture": "forward"})
+    worker = TargetWorker(target, data, num_threads=1)
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 40, 1, 17, 33, 8, 60, 2, 25, 12, 50, 3, 4, 6, 2, 9] * 2
+    seqs = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in lengths]
+    masks = [[0] * (n // 2) + [1] * (n - n // 2) for n in lengths]
+    gen = Generated(seqs, masks, num_prompts=33, skipped_prompts=1, gen_tokens=9, gen_seconds=1.0)
+    out = tmp_path / "d"
+    out.mkdir()
+    write_generated(out, 3, "key", gen)
+    r = worker.capture_batch(str(out), 3, "key")
+
+    states = worker.backend.capture(seqs, worker.aux_layer_ids)
+    samples = [Sample(s, m, a, f) for s, m, (a, f) in zip(seqs, masks, states, strict=True)]
+    parts = pack_parts(samples, data.shard_max_bytes)
+    assert len(parts) > CAPTURE_SLOTS and max(map(len, parts)) > CAPTURE_SLOTS
+    meta = {"batch_key": "key", "aux_layer_ids": "2,0,1"}
+    want = [write_shard(tmp_path / shard_name(3, j), p, meta) for j, p in enumerate(parts)]
+    assert list(r.shards) == want  # names, sizes, sha256, counts
+    rec = finished_batch(out, 3, "key")
+    assert rec is not None and rec["shards"] == want and rec["aux_layer_ids"] == AUX
+    assert (r.num_prompts, r.skipped_prompts, r.gen_tokens) == (33, 1, 0)
+    assert r.capture_tokens == sum(lengths) and r.capture_seconds > 0
+
+
+def test_target_worker_imports_without_ray():
+    """GPU hosts have no Ray: `actors.target` loads without it and makes `TargetActor` (the one
+    use of Ray there) only when it is asked for."""
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "import actors.target as t\n"
+        "assert t.TargetWorker and 'TargetActor' not in vars(t)\n"
+        "try:\n    t.TargetActor\nexcept ImportError:\n    print('needs ray')\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "needs ray"
 
 
 def test_self_written_batch_writes_its_turns_then_answers_them(tiny_target, tmp_path):

@@ -16,6 +16,7 @@ from actors.shards import (
     ShardWriter,
     finished_batch,
     iter_samples,
+    pack_lengths,
     pack_parts,
     read_shard,
     read_shard_metadata,
@@ -75,6 +76,19 @@ def test_parts_respect_the_size_bound(tmp_path):
         assert info.bytes <= limit
     with pytest.raises(ValueError, match="data.shard_max_bytes"):
         pack_parts([_sample(400, 0)], limit)
+
+
+def test_packing_planned_from_lengths_equals_packing_the_samples():
+    """The data stage plans a batch's shards before capturing it (`pack_lengths`); the plan must
+    be `pack_parts` over the captured samples, or the shards would differ."""
+    lengths = [40, 1, 17, 60, 3, 3, 88, 9, 25, 70, 2]
+    samples = [_sample(n, i) for i, n in enumerate(lengths)]
+    index = {id(s): i for i, s in enumerate(samples)}
+    for limit in (HEADER_RESERVE + 6100, HEADER_RESERVE + 9000, HEADER_RESERVE + 50_000):
+        want = [[index[id(s)] for s in part] for part in pack_parts(samples, limit)]
+        assert pack_lengths(lengths, 4 * H, limit) == want
+    with pytest.raises(ValueError, match="one sample of 400 tokens"):
+        pack_lengths([3, 400], 4 * H, HEADER_RESERVE + 5000)
 
 
 def _dataset(tmp_path):
