@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -16,8 +17,20 @@ from pathlib import Path
 # Run as a script from the job's working dir: make that copy of the code the one imported.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.config import ConfigError, load_config  # noqa: E402
+from pipeline.config import Config, ConfigError, load_config  # noqa: E402
 from pipeline.rules import format_table  # noqa: E402
+
+
+def local_num_cpus(cfg: Config) -> int:
+    """Logical CPUs of a Ray started here: the largest stage beside the embedded server, which
+    stays up across rounds while the next round's target actors and trainers run. With only the
+    machine's cores (2 here) the second round's trainers would wait for the server's CPU forever.
+    Ray's CPUs are bookkeeping: the stages share the cores, as `make demo`'s head does."""
+    cores = os.cpu_count() or 1
+    trainers = math.ceil(cfg.train.num_workers * cfg.train.cpus_per_worker)
+    stage = max(cores, cfg.data.num_actors, trainers)  # an actor takes >= 1 CPU
+    server = math.ceil(cfg.serve.num_cpus) if cfg.serve.num_gpus == 0 else 0
+    return stage + server
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(
             _node_ip_address="127.0.0.1",
             include_dashboard=False,
+            num_cpus=local_num_cpus(cfg),
             runtime_env=cfg.runtime_env or None,
         )
 

@@ -59,3 +59,19 @@ def test_overrides_go_through_validation(tmp_path):
 def test_digest_is_stable_and_sensitive():
     a, b = parse_config({}), parse_config({"train": {"epochs": 2}})
     assert a.digest() == parse_config({}).digest() != b.digest()
+
+
+def test_a_local_ray_fits_every_stage_beside_the_live_server():
+    """Run directly, pipeline/run.py starts Ray itself: the embedded server keeps its CPUs
+    across rounds, so the next round's trainers and target actors must still fit beside it."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "pipeline"))
+    from run import local_num_cpus
+
+    for path in CONFIGS:
+        cfg = load_config(path)
+        n = local_num_cpus(cfg)
+        server = cfg.serve.num_cpus if cfg.serve.num_gpus == 0 else 0
+        assert n >= server + cfg.train.num_workers * cfg.train.cpus_per_worker, path.name
+        assert n >= server + cfg.data.num_actors, path.name  # actors take >= 1 CPU each
