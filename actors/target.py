@@ -180,6 +180,29 @@ class _DeviceSpan:
         return self.begin.elapsed_time(self.end) / 1000
 
 
+def _captured(
+    gen: Generated,
+    batch_index: int,
+    shards: list[ShardInfo],
+    capture_s: float,
+    write_s: float,
+    switch_s: float = 0.0,
+) -> BatchResult:
+    """The record of a capture phase: its shards and figures, none of generation's."""
+    return BatchResult(
+        batch_index=batch_index,
+        shards=tuple(shards),
+        num_prompts=gen.num_prompts,
+        skipped_prompts=gen.skipped_prompts,
+        gen_tokens=0,
+        gen_seconds=0.0,
+        capture_tokens=sum(len(s) for s in gen.input_ids),
+        capture_seconds=capture_s,
+        write_seconds=write_s,
+        switch_seconds=switch_s,
+    )
+
+
 def generated_path(out_dir: str | Path, batch_index: int) -> Path:
     return Path(out_dir) / f"{batch_stem(batch_index)}.gen.jsonl"
 
@@ -480,17 +503,8 @@ class TargetWorker:
             landed = time.perf_counter()
         shards = [f.result() for f in futures]
         write_batch_record(out, batch_index, batch_key, shards, self.info())
-        return BatchResult(
-            batch_index=batch_index,
-            shards=tuple(shards),
-            num_prompts=gen.num_prompts,
-            skipped_prompts=gen.skipped_prompts,
-            gen_tokens=0,
-            gen_seconds=0.0,
-            capture_tokens=sum(lengths),
-            capture_seconds=sum(span.seconds() for span in spans),
-            write_seconds=time.perf_counter() - landed,
-        )
+        capture_s = sum(span.seconds() for span in spans)
+        return _captured(gen, batch_index, shards, capture_s, time.perf_counter() - landed)
 
     def _pinned_pool(self, width: int) -> PinnedPool:
         """The worker's `CAPTURE_SLOTS` pinned buffers, each holding the states of one full shard
@@ -533,18 +547,8 @@ class TargetWorker:
         if pending:
             shards.append(write_shard(out / shard_name(batch_index, len(shards)), pending, meta))
         write_batch_record(out, batch_index, batch_key, shards, self.info())
-        return BatchResult(
-            batch_index=batch_index,
-            shards=tuple(shards),
-            num_prompts=gen.num_prompts,
-            skipped_prompts=gen.skipped_prompts,
-            gen_tokens=0,
-            gen_seconds=0.0,
-            capture_tokens=sum(lengths),
-            capture_seconds=capture_s,
-            write_seconds=write_s + time.perf_counter() - t1,
-            switch_seconds=switch,
-        )
+        write_s += time.perf_counter() - t1
+        return _captured(gen, batch_index, shards, capture_s, write_s, switch)
 
     def _switch_seconds(self) -> float:
         """Seconds the backend spent loading or switching phases so far (SGLang reports them)."""
