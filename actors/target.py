@@ -31,7 +31,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -135,6 +135,9 @@ class Generated:
     switch_seconds: float = 0.0
 
 
+_Counts = TypeVar("_Counts", "BatchResult", "Generated")
+
+
 @dataclass(frozen=True)
 class _Written:
     """What writing a batch's own user turns cost, added to the batch's figures."""
@@ -143,7 +146,9 @@ class _Written:
     seconds: float = 0.0
     dropped: int = 0
 
-    def add_to(self, r: BatchResult) -> BatchResult:
+    def add_to(self, r: _Counts) -> _Counts:
+        """`r` (a batch's Generated record, or its result when nothing else carries it) with
+        the turns' tokens, time and dropped turns added."""
         return replace(
             r,
             num_prompts=r.num_prompts + self.dropped,
@@ -308,17 +313,15 @@ class TargetWorker:
         With ``data.capture`` decode (HF's default) the states come out of the generation itself."""
         convs, wrote = self._conversations(batch)
         if self.capture_in_decode:
-            r = self._generate_captured(convs, out_dir, batch_index, batch_key)
-        else:
-            gen = self._generate(convs, batch_index)
-            c = self._capture_and_write(gen, out_dir, batch_index, batch_key)
-            r = replace(
-                c,
-                gen_tokens=gen.gen_tokens,
-                gen_seconds=gen.gen_seconds,
-                switch_seconds=c.switch_seconds + gen.switch_seconds,
-            )
-        return wrote.add_to(r)
+            return wrote.add_to(self._generate_captured(convs, out_dir, batch_index, batch_key))
+        gen = wrote.add_to(self._generate(convs, batch_index))
+        c = self._capture_and_write(gen, out_dir, batch_index, batch_key)
+        return replace(
+            c,
+            gen_tokens=gen.gen_tokens,
+            gen_seconds=gen.gen_seconds,
+            switch_seconds=c.switch_seconds + gen.switch_seconds,
+        )
 
     def generate_batch(
         self, batch: Batch, out_dir: str, batch_index: int, batch_key: str
@@ -326,21 +329,20 @@ class TargetWorker:
         """Phase 1 of the two-phase round: generate and keep the ids in the batch's
         `.gen.jsonl` sidecar (no capture, no shards)."""
         convs, wrote = self._conversations(batch)
-        gen = self._generate(convs, batch_index)
+        # the sidecar carries the dropped turns, so the capture phase reports them too
+        gen = wrote.add_to(self._generate(convs, batch_index))
         write_generated(out_dir, batch_index, batch_key, gen)
-        return wrote.add_to(
-            BatchResult(
-                batch_index=batch_index,
-                shards=(),
-                num_prompts=gen.num_prompts,
-                skipped_prompts=gen.skipped_prompts,
-                gen_tokens=gen.gen_tokens,
-                gen_seconds=gen.gen_seconds,
-                capture_tokens=0,
-                capture_seconds=0.0,
-                write_seconds=0.0,
-                switch_seconds=gen.switch_seconds,
-            )
+        return BatchResult(
+            batch_index=batch_index,
+            shards=(),
+            num_prompts=gen.num_prompts,
+            skipped_prompts=gen.skipped_prompts,
+            gen_tokens=gen.gen_tokens,
+            gen_seconds=gen.gen_seconds,
+            capture_tokens=0,
+            capture_seconds=0.0,
+            write_seconds=0.0,
+            switch_seconds=gen.switch_seconds,
         )
 
     def capture_batch(self, out_dir: str, batch_index: int, batch_key: str) -> BatchResult:

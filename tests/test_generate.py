@@ -399,4 +399,9 @@ def test_self_written_batch_writes_its_turns_then_answers_them(tiny_target, tmp_
 
     again = worker.process(batch, str(tmp_path / "b"), 0, batch_key(batch, target, data))
     assert [sh.sha256 for sh in again.shards] == [sh.sha256 for sh in r.shards]
+    # two phases: the sidecar carries the dropped turns, so the capture phase counts them too
+    (tmp_path / "c").mkdir()
+    worker.generate_batch(batch, str(tmp_path / "c"), 0, batch_key(batch, target, data))
+    cap = worker.capture_batch(str(tmp_path / "c"), 0, batch_key(batch, target, data))
+    assert (cap.num_prompts, cap.skipped_prompts) == (r.num_prompts, r.skipped_prompts)
     assert batch_key(SelfWritten(6, 8), target, data) != batch_key(batch, target, data)
