@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from actors.config import DataConfig, TargetConfig
 from actors.prompts import (
     Answered,
     Batch,
@@ -38,7 +39,6 @@ from actors.prompts import (
     self_written_batches,
 )
 from actors.shards import MANIFEST, bytes_per_token, finished_batch, write_manifest
-from pipeline.config import DataConfig, TargetConfig
 
 if TYPE_CHECKING:
     from actors.sglang_backend import SGLangOptions
@@ -335,18 +335,19 @@ def _check_storage(
 
 
 def main(argv: list[str] | None = None) -> None:
+    from actors.config import add_set_argument, load_data_stage_config
     from actors.prompts import load_prompts, round_prompts, split_prompts
-    from pipeline.config import load_config
 
     ap = argparse.ArgumentParser(description="Run the generate stage alone (one round).")
-    ap.add_argument("--config", required=True, help="YAML config (pipeline.config)")
+    ap.add_argument("--config", required=True, help="YAML config (target: and data: are used)")
     ap.add_argument("--out", required=True, type=Path, help="data directory of the round")
     ap.add_argument(
         "--round", type=int, default=0, help="round index: picks that round's fresh prompts"
     )
-    ap.add_argument("overrides", nargs="*", help="dotted.path=value config overrides")
+    add_set_argument(ap)
+    ap.add_argument("overrides", nargs="*", help="(older spelling of --set) dotted.path=value")
     args = ap.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_data_stage_config(args.config, args.set + args.overrides)
 
     import ray
 

@@ -30,7 +30,7 @@ from eagle3.config import default_aux_layer_ids
 from eagle3.train_step import target_dtype
 
 if TYPE_CHECKING:  # pydantic is not needed to run a target (GPU hosts may lack it)
-    from pipeline.config import TargetConfig
+    from actors.config import TargetConfig
 
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import DataConfig
+from actors.config import DataConfig
 
 Conversation = list[dict[str, str]]
 

@@ -62,7 +62,7 @@ from eagle3.config import default_aux_layer_ids
 from eagle3.target_weights import TargetInfo, read_target_config, target_info_from_dict
 
 if TYPE_CHECKING:
-    from pipeline.config import TargetConfig
+    from actors.config import TargetConfig
 
 log = logging.getLogger(__name__)
 

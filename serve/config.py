@@ -1,0 +1,79 @@
+"""Config sections the serving side owns: `serve:` (the engine and its deployment) and `bench:` (the
+benchmark). pipeline/config.py composes them into the one tree the YAML files load.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from actors.config import Strict
+
+
+class ServeConfig(Strict):
+    engine: Literal["embedded", "sglang"] = "embedded"
+    """`embedded`: PyTorch engine on Ray Serve. `sglang`: a deployment owning sglang.launch_server."""
+    host: str = "127.0.0.1"
+    """Bind address of HTTP servers."""
+    port: int = Field(8000, ge=1, le=65535)
+    """HTTP port."""
+    steps: int = Field(3, ge=1)
+    """Draft steps per cycle (--speculative-num-steps)."""
+    topk: int = Field(1, ge=1)
+    """Branching of tree drafting (--speculative-eagle-topk); 1 = chain."""
+    num_draft_tokens: int | None = None
+    """Tokens verified per cycle (--speculative-num-draft-tokens); None = steps+1 for chains."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs the serving replica reserves."""
+    num_cpus: float = Field(1.0, gt=0)
+    """CPUs the serving replica reserves; the embedded engine uses that many torch threads."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Extra command-line arguments for sglang.launch_server."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment for the server process (NCCL variables)."""
+    record_traffic: bool = False
+    """Append every finished request (messages, prompt and completion token ids, sampling
+    settings, accept_len, verify count, time) to the run's traffic log, `traffic/` in the run
+    directory, one fsynced JSON line per request. Benchmark requests are never recorded. Off:
+    nothing is written."""
+    traffic_max_mb: float = Field(64.0, gt=0)
+    """Size of one traffic file before it rotates to the next."""
+    traffic_max_files: int = Field(8, ge=1)
+    """Traffic files kept per replica; the oldest is deleted beyond this."""
+    traffic_redact: str | None = None
+    """`module:function` applied to each record (a dict) before it is written, e.g. to mask
+    user content; it returns the record to write, or None to drop it."""
+    simulate_users: int = Field(0, ge=0)
+    """After each round's benchmark (when another round follows), replay this many prompts from
+    the simulated users' pool (`data.user_prompts`) against the live server, as users would send
+    them: the demo's stand-in for real traffic. Loopback only."""
+    simulate_concurrency: int = Field(4, ge=1)
+    """Simulated users in flight at once."""
+
+
+class BenchConfig(Strict):
+    num_prompts: int = Field(32, ge=1)
+    """Held-out prompts scored per round."""
+    max_tokens: int = Field(128, ge=1)
+    """Most completion tokens per request (a request also ends at its end of sequence)."""
+    ignore_eos: bool = False
+    """Generate exactly `max_tokens` past the end of sequence (fixed-length load tests); the
+    acceptance measured on text after EOS says little about real requests."""
+    concurrency: list[int] = Field(default_factory=lambda: [1])
+    """Concurrency levels measured."""
+    warmup: int = Field(2, ge=0)
+    """Requests sent first and excluded."""
+    steps_sweep: list[int] = Field(default_factory=list)
+    """Draft steps to try (best is kept); empty = only serve.steps."""
+    eval_files: list[str] = Field(default_factory=list)
+    """Your own evaluation prompt files (JSONL, formats as data.path): when given, each round is
+    judged on every prompt of these files (one domain per file) instead of the held-out split."""
+    promote_margin: float = Field(0.0, ge=0)
+    """A new drafter replaces the serving one only when its accept_len beats the serving one's
+    by more than this, on the same prompts and settings."""
+    collapse_accept_len: float = Field(1.1, gt=1)
+    """A drafter that serves below this accept_len while its held-out training accuracy predicts
+    at least `collapse_predicted` is an error ("acceptance collapsed"), not a weak round."""
+    collapse_predicted: float = Field(1.5, gt=1)
+    """See `collapse_accept_len`."""

@@ -1,0 +1,78 @@
+"""Import boundaries: the parts the driver composes never import the driver, and the drafter
+library stays free of Ray, MLflow and serving code. Every import counts, lazy ones inside
+functions and `if TYPE_CHECKING:` blocks included; a failure names the file, line and module."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("eagle3", "actors", "serve", "pipeline")
+SERVING = ("serve", "fastapi", "starlette", "uvicorn", "httpx", "sglang", "vllm")
+# package -> top-level modules it must never import
+FORBIDDEN: dict[str, tuple[str, ...]] = {
+    "eagle3": ("pipeline", "actors", "ray", "mlflow", *SERVING),
+    "actors": ("pipeline", "serve", "mlflow"),
+    "serve": ("pipeline", "mlflow"),
+    "pipeline": (),
+}
+MLFLOW_HOME = "pipeline/tracking.py"  # the one module that talks to MLflow
+
+
+def imported_modules(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
+    """(line, dotted module) of every import statement in a file; relative imports resolved
+    against the file's package."""
+    tree = ast.parse(path.read_text(), str(path))
+    pkg = path.relative_to(root).parent.parts
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = pkg[: len(pkg) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            out.append((node.lineno, base))
+    return out
+
+
+def violations(files: list[Path], root: Path = ROOT) -> list[str]:
+    bad = []
+    for f in files:
+        rel = f.relative_to(root)
+        banned = FORBIDDEN[rel.parts[0]]
+        for line, mod in imported_modules(f, root):
+            top = mod.split(".")[0]
+            if top in banned or (top == "mlflow" and rel.as_posix() != MLFLOW_HOME):
+                bad.append(f"{rel}:{line} imports {mod} ({rel.parts[0]}/ must not import {top})")
+    return bad
+
+
+def _sources() -> list[Path]:
+    files = sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
+    assert len(files) > 30, files  # the walk found the packages
+    return files
+
+
+def test_no_forbidden_imports():
+    bad = violations(_sources())
+    assert not bad, "forbidden imports:\n" + "\n".join(bad)
+
+
+def test_the_check_names_file_and_line(tmp_path):
+    """The check itself can fail: planted lazy imports are reported with their place."""
+    fake = tmp_path / "eagle3" / "x.py"
+    fake.parent.mkdir()
+    fake.write_text(
+        "import torch\n\n\ndef f():\n    from pipeline.config import Config\n    import ray\n"
+    )
+    rel = tmp_path / "actors" / "y.py"
+    rel.parent.mkdir()
+    rel.write_text("from ..pipeline import loop\nfrom . import chat\n")
+    assert violations([fake, rel], tmp_path) == [
+        "eagle3/x.py:5 imports pipeline.config (eagle3/ must not import pipeline)",
+        "eagle3/x.py:6 imports ray (eagle3/ must not import ray)",
+        "actors/y.py:1 imports pipeline (actors/ must not import pipeline)",
+    ]
