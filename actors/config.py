@@ -71,8 +71,9 @@ class DataConfig(Strict):
     (source hf)."""
     split: str = "train"
     """HF dataset split (source=hf)."""
-    prompts_per_round: int = Field(400, ge=1)
-    """Fresh prompts regenerated each round; data accumulates across rounds."""
+    prompts_per_round: int | list[int] = Field(400)
+    """Prompts each round learns from (fresh ones plus its traffic share); data accumulates
+    across rounds. A list sizes the rounds in order, the last entry repeating: `[1024, 256]`."""
     heldout_prompts: int = Field(64, ge=1)
     """Prompts of each source reserved for the benchmark (compared by text: training never sees
     them, nor their duplicates in other sources)."""
@@ -109,6 +110,10 @@ class DataConfig(Strict):
     seed: int = 0
     """Seed of prompt sampling and of the built-in prompt set."""
 
+    def prompts_for_round(self, r: int) -> int:
+        v = self.prompts_per_round
+        return v if isinstance(v, int) else v[min(r, len(v) - 1)]
+
     def sources(self) -> dict[str, float]:
         """`source` as normalised weights (`real` expanded)."""
         raw = self.source if isinstance(self.source, dict) else {self.source: 1.0}
@@ -121,6 +126,9 @@ class DataConfig(Strict):
 
     @model_validator(mode="after")
     def _weights(self) -> DataConfig:
+        sizes = self.prompts_per_round if isinstance(self.prompts_per_round, list) else [self.prompts_per_round]  # fmt: skip
+        if not sizes or any(n < 1 for n in sizes):
+            raise ValueError(f"data.prompts_per_round: {self.prompts_per_round} must be >= 1 (or a list of such)")
         if isinstance(self.source, dict) and (
             not self.source
             or any(w < 0 for w in self.source.values())

@@ -336,7 +336,7 @@ def _check_storage(
 
 def main(argv: list[str] | None = None) -> None:
     from actors.config import add_set_argument, load_data_stage_config
-    from actors.prompts import load_prompts, round_prompts, split_prompts
+    from actors.prompts import mixed_round, plan_prompts, source_quotas
 
     ap = argparse.ArgumentParser(description="Run the generate stage alone (one round).")
     ap.add_argument("--config", required=True, help="YAML config (target: and data: are used)")
@@ -358,8 +358,13 @@ def main(argv: list[str] | None = None) -> None:
             _node_ip_address="127.0.0.1",
             runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}},
         )
-    train, _ = split_prompts(load_prompts(cfg.data), cfg.data.heldout_prompts, cfg.data.seed)
-    prompts = round_prompts(train, args.round, cfg.data.prompts_per_round)
+    # the loop's split and draw (without earlier rounds' traffic: this CLI generates fresh prompts)
+    plan = plan_prompts(cfg.data)
+    drawn = {s: 0 for s in plan.weights}
+    for r in range(args.round):
+        for src, k in source_quotas(plan.weights, cfg.data.prompts_for_round(r)).items():
+            drawn[src] += k
+    prompts, _ = mixed_round(plan, cfg.data.prompts_for_round(args.round), drawn)
     result = run_generate(
         cfg.target, cfg.data, prompts, args.out, cfg.digest(), round_index=args.round
     )

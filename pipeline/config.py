@@ -51,6 +51,18 @@ class DrafterConfig(_Strict):
 
 
 class TrainConfig(_Strict):
+    @model_validator(mode="after")
+    def _epochs(self) -> TrainConfig:
+        e = self.epochs if isinstance(self.epochs, list) else [self.epochs]
+        if not e or any(x < 1 for x in e):
+            raise ValueError(f"train.epochs: {self.epochs} must be >= 1 (or a list of such)")
+        return self
+
+    def for_round(self, r: int) -> TrainConfig:
+        """This section with round r's epochs as a plain int (what the workers run)."""
+        e = self.epochs if isinstance(self.epochs, int) else self.epochs[min(r, len(self.epochs) - 1)]
+        return self.model_copy(update={"epochs": e})
+
     num_workers: int = Field(2, ge=1)
     """Ray Train workers (DDP)."""
     use_gpu: bool = False
@@ -63,8 +75,9 @@ class TrainConfig(_Strict):
     """CPUs each worker reserves."""
     fsdp: bool = False
     """Shard the drafter with FSDP2 instead of DDP (large drafters)."""
-    epochs: int = Field(6, ge=1)
-    """Passes over all accumulated data per round."""
+    epochs: int | list[int] = 6
+    """Passes over all accumulated data per round; a list sets the rounds in order, the last
+    entry repeating (`[4, 1]`: a long first round, then short fine-tunes)."""
     lr: float = Field(1e-4, gt=0)
     """Peak learning rate of AdamW."""
     warmup_ratio: float = Field(0.015, ge=0, lt=1)
@@ -133,6 +146,11 @@ class Config(_Strict):
             errs.append(
                 "data.source: traffic alone leaves no held-out prompts to judge rounds on; add "
                 "bench.eval_files or mix traffic with another source"
+            )
+        if self.serve.record_traffic and self.serve.engine != "embedded":
+            errs.append(
+                f"serve.record_traffic: only the embedded engine records requests (clients reach "
+                f"{self.serve.engine}'s server directly); set serve.engine: embedded or turn it off"
             )
         if "traffic" in sources and not self.serve.record_traffic:
             errs.append("data.source: traffic needs serve.record_traffic: true")

@@ -159,7 +159,7 @@ def _generate(
     for i in range(r):
         for src, k in (state.rounds[i].done["generate"].get("drawn") or {}).items():
             drawn[src] = drawn.get(src, 0) + k
-    prompts, counts = mixed_round(plan, cfg.data.prompts_per_round - len(records), drawn)
+    prompts, counts = mixed_round(plan, cfg.data.prompts_for_round(r) - len(records), drawn)
     res = run_generate(
         cfg.target,
         cfg.data,
@@ -195,7 +195,7 @@ def _traffic_for_round(
     used = {i for rs in state.rounds[:r] for i in (rs.done.get("generate") or {}).get("traffic_ids", [])}  # fmt: skip
     recs = select_traffic(
         list(read_traffic(run_dir / "traffic")),
-        round(cfg.data.prompts_per_round * share),
+        round(cfg.data.prompts_for_round(r) * share),
         used,
         {prompt_key(c) for c in evalset[0]},
         cfg.data.max_length,
@@ -227,7 +227,7 @@ def _train(
     if r > 0:  # keep learning from the drafter that serves (the last one the gate promoted)
         init = _serving_drafter(state) or state.rounds[r - 1].done["train"]["drafter_dir"]
     res = run_train(
-        cfg=cfg,
+        cfg=cfg.model_copy(update={"train": cfg.train.for_round(r)}),
         data_dirs=data_dirs,
         init=init,
         out_dir=run_dir / "train" / f"round-{r:03d}",

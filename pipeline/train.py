@@ -757,6 +757,7 @@ def main(argv: list[str] | None = None) -> TrainResult:
                 include_dashboard=False,
                 runtime_env=cfg.runtime_env or None,
             )
+    cfg = cfg.model_copy(update={"train": cfg.train.for_round(0)})  # a list of epochs: the first
     res = run_train(cfg, args.data, args.out, init=args.init)
     _say(json.dumps(dataclasses.asdict(res)))
     return res
