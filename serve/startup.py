@@ -143,10 +143,14 @@ def _check_same_http(host: str, port: int) -> None:
 def _wait_proxies_healthy(deadline: float) -> None:
     last: dict[str, str] = {}
     while time.monotonic() < deadline:
-        proxies = serve.status().proxies
-        if proxies and all(s == ProxyStatus.HEALTHY for s in proxies.values()):
-            return
-        last = {node[:8]: s.value for node, s in proxies.items()}
+        try:
+            proxies = serve.status().proxies
+        except _RETRYABLE as e:  # a controller call lost to the load: ask again
+            last = {"status": _short(e)}
+        else:
+            if proxies and all(s == ProxyStatus.HEALTHY for s in proxies.values()):
+                return
+            last = {node[:8]: s.value for node, s in proxies.items()}
         time.sleep(0.5)
     raise TimeoutError(f"proxies not HEALTHY in time: {last or 'none started'}")
 
