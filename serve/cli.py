@@ -32,11 +32,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from serve.deployment import deploy
+    from serve.startup import ServeStartupError
 
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init()
-    else:
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False)
     serve_cfg = {
         "host": args.host,
         "port": args.port,
@@ -46,15 +43,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "num_gpus": args.num_gpus,
     }
     target_cfg = {"model": args.target, "gguf_file": args.gguf_file, "dtype": args.dtype}
-    ep = deploy(
-        serve_cfg,
-        target_cfg,
-        args.drafter,
-        app_name=args.app,
-        num_cpus=args.num_cpus,
-        torch_threads=args.threads,
-        max_batch_size=args.max_batch_size,
-    )
+    try:  # start-up is retried inside; what is left is a message, not a traceback
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init()
+        else:
+            ray.init(_node_ip_address="127.0.0.1", include_dashboard=False)
+        ep = deploy(
+            serve_cfg,
+            target_cfg,
+            args.drafter,
+            app_name=args.app,
+            num_cpus=args.num_cpus,
+            torch_threads=args.threads,
+            max_batch_size=args.max_batch_size,
+        )
+    except (ServeStartupError, ConnectionError) as e:
+        print(f"serve: the server did not start: {e}", file=sys.stderr, flush=True)
+        ray.shutdown()
+        return 2
     print(json.dumps({"url": ep.url, "app": ep.app_name, "drafter": ep.drafter}), flush=True)
     stop = threading.Event()  # SIGTERM too: a backgrounded shell job ignores SIGINT
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -51,6 +51,7 @@ from serve.engine import (
     tree_problem,
 )
 from serve.sglang_server import DrafterRejected, deploy_sglang
+from serve.startup import retry, start_serve, wait_http_ready
 
 log = logging.getLogger("ray.serve")
 
@@ -492,11 +493,13 @@ def deploy(
         "traffic": _traffic_options(s, traffic_dir),
     }
     actor = {"num_cpus": num_cpus, "num_gpus": s.get("num_gpus", 0.0)}
-    serve.start(http_options={"host": s.get("host", "127.0.0.1"), "port": s.get("port", 8000)})
+    host, port = s.get("host", "127.0.0.1"), s.get("port", 8000)
+    start_serve(host, port)  # retried; raises ServeStartupError with what to try
     _APPS[app_name] = {"target": t, "options": options, "actor": actor}
     drafter = str(drafter_dir) if drafter_dir else None
     _run_app(app_name, drafter)
-    return Endpoint(f"http://{s.get('host', '127.0.0.1')}:{s.get('port', 8000)}", app_name, drafter)
+    wait_http_ready(f"http://{host}:{port}/health")  # the proxy routes to the app only later
+    return Endpoint(f"http://{host}:{port}", app_name, drafter)
 
 
 def _traffic_options(s: dict[str, Any], traffic_dir: str | Path | None) -> dict[str, Any] | None:
@@ -529,7 +532,8 @@ def _run_app(app_name: str, drafter: str | None) -> None:
         log.warning(
             "Serve rejected a fixed deployment version; drafter swaps will restart the replica"
         )
-    serve.run(dep.bind(spec["target"], spec["options"]), name=app_name, route_prefix="/")
+    app = dep.bind(spec["target"], spec["options"])
+    retry(lambda: serve.run(app, name=app_name, route_prefix="/"), f"serve.run of app {app_name!r}")
 
 
 def swap_drafter(drafter_dir: str | Path, app_name: str = APP_NAME) -> dict[str, Any]:

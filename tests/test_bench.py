@@ -4,7 +4,6 @@ Serve deployment of a tiny target (sweep, concurrency levels, baseline, JSON, pl
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -105,21 +104,16 @@ def test_acceptance_per_position():
 
 
 @pytest.fixture(scope="module")
-def endpoint(ray_local, tiny_target, tmp_path_factory):
-    from ray import serve
-
+def endpoint(serve_port, tiny_target, tmp_path_factory):
     target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
     d = random_drafter(target, draft_vocab_size=4000, seed=1, aux_layer_ids=[0, 1, 2]).model
     ckpt = save_drafter(d.state_dict(), d.cfg, tmp_path_factory.mktemp("bench") / "drafter")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     from pipeline.config import ServeConfig, TargetConfig  # the driver passes its config sections
 
-    serve_cfg, target_cfg = ServeConfig(port=port, steps=2), TargetConfig(model=str(tiny_target))
+    serve_cfg = ServeConfig(port=serve_port, steps=2)
+    target_cfg = TargetConfig(model=str(tiny_target))
     logs = tmp_path_factory.mktemp("logs")
-    yield deploy_endpoint(serve_cfg, target_cfg, ckpt, logs, app_name="test-bench")
-    serve.shutdown()
+    return deploy_endpoint(serve_cfg, target_cfg, ckpt, logs, app_name="test-bench")
 
 
 def test_run_bench_against_the_deployment(endpoint, tmp_path):

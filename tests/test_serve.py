@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import socket
 from pathlib import Path
 
 import httpx
@@ -26,12 +25,6 @@ CHAT = {
     "max_tokens": 10,
     "temperature": 0,
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def save_random(target, out, seed: int, draft_vocab: int = 4000) -> str:
@@ -58,15 +51,11 @@ def drafters(tiny_target, tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def endpoint(ray_local, tiny_target, drafters, tmp_path_factory):
-    from ray import serve
-
-    serve_cfg = ServeConfig(port=free_port(), steps=3, num_cpus=1)  # 1 CPU = 1 torch thread
+def endpoint(serve_port, tiny_target, drafters, tmp_path_factory):
+    serve_cfg = ServeConfig(port=serve_port, steps=3, num_cpus=1)  # 1 CPU = 1 torch thread
     target_cfg = TargetConfig(model=str(tiny_target))
     logs = tmp_path_factory.mktemp("logs")
-    ep = deploy_endpoint(serve_cfg, target_cfg, drafters["good1"], logs, app_name=APP)
-    yield ep
-    serve.shutdown()
+    return deploy_endpoint(serve_cfg, target_cfg, drafters["good1"], logs, app_name=APP)
 
 
 def test_handle_and_http_answer_with_spec_stats(endpoint):
