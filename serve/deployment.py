@@ -124,7 +124,8 @@ def run_isolated(
 @serve.deployment(name="SpecServer", max_ongoing_requests=64, graceful_shutdown_timeout_s=5)
 @serve.ingress(app)
 class SpecServer:
-    def __init__(self, target: dict[str, Any], options: dict[str, Any]):
+    def __init__(self, target: dict[str, Any], options: dict[str, Any], actor: dict | None = None):
+        self._spec = {"target": target, "options": options, "actor": actor or {}}
         if options.get("torch_threads"):
             torch.set_num_threads(int(options["torch_threads"]))
         lm, self.tokenizer = load_target(
@@ -166,12 +167,20 @@ class SpecServer:
 
     # -- drafter management -----------------------------------------------------------------
     def reconfigure(self, user_config: dict[str, Any]) -> None:
-        """user_config: {"drafter": path or None, "steps": int (optional)}."""
+        """user_config: {"drafter": path or None, "fallback": the last good drafter (optional),
+        "steps": int (optional)}. A fresh replica (a restart) whose declared drafter does not
+        load serves the fallback instead of failing to start."""
         first, self.configured = not self.configured, True
         if user_config.get("steps"):
             self.engine.steps = int(user_config["steps"])
         path = user_config.get("drafter")
         path = str(path) if path else None
+        refused = None
+        fallback = user_config.get("fallback")
+        if first and path and fallback and str(fallback) != path:
+            if refused := self.validate_drafter(path):
+                log.error("declared drafter refused, serving the last good one: %s", refused)
+                path = str(fallback)
         if path == self.drafter_path:
             return
         if path is None:
@@ -191,7 +200,7 @@ class SpecServer:
             return
         with self.lock:
             self.engine.set_drafter(drafter)
-        self.drafter_path, self.swap_error = path, None
+        self.drafter_path, self.swap_error = path, refused
         self.swaps += 1
         log.info("drafter now %s (swap %d)", path, self.swaps)
 
@@ -204,13 +213,21 @@ class SpecServer:
         return None
 
     def drafter_info(self) -> dict[str, Any]:
+        import ray
+
         return {
             "path": self.drafter_path,
             "error": self.swap_error,
             "swaps": self.swaps,
             "steps": self.engine.steps,
             "pid": os.getpid(),
+            "app": serve.get_replica_context().app_name,
+            "ray_address": ray.get_runtime_context().gcs_address,  # for `serve.cli swap`
         }
+
+    def spec(self) -> dict[str, Any]:
+        """What the app was bound with, so another driver can redeploy it unchanged (a swap)."""
+        return self._spec
 
     # -- generation -------------------------------------------------------------------------
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
@@ -451,26 +468,32 @@ def deploy(
     serve.start(http_options={"host": s.get("host", "127.0.0.1"), "port": s.get("port", 8000)})
     _APPS[app_name] = {"target": t, "options": options, "actor": actor}
     drafter = str(drafter_dir) if drafter_dir else None
-    _run_app(app_name, drafter)
+    _run_app(app_name, drafter)  # a drafter that does not load fails here (DrafterRejected)
+    _APPS[app_name]["good"] = drafter
     return Endpoint(f"http://{s.get('host', '127.0.0.1')}:{s.get('port', 8000)}", app_name, drafter)
 
 
 def _run_app(app_name: str, drafter: str | None) -> None:
+    """Declare the app with `drafter`; the last good drafter rides along as the fallback a
+    restarted replica serves when the declared one does not load."""
     spec = _APPS[app_name]
-    dep = SpecServer.options(user_config={"drafter": drafter}, ray_actor_options=spec["actor"])
+    user_config = {"drafter": drafter, "fallback": spec.get("good")}
+    dep = SpecServer.options(user_config=user_config, ray_actor_options=spec["actor"])
     # A fixed version makes a user_config change an in-place `reconfigure` (no replica restart,
     # no target reload). Ray 2.60 only takes it through the internal flag; without it the swap
     # still works, by restarting the replica.
-    version = hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[
-        :16
-    ]
+    bound = {k: spec[k] for k in ("target", "options", "actor")}
+    version = hashlib.sha256(json.dumps(bound, sort_keys=True, default=str).encode()).hexdigest()
+    version = version[:16]
     try:
         dep = dep.options(version=version, _internal=True)
     except (TypeError, ValueError):
         log.warning(
             "Serve rejected a fixed deployment version; drafter swaps will restart the replica"
         )
-    serve.run(dep.bind(spec["target"], spec["options"]), name=app_name, route_prefix="/")
+    serve.run(
+        dep.bind(spec["target"], spec["options"], spec["actor"]), name=app_name, route_prefix="/"
+    )
 
 
 def swap_drafter(drafter_dir: str | Path, app_name: str = APP_NAME) -> dict[str, Any]:
@@ -486,8 +509,20 @@ def swap_drafter(drafter_dir: str | Path, app_name: str = APP_NAME) -> dict[str,
     _run_app(app_name, path)
     info = handle.drafter_info.remote().result()
     if info["path"] != path:
+        # declare the drafter that serves again: a refused path must not stay in the config
+        # that a restarted replica starts from
+        _run_app(app_name, info["path"])
         raise DrafterRejected(f"drafter swap refused by the replica: {info['error']}")
+    _APPS[app_name]["good"] = path
     return info
+
+
+def adopt_app(app_name: str = APP_NAME) -> None:
+    """Make an app another process deployed swappable from this one (`serve.cli swap`): read
+    what it was bound with from the replica, so a redeploy keeps its version (in place)."""
+    handle = serve.get_app_handle(app_name)
+    spec = handle.spec.remote().result()
+    _APPS[app_name] = {**spec, "good": handle.drafter_info.remote().result()["path"]}
 
 
 def shutdown(app_name: str = APP_NAME) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -214,6 +215,59 @@ def test_endpoint_swaps_and_refuses_through_one_interface(endpoint, drafters):
         endpoint.swap_drafter(drafters["wrong"])
     assert endpoint.info()["path"] == drafters["good1"]
     assert endpoint.baseline(lambda url: {}, "unused.json", "k") is None  # per request instead
+
+
+def _restart_replica(app: str, old_pid: int) -> dict:
+    """Kill the app's replica the way a crash would; Serve starts a new one from the declared
+    config. Returns the new replica's drafter_info."""
+    import ray
+    from ray import serve
+    from ray.util import list_named_actors
+
+    (actor,) = [
+        a
+        for a in list_named_actors(all_namespaces=True)
+        if a["name"].startswith(f"SERVE_REPLICA::{app}#")
+    ]
+    ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            info = serve.get_app_handle(app).drafter_info.remote().result(timeout_s=10)
+            if info["pid"] != old_pid:
+                return info
+        except Exception:  # noqa: BLE001 - the replica is restarting
+            pass
+        time.sleep(1)
+    raise AssertionError(f"no new replica of {app} within 180 s: {serve.status()}")
+
+
+def test_a_refused_drafter_never_outlives_a_replica_restart(endpoint, drafters):
+    """On main a refused path stayed declared, so the restarted replica failed six times and
+    the app stayed down; now it comes back on the last good drafter."""
+    good = endpoint.swap_drafter(drafters["good1"])
+    with pytest.raises(DrafterRejected):
+        swap_drafter(drafters["wrong"], app_name=APP)
+    _run_app(APP, drafters["broken"])  # a bad config declared directly: refused in place
+    assert endpoint.info()["path"] == drafters["good1"]
+    info = _restart_replica(APP, good["pid"])
+    assert info["path"] == drafters["good1"] and "config.json" in info["error"]
+    with httpx.Client(base_url=endpoint.url, timeout=120) as c:
+        assert c.get("/health").status_code == 200
+        out = c.post("/v1/chat/completions", json=dict(CHAT, ignore_eos=True)).json()
+    assert out["usage"]["drafter"] == drafters["good1"]
+    _run_app(APP, drafters["good1"])  # leave the app on a valid config
+
+
+def test_cli_swaps_the_drafter_of_a_running_server(endpoint, drafters):
+    from serve.cli import main
+
+    pid = endpoint.info()["pid"]
+    assert main(["swap", "--url", endpoint.url, "--drafter", drafters["good2"]]) == 0
+    info = endpoint.info()
+    assert info["path"] == drafters["good2"] and info["pid"] == pid  # in place
+    assert main(["swap", "--url", endpoint.url, "--drafter", drafters["wrong"]]) == 1
+    assert endpoint.info()["path"] == drafters["good2"]
 
 
 def test_sglang_drafter_check_without_loading_the_target(tiny_target, drafters, tmp_path):
