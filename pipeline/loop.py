@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config, dump_config
+from pipeline.preflight import preflight
 from pipeline.rules import format_table, round_row, stop_reason
 from pipeline.state import Clock, RunState, write_json_atomic
 from pipeline.tracking import Tracker
@@ -22,6 +23,7 @@ log = logging.getLogger("eagle_loop")
 
 
 def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    preflight(cfg)  # seconds, before any MLflow run or GPU time (run.py: before Ray starts too)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.resolved.yaml").write_text(dump_config(cfg))
     log.info("resolved config:\n%s", dump_config(cfg))
@@ -30,12 +32,13 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
     if not tracker.run_exists(state.parent_run_id):
         state.parent_run_id = tracker.start_run(cfg.name, params=cfg.model_dump(mode="json"))
         state.save(run_dir)
+    elif not state.stopped_because:
+        tracker.reopen(state.parent_run_id)  # a failed earlier attempt resumes
     tracker.log_artifact(state.parent_run_id, run_dir / "config.resolved.yaml")
     if state.stopped_because:
         log.info("run already finished: %s", state.stopped_because)
         return _write_summary(state, run_dir)
 
-    preflight(cfg)  # compatibility before any GPU time
     train_prompts, heldout = _prompts(cfg)
     clock, server = Clock(state), None
     try:
@@ -46,6 +49,8 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                     f"round-{r}", state.parent_run_id, cfg.model_dump(mode="json")
                 )
                 state.save(run_dir)
+            elif not rs.is_done("bench"):
+                tracker.reopen(rs.mlflow_run_id)
             child = rs.mlflow_run_id
             if not rs.is_done("generate"):
                 t0 = clock.elapsed()
@@ -74,33 +79,15 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
         state.stopped_because = state.stopped_because or f"budget: {cfg.stop.max_rounds} rounds"
         _finish(cfg, state, run_dir, tracker)
         _commit(state, clock, run_dir)
+    except BaseException as e:
+        _mark_failed(tracker, state, e)
+        raise
     finally:
         _stop_serving(server)
     return _write_summary(state, run_dir)
 
 
 # ---- stages ------------------------------------------------------------------------------------
-
-
-def preflight(cfg: Config) -> None:
-    """Refuse an incompatible starting drafter before the target is loaded anywhere."""
-    if cfg.drafter.init in ("scratch", "previous"):
-        return
-    from eagle3.target_weights import resolve_target
-    from pipeline.compat import check_compat
-
-    model, gguf = resolve_target(cfg.target.model, cfg.target.gguf_file)
-    report = check_compat(
-        cfg.drafter.init, model, target_revision=cfg.target.revision, gguf_file=gguf
-    )
-    if not report.compatible:
-        lines = "\n".join(
-            f"  {m['field']}: drafter {m['left']!r} vs target {m['right']!r}"
-            for m in report.mismatches
-        )
-        raise SystemExit(
-            f"drafter.init {cfg.drafter.init!r} does not fit target.model {cfg.target.model!r}:\n{lines}"
-        )
 
 
 def _prompts(cfg: Config) -> tuple[list, list]:
@@ -220,6 +207,21 @@ def _finish(cfg: Config, state: RunState, run_dir: Path, tracker: Tracker) -> No
     tracker.log_artifact(state.parent_run_id, run_dir / "summary.json")
     tracker.finish(state.parent_run_id)
     log.info("stopped because %s\n%s", summary["stopped_because"], format_table(rows))
+
+
+def _mark_failed(tracker: Tracker, state: RunState, err: BaseException) -> None:
+    """The parent and every unfinished round's run end FAILED (KILLED on Ctrl-C), not RUNNING
+    forever; a re-run reopens them and resumes."""
+    status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
+    ids = [state.parent_run_id] + [
+        rs.mlflow_run_id for rs in state.rounds if not rs.is_done("bench")
+    ]
+    for run_id in filter(None, ids):
+        try:
+            tracker.finish(run_id, status)
+        except Exception as e:  # noqa: BLE001 - keep the original error
+            log.warning("could not mark MLflow run %s %s: %s", run_id, status, e)
+    log.error("run %s: %s: %s", status, type(err).__name__, err)
 
 
 # ---- helpers -----------------------------------------------------------------------------------

@@ -79,6 +79,10 @@ class Tracker:
         elif path.exists():
             self.client.log_artifact(run_id, str(path), artifact_path)
 
+    def reopen(self, run_id: str) -> None:
+        """A resumed run is RUNNING again (an earlier attempt may have ended it FAILED)."""
+        self.client.update_run(run_id, status="RUNNING")
+
     def finish(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status)
 
