@@ -293,4 +293,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
 
 
 def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """The resolved config as YAML with secrets masked: what is written and logged, never read
+    back (pipeline/redact.py)."""
+    from pipeline.redact import redact
+
+    return yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False)

@@ -9,7 +9,6 @@ what `mlflow.start_run(parent_run_id=...)` sets.
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -17,19 +16,18 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 from pipeline.config import TrackingConfig
-
-_SECRET = re.compile(r"(token|secret|password|api_key|apikey|credential)", re.IGNORECASE)
+from pipeline.redact import redact
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    """Nested config -> dotted params, secrets redacted."""
+    """Nested config -> dotted params, secrets redacted (pipeline/redact.py)."""
     out: dict[str, str] = {}
-    for k, v in d.items():
+    for k, v in redact(d).items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and v:
             out.update(flatten(v, key + "."))
         else:
-            out[key] = "***" if _SECRET.search(key) else str(v)[:6000]
+            out[key] = str(v)[:6000]
     return out
 
 

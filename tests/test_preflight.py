@@ -3,6 +3,7 @@ before Ray starts and before an MLflow run exists; a run that fails later ends F
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -113,17 +114,26 @@ def test_run_py_stops_before_ray_and_mlflow(tiny_target, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_a_failed_run_is_marked_failed_and_reopened(ray_local, tiny_target, tmp_path):
+def test_a_failed_run_is_marked_failed_and_leaks_no_secret(
+    ray_local, tiny_target, tmp_path, caplog
+):
     """Weights that only the stage can find broken: the parent and round runs end FAILED."""
     from pipeline.loop import run_loop
 
     broken = tmp_path / "target"
     shutil.copytree(tiny_target, broken)
     (broken / "model.safetensors").write_bytes(b"\0" * 64)
-    cfg = cfg_for(broken, tmp_path, data={"batch_size": 4})
-    with pytest.raises(Exception):  # noqa: B017 - whatever the loader raises
+    token = "hf_sEcReT0123456789"  # the secret probe: nowhere in what the run writes or logs
+    cfg = cfg_for(
+        broken, tmp_path, data={"batch_size": 4}, runtime_env={"env_vars": {"HF_TOKEN": token}}
+    )
+    with caplog.at_level(logging.INFO), pytest.raises(Exception):  # noqa: B017 - the loader's
         run_loop(cfg, tmp_path / "run")
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("pf").experiment_id])
     assert sorted(r.info.run_name for r in runs) == ["pf", "round-0"]
     assert {r.info.status for r in runs} == {"FAILED"}
+    assert "resolved config" in caplog.text and token not in caplog.text
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and p.suffix in (".yaml", ".json")]
+    assert written and not [p for p in written if token in p.read_text(errors="replace")]
+    assert not [v for r in runs for v in r.data.params.values() if token in v]
