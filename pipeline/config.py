@@ -200,8 +200,9 @@ class StopConfig(_Strict):
 
 
 class TrackingConfig(_Strict):
-    tracking_uri: str = "sqlite:///mlflow.db"
-    """MLflow tracking URI (sqlite or http://127.0.0.1:5000)."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI (sqlite or http://127.0.0.1:5000); None = the run directory's own
+    store, sqlite:///<run-dir>/mlflow.db with artifacts in <run-dir>/mlartifacts."""
     experiment: str = "eagle-loop"
     """MLflow experiment name."""
     registered_model: str = "eagle3-drafter"
@@ -242,9 +243,10 @@ class Config(_Strict):
         return self
 
     def digest(self) -> str:
-        """Stable hash of the resolved config (recorded in manifests)."""
+        """Stable hash of the resolved config (recorded in manifests). `tracking` is left out:
+        where results are tracked does not change them, and a run may move to another store."""
         return hashlib.sha256(
-            json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+            json.dumps(self.model_dump(mode="json", exclude={"tracking"}), sort_keys=True).encode()
         ).hexdigest()[:16]
 
 

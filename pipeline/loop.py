@@ -28,9 +28,11 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
     (run_dir / "config.resolved.yaml").write_text(dump_config(cfg))
     log.info("resolved config:\n%s", dump_config(cfg))
     state = RunState.load_or_new(run_dir, cfg.digest())
-    tracker = Tracker(cfg.tracking)
-    if not tracker.run_exists(state.parent_run_id):
+    tracker = Tracker(cfg.tracking, run_dir)  # default store: <run_dir>/mlflow.db
+    tracker.check_known(state.run_ids(), str(run_dir / "state.json"), state.tracking_uri)
+    if not state.parent_run_id:
         state.parent_run_id = tracker.start_run(cfg.name, params=cfg.model_dump(mode="json"))
+        state.tracking_uri = tracker.uri
         state.save(run_dir)
     elif not state.stopped_because:
         tracker.reopen(state.parent_run_id)  # a failed earlier attempt resumes
@@ -44,7 +46,7 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
     try:
         for r in range(cfg.stop.max_rounds):
             rs = state.round(r)
-            if not tracker.run_exists(rs.mlflow_run_id):
+            if not rs.mlflow_run_id:
                 rs.mlflow_run_id = tracker.start_run(
                     f"round-{r}", state.parent_run_id, cfg.model_dump(mode="json")
                 )
