@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from actors.shards import ShardError
 from pipeline.config import Config, dump_config
 from pipeline.preflight import preflight
 from pipeline.rules import format_table, round_row, stop_reason
@@ -61,7 +62,11 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 _commit(state, clock, run_dir)
             if not rs.is_done("train"):
                 t0 = clock.elapsed()
-                rs.done["train"] = _train(cfg, run_dir, state, r, tracker, child)
+                try:
+                    rs.done["train"] = _train(cfg, run_dir, state, r, tracker, child)
+                except ShardError:  # a finished round's shards were damaged since: heal, retry
+                    _heal_data(cfg, run_dir, state, r, train_prompts)
+                    rs.done["train"] = _train(cfg, run_dir, state, r, tracker, child)
                 rs.done["train"]["wall_s"] = clock.elapsed() - t0
                 _commit(state, clock, run_dir)
             if not rs.is_done("bench"):
@@ -101,21 +106,38 @@ def _prompts(cfg: Config) -> tuple[list, list]:
 def _generate(
     cfg: Config, run_dir: Path, r: int, train_prompts: list, tracker: Tracker, child: str
 ) -> dict:
+    rec = _record(_generate_round(cfg, run_dir, r, train_prompts))
+    tracker.log(child, {f"data/{k}": v for k, v in rec.items()})
+    return rec
+
+
+def _generate_round(cfg: Config, run_dir: Path, r: int, train_prompts: list):
+    """Round r's shards; batches already on disk and intact are kept, the others (re)made."""
     from actors.generate import run_generate
     from actors.prompts import round_prompts
 
     prompts = round_prompts(train_prompts, r, cfg.data.prompts_per_round)
-    res = run_generate(
-        cfg.target,
-        cfg.data,
-        prompts,
-        run_dir / "data" / f"round-{r:03d}",
-        cfg.digest(),
-        round_index=r,
-    )
-    rec = _record(res)
-    tracker.log(child, {f"data/{k}": v for k, v in rec.items()})
-    return rec
+    out = run_dir / "data" / f"round-{r:03d}"
+    return run_generate(cfg.target, cfg.data, prompts, out, cfg.digest(), round_index=r)
+
+
+def _heal_data(
+    cfg: Config, run_dir: Path, state: RunState, r: int, train_prompts: list
+) -> list[int]:
+    """Check the shards of rounds 0..r (what round r trains on); a round with missing, truncated
+    or corrupted shards gets those batches regenerated, the intact ones kept. Returns the rounds
+    healed; a shard still bad afterwards raises ShardError."""
+    from actors.shards import verify_manifest
+
+    healed = []
+    for i in range(r + 1):
+        try:
+            verify_manifest(state.rounds[i].done["generate"]["manifest"])
+        except ShardError as e:
+            log.warning("round %d: damaged shards, regenerating them:\n%s", i, e)
+            verify_manifest(_generate_round(cfg, run_dir, i, train_prompts).manifest)
+            healed.append(i)
+    return healed
 
 
 def _train(
