@@ -57,6 +57,8 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         body = json.loads(text)
     except ValueError as e:
         raise BadRequest(f"body: not valid JSON ({e})") from None
+    except RecursionError:
+        raise BadRequest("body: JSON nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("body: must be a JSON object")
     return body

@@ -290,3 +290,124 @@ def test_sglang_drafter_check_without_loading_the_target(tiny_target, drafters, 
     serve_cfg = ServeConfig(engine="sglang", port=30000)  # nothing binds it
     with pytest.raises(DrafterRejected, match="target_hidden_size"):
         deploy_endpoint(serve_cfg, target, drafters["wrong"], tmp_path / "logs")
+
+
+# ---- bounded fault and fuzz harness ------------------------------------------------------------
+
+FUZZ_SEED, FUZZ_CONCURRENCY, FUZZ_BUDGET_S = 16, 8, 240
+
+
+def _valid_requests() -> list[tuple[str, dict]]:
+    """Greedy requests of different shapes (the ones the fuzz must never hurt)."""
+    out = []
+    for i in range(10):
+        body = {"max_tokens": 3 + i % 5, "temperature": 0, "ignore_eos": True}
+        if i % 3 == 0:
+            out.append(("/v1/chat/completions", dict(body, messages=[
+                {"role": "user", "content": f"Say {i} words."}])))  # fmt: skip
+        else:
+            prompt = [5 + i, 17, 300 + i] if i % 2 else f"Count to {i}:"
+            out.append(("/v1/completions", dict(body, prompt=prompt)))
+        out[-1][1].update(speculative=i % 4 != 1, stream=i % 5 == 2)
+    return out
+
+
+def _malformed_requests(rng) -> list[tuple[str, bytes]]:
+    """Each mutation alone breaks a valid request; raw bodies break the transport layer."""
+    base = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+    fields = [
+        ("max_tokens", 0), ("max_tokens", -5), ("max_tokens", "7"), ("max_tokens", 1.5),
+        ("max_tokens", 10**9), ("max_tokens", True), ("temperature", "x"), ("temperature", -1),
+        ("temperature", [1]), ("steps", 0), ("steps", 10**4), ("topk", -1), ("topk", {}),
+        ("speculative", "yes"), ("stream", 1), ("stream_options", "x"), ("seed", 1.5),
+        ("ignore_eos", "no"), ("prompt", []), ("prompt", [10**9]), ("prompt", [-1]),
+        ("prompt", [1.5]), ("prompt", {"a": 1}), ("prompt", None), ("prompt", [[1, 2], [3]]),
+        ("prompt", "\ud800"), ("top_p", 0.1), ("n", 3), ("stop", ["x"]),
+        ("num_draft_tokens", 10**6),
+    ]  # fmt: skip
+    out = []
+    for field, value in fields:
+        body = dict(base, **{field: value})
+        if field == "num_draft_tokens":
+            body["topk"] = 2
+        out.append(("/v1/completions", json.dumps(body).encode()))
+    chat = [{"messages": []}, {"messages": "hi"}, {"messages": [{"role": 1, "content": "x"}]},
+            {"messages": [{"role": "user", "content": None}]}, {"messages": [["user", "x"]]}]  # fmt: skip
+    out += [("/v1/chat/completions", json.dumps(b).encode()) for b in chat]
+    raw = [b"", b"{", b"[]", b"null", b'"text"', b"\xff\xfe{}", b'{"prompt": "\xc3\x28"}',
+           b'{"prompt": [1], "max_tokens": NaN}', b'{"prompt": [1], "temperature": Infinity}',
+           b"[" * 50_000 + b"]" * 50_000]  # fmt: skip
+    out += [(rng.choice(["/v1/completions", "/v1/chat/completions"]), r) for r in raw]
+    return out
+
+
+def _send(url: str, path: str, body: dict | bytes) -> tuple[int, str]:
+    """(status, text or error message); a streamed answer is joined from its SSE deltas."""
+    with httpx.Client(base_url=url, timeout=60) as c:
+        if isinstance(body, bytes):
+            r = c.post(path, content=body, headers={"content-type": "application/json"})
+            return r.status_code, r.text
+        if not body.get("stream"):
+            r = c.post(path, json=body)
+            if r.status_code != 200:
+                return r.status_code, r.text
+            ch = r.json()["choices"][0]
+            return 200, ch["message"]["content"] if "message" in ch else ch["text"]
+        text = ""
+        with c.stream("POST", path, json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    ev = json.loads(line[6:])
+                    if "error" in ev:
+                        return 500, ev["error"]["message"]
+                    for ch in ev["choices"]:
+                        text += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+        return r.status_code, text
+
+
+def _hang_up(url: str) -> tuple[int, str]:
+    """A fault: a client that drops a stream after its first event."""
+    with httpx.Client(base_url=url, timeout=60) as c:
+        body = {"prompt": [9, 9, 9], "max_tokens": 40, "ignore_eos": True, "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            next(r.iter_lines())
+    return -1, ""
+
+
+def test_fuzz_and_faults_never_hurt_valid_requests(endpoint):
+    """Interleaved valid and malformed requests (and dropped streams) at concurrency 8 against
+    the real server on 127.0.0.1: no 5xx, every malformed one a 4xx naming its problem, every
+    valid one answered exactly as when sent alone in sequence, and the server healthy after.
+    Bounded: 57 requests, FUZZ_BUDGET_S seconds."""
+    import random
+
+    assert endpoint.url.startswith("http://127.0.0.1:")
+    rng = random.Random(FUZZ_SEED)
+    valid = _valid_requests()
+    alone = [_send(endpoint.url, path, body) for path, body in valid]  # sequential reference
+    assert all(code == 200 and text for code, text in alone), alone
+    bad = _malformed_requests(rng)
+    jobs = [("valid", i) for i in range(len(valid))] + [("bad", i) for i in range(len(bad))]
+    jobs += [("hangup", 0), ("hangup", 1)]
+    rng.shuffle(jobs)
+
+    def run(job: tuple[str, int]) -> tuple[int, str]:
+        kind, i = job
+        if kind == "hangup":
+            return _hang_up(endpoint.url)
+        return _send(endpoint.url, *(valid[i] if kind == "valid" else bad[i]))
+
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(FUZZ_CONCURRENCY) as pool:
+        results = dict(zip(jobs, pool.map(run, jobs), strict=True))
+    assert time.monotonic() - t0 < FUZZ_BUDGET_S
+    server_errors = {j: r for j, r in results.items() if r[0] >= 500}
+    assert not server_errors
+    for i, (path, raw) in enumerate(bad):
+        code, text = results[("bad", i)]
+        assert 400 <= code < 500 and json.loads(text)["error"]["message"], (path, raw[:80], text)
+    for i, want in enumerate(alone):
+        assert results[("valid", i)] == want, (valid[i], results[("valid", i)], want)
+    with httpx.Client(base_url=endpoint.url, timeout=60) as c:
+        assert c.get("/health").json() == {"status": "ok"}
+    assert [_send(endpoint.url, *v) for v in valid[:3]] == alone[:3]

@@ -145,3 +145,8 @@ def test_a_failing_request_is_retried_alone_and_others_are_unhurt(tiny_target):
         if p[0] != 10**6:
             alone = engine.generate([p], params)[0]
             assert g.token_ids == alone.token_ids and len(g.token_ids) == 6
+
+
+def test_deeply_nested_json_is_a_bad_request():
+    with pytest.raises(BadRequest, match="nested too deeply"):
+        parse_body(b"[" * 100_000 + b"]" * 100_000)
