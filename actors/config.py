@@ -53,7 +53,9 @@ class TargetConfig(Strict):
     """Environment variables for processes that own the target (e.g. NCCL_PROTO=LL)."""
 
 
-PromptSource = Literal["real", "sharegpt", "humaneval", "lm_eval", "builtin", "jsonl", "hf", "traffic"]
+PromptSource = Literal[
+    "real", "sharegpt", "humaneval", "lm_eval", "builtin", "jsonl", "hf", "traffic"
+]
 REAL_MIX: dict[str, float] = {"sharegpt": 0.85, "humaneval": 0.05, "lm_eval": 0.1}
 
 
@@ -128,7 +130,9 @@ class DataConfig(Strict):
     def _weights(self) -> DataConfig:
         sizes = self.prompts_per_round if isinstance(self.prompts_per_round, list) else [self.prompts_per_round]  # fmt: skip
         if not sizes or any(n < 1 for n in sizes):
-            raise ValueError(f"data.prompts_per_round: {self.prompts_per_round} must be >= 1 (or a list of such)")
+            raise ValueError(
+                f"data.prompts_per_round: {self.prompts_per_round} must be >= 1 (or a list of such)"
+            )
         if isinstance(self.source, dict) and (
             not self.source
             or any(w < 0 for w in self.source.values())

@@ -85,6 +85,7 @@ def run_generate(
     two_phase = target.backend == "sglang" if two_phase is None else two_phase
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp_files(out_dir)
     batches: list[Batch] = [
         prompts[i : i + data.batch_size] for i in range(0, len(prompts), data.batch_size)
     ]
@@ -138,6 +139,17 @@ def run_generate(
         seconds=time.perf_counter() - start,
         switch_seconds=switch_s,
     )
+
+
+def remove_stale_temp_files(out_dir: Path) -> int:
+    """Delete the partial `.<name>.tmp-*` files a killed writer left; only this stage writes
+    `out_dir`, and no writer of it runs yet. Returns how many were removed."""
+    stale = [p for p in out_dir.glob(".*.tmp-*") if p.is_file()]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    if stale:
+        print(f"[generate] {out_dir}: removed {len(stale)} stale temp file(s)", flush=True)
+    return len(stale)
 
 
 def _run_batches(

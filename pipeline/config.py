@@ -60,7 +60,11 @@ class TrainConfig(_Strict):
 
     def for_round(self, r: int) -> TrainConfig:
         """This section with round r's epochs as a plain int (what the workers run)."""
-        e = self.epochs if isinstance(self.epochs, int) else self.epochs[min(r, len(self.epochs) - 1)]
+        e = (
+            self.epochs
+            if isinstance(self.epochs, int)
+            else self.epochs[min(r, len(self.epochs) - 1)]
+        )
         return self.model_copy(update={"epochs": e})
 
     num_workers: int = Field(2, ge=1)
@@ -116,8 +120,9 @@ class StopConfig(_Strict):
 
 
 class TrackingConfig(_Strict):
-    tracking_uri: str = "sqlite:///mlflow.db"
-    """MLflow tracking URI (sqlite or http://127.0.0.1:5000)."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI (sqlite or http://127.0.0.1:5000); None = the run directory's own
+    store, sqlite:///<run-dir>/mlflow.db with artifacts in <run-dir>/mlartifacts."""
     experiment: str = "eagle-loop"
     """MLflow experiment name."""
     registered_model: str = "eagle3-drafter"
@@ -155,7 +160,9 @@ class Config(_Strict):
         if "traffic" in sources and not self.serve.record_traffic:
             errs.append("data.source: traffic needs serve.record_traffic: true")
         if self.serve.simulate_users and not self.data.user_prompts:
-            errs.append("serve.simulate_users: needs a simulated users' pool; set data.user_prompts")
+            errs.append(
+                "serve.simulate_users: needs a simulated users' pool; set data.user_prompts"
+            )
         if self.serve.topk == 1 and self.serve.num_draft_tokens not in (None, self.serve.steps + 1):
             errs.append(
                 f"serve.num_draft_tokens: {self.serve.num_draft_tokens} with topk 1 must be "
@@ -166,9 +173,10 @@ class Config(_Strict):
         return self
 
     def digest(self) -> str:
-        """Stable hash of the resolved config (recorded in manifests)."""
+        """Stable hash of the resolved config (recorded in manifests). `tracking` is left out:
+        where results are tracked does not change them, and a run may move to another store."""
         return hashlib.sha256(
-            json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+            json.dumps(self.model_dump(mode="json", exclude={"tracking"}), sort_keys=True).encode()
         ).hexdigest()[:16]
 
 
@@ -185,4 +193,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
 
 
 def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """The resolved config as YAML with secrets masked: what is written and logged, never read
+    back (pipeline/redact.py)."""
+    from pipeline.redact import redact
+
+    return yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False)

@@ -13,7 +13,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from actors.shards import ShardError
 from pipeline.config import Config, dump_config
+from pipeline.preflight import preflight
 from pipeline.rules import (
     AcceptanceCollapsed,
     collapse_problem,
@@ -29,31 +31,37 @@ log = logging.getLogger("eagle_loop")
 
 
 def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    preflight(cfg)  # seconds, before any MLflow run or GPU time (run.py: before Ray starts too)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.resolved.yaml").write_text(dump_config(cfg))
     log.info("resolved config:\n%s", dump_config(cfg))
     state = RunState.load_or_new(run_dir, cfg.digest())
-    tracker = Tracker(cfg.tracking)
-    if not tracker.run_exists(state.parent_run_id):
+    tracker = Tracker(cfg.tracking, run_dir)  # default store: <run_dir>/mlflow.db
+    tracker.check_known(state.run_ids(), str(run_dir / "state.json"), state.tracking_uri)
+    if not state.parent_run_id:
         state.parent_run_id = tracker.start_run(cfg.name, params=cfg.model_dump(mode="json"))
+        state.tracking_uri = tracker.uri
         state.save(run_dir)
+    elif not state.stopped_because:
+        tracker.reopen(state.parent_run_id)  # a failed earlier attempt resumes
     tracker.log_artifact(state.parent_run_id, run_dir / "config.resolved.yaml")
     if state.stopped_because:
         log.info("run already finished: %s", state.stopped_because)
         return _write_summary(state, run_dir)
 
-    preflight(cfg)  # compatibility before any GPU time
     plan = _prompts(cfg)
     evalset = _eval_set(cfg, plan)
     clock, server = Clock(state), None
     try:
         for r in range(cfg.stop.max_rounds):
             rs = state.round(r)
-            if not tracker.run_exists(rs.mlflow_run_id):
+            if not rs.mlflow_run_id:
                 rs.mlflow_run_id = tracker.start_run(
                     f"round-{r}", state.parent_run_id, cfg.model_dump(mode="json")
                 )
                 state.save(run_dir)
+            elif not rs.is_done("gate"):
+                tracker.reopen(rs.mlflow_run_id)
             child = rs.mlflow_run_id
             if not rs.is_done("generate"):
                 t0 = clock.elapsed()
@@ -64,7 +72,11 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 _commit(state, clock, run_dir)
             if not rs.is_done("train"):
                 t0 = clock.elapsed()
-                rs.done["train"] = _train(cfg, run_dir, state, r, tracker, child)
+                try:
+                    rs.done["train"] = _train(cfg, run_dir, state, r, tracker, child)
+                except ShardError:  # a finished round's shards were damaged since: heal, retry
+                    _heal_data(cfg, run_dir, state, r, plan, evalset)
+                    rs.done["train"] = _train(cfg, run_dir, state, r, tracker, child)
                 rs.done["train"]["wall_s"] = clock.elapsed() - t0
                 _commit(state, clock, run_dir)
             if not rs.is_done("bench"):
@@ -95,33 +107,15 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
         state.stopped_because = state.stopped_because or f"budget: {cfg.stop.max_rounds} rounds"
         _finish(cfg, state, run_dir, tracker)
         _commit(state, clock, run_dir)
+    except BaseException as e:
+        _mark_failed(tracker, state, e)
+        raise
     finally:
         _stop_serving(server)
     return _write_summary(state, run_dir)
 
 
 # ---- stages ------------------------------------------------------------------------------------
-
-
-def preflight(cfg: Config) -> None:
-    """Refuse an incompatible starting drafter before the target is loaded anywhere."""
-    if cfg.drafter.init in ("scratch", "previous"):
-        return
-    from eagle3.target_weights import resolve_target
-    from pipeline.compat import check_compat
-
-    model, gguf = resolve_target(cfg.target.model, cfg.target.gguf_file)
-    report = check_compat(
-        cfg.drafter.init, model, target_revision=cfg.target.revision, gguf_file=gguf
-    )
-    if not report.compatible:
-        lines = "\n".join(
-            f"  {m['field']}: drafter {m['left']!r} vs target {m['right']!r}"
-            for m in report.mismatches
-        )
-        raise SystemExit(
-            f"drafter.init {cfg.drafter.init!r} does not fit target.model {cfg.target.model!r}:\n{lines}"
-        )
 
 
 def _prompts(cfg: Config):
@@ -147,9 +141,16 @@ def _eval_set(cfg: Config, plan) -> tuple[list, list[str]]:
 def _generate(
     cfg: Config, run_dir: Path, state: RunState, r: int, plan, evalset, tracker: Tracker, child: str
 ) -> dict:
-    """The round's data: served requests from the traffic log (their share of
-    `data.prompts_per_round`; capture only), then fresh prompts from the other sources for what
-    the log does not cover (generated and captured)."""
+    rec = _generate_round(cfg, run_dir, state, r, plan, evalset)
+    tracker.log(child, {f"data/{k}": v for k, v in rec.items()})
+    return rec
+
+
+def _generate_round(cfg: Config, run_dir: Path, state: RunState, r: int, plan, evalset) -> dict:
+    """Round r's data: served requests from the traffic log (their share of the round's prompts;
+    capture only), then fresh prompts from the other sources for what the log does not cover
+    (generated and captured). Batches already on disk and intact are kept, the others (re)made;
+    the same call again (healing) makes the same batches."""
     from actors.generate import run_generate
     from actors.prompts import mixed_round
 
@@ -169,11 +170,25 @@ def _generate(
         round_index=r,
         answered=_answered_batches(records, cfg.data.batch_size),
     )
-    rec = _record(res)
-    tracker.log(child, {f"data/{k}": v for k, v in rec.items()})
-    tracker.log(child, {"data/traffic_records": len(records), "data/fresh_prompts": len(prompts)})
-    return {**rec, "drawn": counts, "traffic_records": len(records),
-            "traffic_ids": [x["id"] for x in records]}  # fmt: skip
+    return {**_record(res), "drawn": counts, "traffic_records": len(records),
+            "fresh_prompts": len(prompts), "traffic_ids": [x["id"] for x in records]}  # fmt: skip
+
+
+def _heal_data(cfg: Config, run_dir: Path, state: RunState, r: int, plan, evalset) -> list[int]:
+    """Check the shards of rounds 0..r (what round r trains on); a round with missing, truncated
+    or corrupted shards gets those batches regenerated, the intact ones kept. Returns the rounds
+    healed; a shard still bad afterwards raises ShardError."""
+    from actors.shards import verify_manifest
+
+    healed = []
+    for i in range(r + 1):
+        try:
+            verify_manifest(state.rounds[i].done["generate"]["manifest"])
+        except ShardError as e:
+            log.warning("round %d: damaged shards, regenerating them:\n%s", i, e)
+            verify_manifest(_generate_round(cfg, run_dir, state, i, plan, evalset)["manifest"])
+            healed.append(i)
+    return healed
 
 
 def _traffic_for_round(
@@ -379,6 +394,21 @@ def _finish(cfg: Config, state: RunState, run_dir: Path, tracker: Tracker) -> No
     tracker.log_artifact(state.parent_run_id, run_dir / "summary.json")
     tracker.finish(state.parent_run_id)
     log.info("stopped because %s\n%s", summary["stopped_because"], format_table(rows))
+
+
+def _mark_failed(tracker: Tracker, state: RunState, err: BaseException) -> None:
+    """The parent and every unfinished round's run end FAILED (KILLED on Ctrl-C), not RUNNING
+    forever; a re-run reopens them and resumes."""
+    status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
+    ids = [state.parent_run_id] + [
+        rs.mlflow_run_id for rs in state.rounds if not rs.is_done("gate")
+    ]
+    for run_id in filter(None, ids):
+        try:
+            tracker.finish(run_id, status)
+        except Exception as e:  # noqa: BLE001 - keep the original error
+            log.warning("could not mark MLflow run %s %s: %s", run_id, status, e)
+    log.error("run %s: %s: %s", status, type(err).__name__, err)
 
 
 # ---- helpers -----------------------------------------------------------------------------------

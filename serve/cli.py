@@ -4,10 +4,15 @@
   python -m serve.cli bench --url http://127.0.0.1:8000 --num-prompts 16 --max-tokens 64 \
       --concurrency 1,4 --steps-sweep 1,2,3,4 --out runs/bench --tag manual
 
+  python -m serve.cli swap --url http://127.0.0.1:8000 --drafter runs/x/train/round-001/drafter
+
 `serve` starts a local Ray bound to 127.0.0.1 (or joins RAY_ADDRESS), deploys the engine and
-blocks until Ctrl-C. `bench` scores any OpenAI-compatible endpoint on the held-out split of the
-prompt files given (every prompt, one domain per file) or on the held-out split of the built-in
-set (`--heldout`, `--seed`), and prints the summary, overall and per domain, as JSON.
+blocks until Ctrl-C. `swap` hot-swaps the drafter of that server: it asks the server (GET
+/drafter) for its app and Ray address, joins that Ray and swaps as the loop does (the replica
+checks the checkpoint first; a refused one exits 1 and the old drafter keeps serving). `bench`
+scores any OpenAI-compatible endpoint on every prompt of the files given (one domain per file)
+or on the held-out split of the built-in set (`--heldout`, `--seed`), and prints the summary,
+overall and per domain, as JSON.
 """
 
 from __future__ import annotations
@@ -68,6 +73,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stop.wait()
     serve.shutdown()
     ray.shutdown()
+    return 0
+
+
+def cmd_swap(args: argparse.Namespace) -> int:
+    import httpx
+    import ray
+
+    from serve.deployment import adopt_app, swap_drafter
+    from serve.sglang_server import DrafterRejected
+
+    info = httpx.get(f"{args.url.rstrip('/')}/drafter", timeout=60).json()
+    if not ray.is_initialized():
+        ray.init(address=info["ray_address"], log_to_driver=False)
+    adopt_app(info["app"])
+    try:
+        out = swap_drafter(Path(args.drafter).resolve(), info["app"])
+    except DrafterRejected as e:
+        print(e, file=sys.stderr)
+        return 1
+    print(json.dumps({k: out[k] for k in ("app", "path", "swaps", "pid")}), flush=True)
     return 0
 
 
@@ -174,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-batch-size", type=int, default=8)
     s.add_argument("--app", default="eagle3", help="Serve application name")
     s.set_defaults(func=cmd_serve)
+
+    w = sub.add_parser("swap", help="hot-swap the drafter of a running `serve`")
+    w.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    w.add_argument("--drafter", required=True, help="EAGLE-3 checkpoint folder")
+    w.set_defaults(func=cmd_swap)
 
     b = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint")
     b.add_argument("--url", required=True, help="base URL without /v1, e.g. http://127.0.0.1:8000")

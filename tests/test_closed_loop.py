@@ -189,7 +189,9 @@ def test_collapsed_acceptance_is_an_error_naming_the_drafter(live, tmp_path):
     weights = load_file(dropped / "model.safetensors")
     weights["d2t"] = torch.zeros_like(weights["d2t"])
     save_file(weights, dropped / "model.safetensors", metadata={"format": "pt"})
-    predicted = state["rounds"][champion["round"]]["done"]["train"]["eval_metrics"]["sim_accept_len"]
+    predicted = state["rounds"][champion["round"]]["done"]["train"]["eval_metrics"][
+        "sim_accept_len"
+    ]
     assert predicted >= cfg.bench.collapse_predicted  # the trained figures promise acceptance
     evalset = _eval_set(cfg, _prompts(cfg))
     rs, r, tracker, child = _candidate_round(cfg, state, str(dropped), predicted, tmp_path, evalset, ep)  # fmt: skip

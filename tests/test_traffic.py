@@ -43,7 +43,10 @@ def test_log_rotates_redacts_and_skips_torn_lines(tmp_path):
     assert got and all(r["messages"][0]["content"] == "<redacted>" for r in got)
     assert "r99" not in {r["id"] for r in got} and "torn" not in {r["id"] for r in got}
     assert [r["id"] for r in got] == sorted((r["id"] for r in got), key=lambda x: int(x[1:]))
-    assert load_redactor("tests.test_traffic:drop_secret")(_rec(1))["messages"][0]["content"] == "<redacted>"
+    assert (
+        load_redactor("tests.test_traffic:drop_secret")(_rec(1))["messages"][0]["content"]
+        == "<redacted>"
+    )
     with pytest.raises(ValueError, match="serve.traffic_redact"):
         load_redactor("no_colon")
 
@@ -71,9 +74,7 @@ def _post(url: str, content: str, **extra) -> dict:
     return r.json()
 
 
-def test_served_requests_are_logged_and_survive_a_killed_replica(
-    ray_local, tiny_target, tmp_path
-):
+def test_served_requests_are_logged_and_survive_a_killed_replica(ray_local, tiny_target, tmp_path):
     import ray
     from ray import serve
 
@@ -119,7 +120,9 @@ def test_served_requests_are_logged_and_survive_a_killed_replica(
                 assert time.monotonic() < deadline, "the replica never came back"
                 time.sleep(2)
         recs = list(read_traffic(traffic))
-        assert [r["messages"][0]["content"] for r in recs][:3] == [f"question {i}" for i in range(3)]
+        assert [r["messages"][0]["content"] for r in recs][:3] == [
+            f"question {i}" for i in range(3)
+        ]
         assert recs[-1]["messages"][0]["content"] == "after the crash"
         assert len({r["replica"] for r in recs}) == 2  # the new replica writes its own file
         for path in traffic.glob("traffic-*.jsonl"):
