@@ -459,8 +459,15 @@ def _plots(state: RunState, run_dir: Path) -> list[Path]:
     out.mkdir(exist_ok=True)
     paths = []
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.plot([r["round"] for r in rows], [r["accept_len"] for r in rows], "o-")
-    ax.set(xlabel="round", ylabel="accept_len", title="accept_len per round")
+    ax.plot([r["round"] for r in rows], [r["accept_len"] for r in rows], "o-", label="overall")
+    for dom in dict.fromkeys(d for r in rows for d in r.get("domains") or {}):
+        pts = [(r["round"], r["domains"][dom]) for r in rows if (r.get("domains") or {}).get(dom)]
+        ax.plot(*zip(*pts, strict=True), ".--", label=dom)
+    for r in rows:  # rounds the gate did not promote: the serving drafter stayed
+        if not r.get("promoted", True):
+            ax.annotate("not promoted", (r["round"], r["accept_len"]), fontsize=7)
+    ax.set(xlabel="round", ylabel="accept_len", title="accept_len per round (held-out)")
+    ax.legend(fontsize=7)
     paths.append(out / "accept_len_per_round.png")
     fig.tight_layout(), fig.savefig(paths[-1]), plt.close(fig)
 

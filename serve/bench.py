@@ -415,13 +415,23 @@ def bench_endpoint(
     """`run_bench` the way the endpoint's engine needs (a serve.deployment.ServingEndpoint):
     embedded = baseline per request on the same replica and the steps sweep; SGLang = steps fixed
     at launch and the baseline from `baseline_cache` or measured once by restarting the endpoint
-    without its drafter (the speculative server holds the GPUs a second server would need)."""
+    without its drafter (the speculative server holds the GPUs a second server would need).
+    `bench.reuse_baseline` (embedded): the first run's baseline levels go into `baseline_cache`
+    and later runs on the same prompts and settings reuse them (the target without a drafter does
+    not change between rounds; per-domain speedups are then left out)."""
+    from serve.sglang_server import BaselineCache
+
+    key = bench_settings_key(prompts, bench_cfg)
     got = endpoint.baseline(
         lambda url: measure_baseline_levels(url, prompts, bench_cfg, timeout_s=timeout_s),
         baseline_cache,
-        bench_settings_key(prompts, bench_cfg),
+        key,
     )
     baseline, cached = got if got is not None else (None, False)
+    reuse = got is None and bool(_get(bench_cfg, "reuse_baseline", False))
+    cache = BaselineCache(Path(baseline_cache))
+    if reuse and (hit := cache.get(key)) is not None:
+        baseline, cached = hit, True
     result = run_bench(
         endpoint.url,
         prompts,
@@ -433,6 +443,10 @@ def bench_endpoint(
         fixed_steps=endpoint.fixed_steps,
         domains=domains,
     )
+    if reuse and not cached:
+        levels = [asdict(lv) for lv in result.levels if not lv.speculative]
+        cache.put(key, {"url": endpoint.url, "levels": levels,
+                        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})  # fmt: skip
     result.extra["baseline_cached"] = cached
     Path(result.json_path).write_text(json.dumps(asdict(result), indent=2) + "\n")
     return result

@@ -66,6 +66,10 @@ class BenchConfig(Strict):
     """Requests sent first and excluded."""
     steps_sweep: list[int] = Field(default_factory=list)
     """Draft steps to try (best is kept); empty = only serve.steps."""
+    reuse_baseline: bool = False
+    """Embedded engine: measure the no-drafter baseline in the first round only and reuse it for
+    later rounds on the same prompts and settings (saves a baseline pass per round; the figures
+    then come from another time, so a machine whose load changed skews the speedup)."""
     eval_files: list[str] = Field(default_factory=list)
     """Your own evaluation prompt files (JSONL, formats as data.path): when given, each round is
     judged on every prompt of these files (one domain per file) instead of the held-out split."""

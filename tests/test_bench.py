@@ -196,3 +196,26 @@ def test_bench_endpoint_on_the_embedded_engine(endpoint, tmp_path):
     assert r.extra["settings"]["baseline"] == "same server, speculative: false"
     assert r.extra["baseline_cached"] is False and not (tmp_path / "b.json").exists()
     assert json.loads(Path(r.json_path).read_text())["extra"]["baseline_cached"] is False
+
+
+def test_cli_benchmarks_a_whole_small_file_by_domain(endpoint, tmp_path, capsys):
+    """A user's 10-prompt file is benchmarked whole (no held-out split to leave it short), one
+    domain per file or per record, figures per domain in the printed JSON and the result file."""
+    from serve.cli import main
+
+    f = tmp_path / "mine.jsonl"
+    lines = [{"prompt": f"Name a colour, number {i}."} for i in range(6)]
+    lines += [{"prompt": f"What is {i} + {i}?", "domain": "math"} for i in range(4)]
+    f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    rc = main(["bench", "--url", endpoint.url, "--prompts-jsonl", str(f), "--max-tokens", "6",
+               "--warmup", "0", "--out", str(tmp_path), "--tag", "mine"])  # fmt: skip
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {d: v["requests"] for d, v in out["domains"].items()} == {"mine": 6, "math": 4}
+    saved = json.loads((tmp_path / "mine.json").read_text())
+    assert sum(lv["requests"] for lv in saved["levels"] if lv["speculative"]) == 10
+    for d in out["domains"].values():
+        assert 1.0 <= d["accept_len"] <= 3.0 and d["speedup"] > 0
+        assert len(d["acceptance_per_position"]) == 2  # the server drafts 2 steps
+    total = sum(d["accept_len"] * d["requests"] for d in out["domains"].values()) / 10
+    assert out["accept_len"] == pytest.approx(total)  # the overall figure is the same requests
