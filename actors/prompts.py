@@ -193,7 +193,8 @@ def interleave(groups: list[list[Prompt]]) -> list[Prompt]:
 
 def source_quotas(weights: dict[str, float], n: int) -> dict[str, int]:
     """`n` split by weight into integers summing to `n` (largest remainders first)."""
-    raw = {k: n * w for k, w in weights.items()}
+    total = sum(weights.values())
+    raw = {k: n * w / total for k, w in weights.items()}
     out = {k: int(v) for k, v in raw.items()}
     for k in sorted(raw, key=lambda k: out[k] - raw[k])[: n - sum(out.values())]:
         out[k] += 1
