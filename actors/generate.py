@@ -330,15 +330,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     cfg = load_data_stage_config(args.config, args.set + args.overrides)
 
-    import ray
+    from actors.cluster import start_ray
 
-    if not ray.is_initialized():
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        ray.init(
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}},
-        )
+    start_ray(runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
     train, _ = split_prompts(load_prompts(cfg.data), cfg.data.heldout_prompts, cfg.data.seed)
     prompts = round_prompts(train, args.round, cfg.data.prompts_per_round)
     result = run_generate(

@@ -29,6 +29,7 @@ from eagle3.checkpoint import (
     read_safetensors_header,
 )
 from eagle3.config import Eagle3Config, default_aux_layer_ids, vllm_layer_ids
+from eagle3.fit import AUX_COUNT, bad_aux_ids, drafter_fit
 from eagle3.target_weights import (
     TargetInfo,
     read_target_config,
@@ -241,28 +242,27 @@ def _compare_with_target(
     d: _Drafter, t: TargetInfo, target_tok: dict[str, Any] | None, rep: CompatReport
 ) -> None:
     c, h = d.cfg, d.headers or {}
+    fit = {  # the one drafter-fits-target check (eagle3.fit); the rows below show it
+        x.field: x
+        for x in drafter_fit(
+            c, vocab_size=t.vocab_size, hidden_size=t.hidden_size, num_layers=t.num_layers
+        )
+    }
     rep.add("architectures", d.raw.get("architectures"), list(t.architectures), None)
     rep.add("num_hidden_layers", d.raw.get("num_hidden_layers", 1), t.num_layers, None)
-    rep.add(
-        "hidden_size", c.hidden_size, t.hidden_size, c.hidden_size == t.hidden_size,
-        "SGLang feeds the target's embedding (width of the target's hidden_size) into the drafter's "
-        "input_layernorm: build the drafter with hidden_size = the target's",
-    )  # fmt: skip
-    rep.add(
-        "target_hidden_size", c.target_hidden_size, t.hidden_size, c.target_hidden_size == t.hidden_size,
-        "the drafter was built for a target of another width; set target_hidden_size to the "
-        "target's hidden_size and retrain fc",
-    )  # fmt: skip
+    for name in ("hidden_size", "target_hidden_size"):
+        x = fit[name]
+        rep.add(name, x.drafter, x.target, x.ok, x.fix)
     fc_in = h["fc.weight"][1][1] if "fc.weight" in h else None
     rep.add(
         "fc.weight in_features vs 3 x target hidden", fc_in, 3 * t.hidden_size, fc_in == 3 * t.hidden_size,
         "fc fuses three target hidden states; its input width must be 3 x the target's hidden_size "
         "(the drafter belongs to another target)",
     )  # fmt: skip
-    rep.add(
-        "vocab_size", c.vocab_size, t.vocab_size, c.vocab_size == t.vocab_size,
-        "the drafter's vocab_size must be the target's (the tokenizers differ otherwise)",
-    )  # fmt: skip
+    x = fit["vocab_size"]
+    rep.add("vocab_size", x.drafter, x.target, x.ok, x.fix)
+    x = fit["draft_vocab_size"]
+    rep.add("draft_vocab_size", x.drafter, x.target, x.ok, x.fix)
     _vocab_map_rows(d, t, rep)
     _aux_rows(d, t, rep)
     rep.add(
@@ -301,10 +301,6 @@ def _compare_with_target(
 
 def _vocab_map_rows(d: _Drafter, t: TargetInfo, rep: CompatReport) -> None:
     c, h = d.cfg, d.headers or {}
-    rep.add(
-        "draft_vocab_size", c.draft_vocab_size, f"<= {t.vocab_size}", c.draft_vocab_size <= t.vocab_size,
-        "the draft vocab must be a subset of the target's",
-    )  # fmt: skip
     flat = flatten_speculators_config(d.raw)
     if "draft_vocab_size" not in flat or flat.get("tie_word_embeddings"):
         rep.add(
@@ -336,7 +332,7 @@ def _aux_rows(d: _Drafter, t: TargetInfo, rep: CompatReport) -> None:
     n = t.num_layers
     ids, is_default = _aux_ids(d, n)
     shown = f"{ids} (SGLang default)" if is_default else ids
-    bad = [k for k in ids if not 0 <= k <= n - 2]
+    bad = bad_aux_ids(ids, n)
     rep.add(
         "aux_layer_ids (SGLang: output of layer k)", shown, f"valid 0..{n - 2} ({n} layers)", not bad,
         f"ids {bad} are outside 0..{n - 2}: SGLang captures the input of layer k+1, so k = {n - 1} "
@@ -346,7 +342,7 @@ def _aux_rows(d: _Drafter, t: TargetInfo, rep: CompatReport) -> None:
         "aux_layer_ids (vLLM: input of layer j)", vllm_layer_ids(ids), f"valid 1..{n - 1}", None
     )
     rep.add(
-        "aux_layer_ids count", len(ids), 3, len(ids) == 3,
+        "aux_layer_ids count", len(ids), AUX_COUNT, len(ids) == AUX_COUNT,
         "SGLang's fc takes exactly three target hidden states; list three ids",
     )  # fmt: skip
     top = d.raw.get("eagle_aux_hidden_state_layer_ids")

@@ -7,19 +7,18 @@ stage not recorded as done, and reuses the MLflow run ids it created instead of 
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from actors.files import atomic_write
+
 STAGES = ("generate", "train", "bench")
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str))
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(obj, indent=2, sort_keys=False, default=str), fsync=False)
 
 
 @dataclass

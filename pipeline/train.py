@@ -341,24 +341,16 @@ def _copy_existing(init: str, info, aux_ids: list[int], dest: Path) -> dict[str,
             "drafter.init=previous: no previous round to start from here; pass the previous round's "
             "drafter folder (…/train/round-NNN/drafter) or use scratch"
         )
+    from eagle3.fit import drafter_fit_problems
+
     dcfg, state = load_drafter(init)
-    problems = []
-    if dcfg.vocab_size != info.vocab_size:
-        problems.append(
-            f"{init}: vocab_size {dcfg.vocab_size} != target vocab {info.vocab_size}; it was trained for another target"
-        )
-    if dcfg.draft_vocab_size > info.vocab_size:
-        problems.append(
-            f"{init}: draft_vocab_size {dcfg.draft_vocab_size} > target vocab {info.vocab_size}; not a drafter of this target"
-        )
-    if dcfg.hidden_size != info.hidden_size:
-        problems.append(
-            f"{init}: hidden_size {dcfg.hidden_size} != target hidden {info.hidden_size}; it cannot read this target's embedding"
-        )
-    if dcfg.target_hidden_size != info.hidden_size:
-        problems.append(
-            f"{init}: target_hidden_size {dcfg.target_hidden_size} != target hidden {info.hidden_size}; its fc reads another target"
-        )
+    problems = drafter_fit_problems(
+        dcfg,
+        vocab_size=info.vocab_size,
+        hidden_size=info.hidden_size,
+        num_layers=info.num_layers,
+        source=init,
+    )
     if list(dcfg.aux_layer_ids) != aux_ids:
         problems.append(
             f"{init}: aux layer ids {list(dcfg.aux_layer_ids)} but the shards were captured at {aux_ids}; regenerate the "
@@ -745,18 +737,9 @@ def main(argv: list[str] | None = None) -> TrainResult:
     add_set_argument(ap)
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.set)
-    import ray
+    from actors.cluster import start_ray
 
-    if not ray.is_initialized():
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init(runtime_env=cfg.runtime_env or None)
-        else:  # a local Ray bound to loopback
-            ray.init(
-                _node_ip_address="127.0.0.1",
-                include_dashboard=False,
-                runtime_env=cfg.runtime_env or None,
-            )
+    start_ray(cfg.runtime_env)
     res = run_train(cfg, args.data, args.out, init=args.init)
     _say(json.dumps(dataclasses.asdict(res)))
     return res

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 import threading
@@ -26,16 +25,13 @@ def _ints(text: str) -> list[int]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
     from ray import serve
 
+    from actors.cluster import start_ray
     from serve.deployment import deploy
 
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init()
-    else:
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False)
+    start_ray()
     serve_cfg = {
         "host": args.host,
         "port": args.port,

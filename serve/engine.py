@@ -41,6 +41,7 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
     triton = None
 
 from eagle3.config import Eagle3Config, default_aux_layer_ids
+from eagle3.fit import bad_aux_ids, drafter_fit_problems
 from eagle3.model import DrafterCache, Eagle3Drafter, drafter_from_state, rope_cos_sin
 
 TokenCallback = Callable[[int, list[int]], None]  # (request index, new token ids)
@@ -51,10 +52,14 @@ TokenCallback = Callable[[int, list[int]], None]  # (request index, new token id
 
 
 def _check_aux_ids(ids: list[int], num_layers: int) -> None:
-    """Shared by both target runners: aux layer ids must name decoder layers of the target."""
-    bad = [k for k in ids if not 0 <= k < num_layers]
+    """Shared by both target runners: each id names a captured layer (eagle3.fit's range; the
+    count is the drafter's rule, checked with the drafter)."""
+    bad = bad_aux_ids(ids, num_layers)
     if bad:
-        raise ValueError(f"aux layer ids {bad} out of range for a {num_layers}-layer target")
+        raise ValueError(
+            f"aux layer ids {bad} out of range for a {num_layers}-layer target "
+            "(id k is the output of decoder layer k, captured at the input of layer k+1)"
+        )
 
 
 @dataclass(frozen=True)
@@ -1709,22 +1714,10 @@ def load_target(
 def check_drafter_for_target(
     cfg: Eagle3Config, vocab_size: int, hidden_size: int, num_layers: int, source: str
 ) -> list[str]:
-    """Every way a drafter config does not fit the target, one line each."""
-    problems = []
-    if cfg.vocab_size != vocab_size:
-        problems.append(
-            f"{source}: vocab_size {cfg.vocab_size} != target vocab {vocab_size}; the drafter was built for another target"
-        )
-    if cfg.target_hidden_size != hidden_size:
-        problems.append(
-            f"{source}: target_hidden_size {cfg.target_hidden_size} != target hidden size {hidden_size}; fc expects another target"
-        )
-    ids = cfg.aux_layer_ids or default_aux_layer_ids(num_layers)
-    if len(ids) != 3 or any(not 0 <= k < num_layers for k in ids):
-        problems.append(
-            f"{source}: aux layer ids {ids} must be 3 ids in [0, {num_layers}) for this {num_layers}-layer target"
-        )
-    return problems
+    """Every way a drafter config does not fit the target, one line each (eagle3.fit)."""
+    return drafter_fit_problems(
+        cfg, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, source=source
+    )
 
 
 def load_eagle(path: str | Path, target: torch.nn.Module) -> EagleDraft:

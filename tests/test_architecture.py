@@ -76,3 +76,49 @@ def test_the_check_names_file_and_line(tmp_path):
         "eagle3/x.py:6 imports ray (eagle3/ must not import ray)",
         "actors/y.py:1 imports pipeline (actors/ must not import pipeline)",
     ]
+
+
+def _calls(files: list[Path], dotted: str) -> list[str]:
+    """`file:line` of every call of `dotted` (e.g. `os.replace`) in `files`."""
+    obj, attr = dotted.rsplit(".", 1)
+    out = []
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            fn = getattr(node, "func", None)
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(fn, ast.Attribute)
+                and fn.attr == attr
+                and isinstance(fn.value, ast.Name)
+                and fn.value.id == obj
+            ):
+                out.append(f"{f.relative_to(ROOT)}:{node.lineno}")
+    return out
+
+
+def _classes(files: list[Path], name: str) -> list[str]:
+    return [
+        f"{f.relative_to(ROOT)}:{node.lineno}"
+        for f in files
+        for node in ast.walk(ast.parse(f.read_text(), str(f)))
+        if isinstance(node, ast.ClassDef) and node.name == name
+    ]
+
+
+def test_one_of_each_shared_helper():
+    """One atomic write (actors/files.py), one Ray start-up (actors/cluster.py), one TargetInfo
+    (eagle3/target_weights.py), one aux-layer rule (eagle3/fit.py): a second copy fails here."""
+    files = _sources()
+    assert [c.split(":")[0] for c in _calls(files, "os.replace")] == ["actors/files.py"], (
+        "use actors.files.atomic_write"
+    )
+    assert {c.split(":")[0] for c in _calls(files, "ray.init")} == {"actors/cluster.py"}, (
+        "use actors.cluster.start_ray"
+    )
+    assert [c.split(":")[0] for c in _classes(files, "TargetInfo")] == ["eagle3/target_weights.py"]
+    rule = [
+        f"{f.relative_to(ROOT)}"
+        for f in files
+        if "num_layers - 2" in f.read_text() and f.relative_to(ROOT).as_posix() != "eagle3/fit.py"
+    ]
+    assert not rule, f"the aux-layer range is written outside eagle3/fit.py: {rule}"
