@@ -1,6 +1,6 @@
 """Command line for the serving side.
 
-  python -m serve.cli serve --target smollm2 --drafter runs/x/drafters/round-000 --port 8000
+  python -m serve.cli serve --target smollm2 --drafter runs/x/train/round-000/drafter --port 8000
   python -m serve.cli bench --url http://127.0.0.1:8000 --num-prompts 16 --max-tokens 64 \
       --concurrency 1,4 --steps-sweep 1,2,3,4 --out runs/bench --tag manual
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("eagle3", "actors", "serve", "pipeline")
 SERVING = ("serve", "fastapi", "starlette", "uvicorn", "httpx", "sglang", "vllm")
@@ -18,6 +20,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "pipeline": (),
 }
 MLFLOW_HOME = "pipeline/tracking.py"  # the one module that talks to MLflow
+MAX_LINES = 700  # a module past this holds more than one role: split it
 
 
 def imported_modules(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
@@ -122,3 +125,13 @@ def test_one_of_each_shared_helper():
         if "num_layers - 2" in f.read_text() and f.relative_to(ROOT).as_posix() != "eagle3/fit.py"
     ]
     assert not rule, f"the aux-layer range is written outside eagle3/fit.py: {rule}"
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_no_module_over_the_line_limit(pkg):
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in (ROOT / pkg).rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines (split them by role): {long}"
