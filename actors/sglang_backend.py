@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from eagle3.config import default_aux_layer_ids
+from eagle3.fit import resolve_aux_layer_ids
 from eagle3.target_weights import TargetInfo, read_target_config, target_info_from_dict
 
 if TYPE_CHECKING:
@@ -114,16 +114,8 @@ def is_deepseek_family(info: TargetInfo) -> bool:
 
 
 def resolve_layer_ids(layer_ids: Sequence[int] | None, num_layers: int) -> list[int]:
-    """The aux layer ids to capture: SGLang's default when None; each must lie in [0, N-2]."""
-    ids = list(layer_ids) if layer_ids is not None else default_aux_layer_ids(num_layers)
-    bad = [k for k in ids if not 0 <= k <= num_layers - 2]
-    if bad or len(ids) != 3:
-        raise ValueError(
-            f"target.aux_layer_ids: {ids} -- EAGLE-3 needs 3 ids in [0, {num_layers - 2}] for a "
-            f"{num_layers}-layer target (SGLang captures id k at the input of layer k+1); "
-            f"omit the field for SGLang's default {default_aux_layer_ids(num_layers)}"
-        )
-    return ids
+    """The aux layer ids to capture (SGLang's default when None): eagle3.fit's one rule."""
+    return resolve_aux_layer_ids(layer_ids, num_layers)
 
 
 def hf_hidden_state_indices(info: TargetInfo, layer_ids: Sequence[int]) -> list[int]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -38,6 +37,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+
+from actors.files import atomic_file, atomic_write
 
 FORMAT = "eagle-loop-shards/1"
 MANIFEST = "manifest.json"
@@ -217,17 +218,8 @@ def write_shard(
                         yield mv[a : a + CHUNK]
 
     h = hashlib.sha256()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    try:
-        with tmp.open("wb") as f:
-            _hash_and_write(pieces(), h, f, kick=sync == "fsync")
-            f.flush()
-            if sync == "fsync":
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_file(path, fsync=sync == "fsync") as f:
+        _hash_and_write(pieces(), h, f, kick=sync == "fsync")
     return ShardInfo(
         file=path.name,
         sha256=h.hexdigest(),
@@ -379,7 +371,7 @@ def write_batch_record(
     """Mark a prompt batch finished: its shards, the key of the prompts/settings that made them,
     and ``extra`` (the target identity and aux ids, so a resumed run needs no model to finish)."""
     rec = {**(extra or {}), "batch_key": batch_key, "shards": [asdict(s) for s in shards]}
-    _atomic_write(out_dir / f"{batch_stem(batch_index)}.json", json.dumps(rec, indent=1).encode())
+    atomic_write(out_dir / f"{batch_stem(batch_index)}.json", json.dumps(rec, indent=1).encode())
 
 
 def finished_batch(out_dir: Path, batch_index: int, batch_key: str) -> dict[str, Any] | None:
@@ -415,7 +407,7 @@ def write_manifest(
         num_loss_tokens=sum(s.num_loss_tokens for s in shards),
         root=str(out_dir),
     )
-    _atomic_write(out_dir / MANIFEST, json.dumps(m.to_json(), indent=1).encode())
+    atomic_write(out_dir / MANIFEST, json.dumps(m.to_json(), indent=1).encode())
     return m
 
 
@@ -475,12 +467,3 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(1 << 22):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

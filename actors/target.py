@@ -37,6 +37,7 @@ import torch
 
 from actors.chat import Conversation, encode_conversation, prompt_ids, user_turn_prefix
 from actors.config import DataConfig, TargetConfig
+from actors.files import atomic_write
 from actors.hf_backend import HFTarget, PinnedPool, load_tokenizer, resolve_aux_layer_ids
 from actors.prompts import Answered, Batch, SelfWritten, keep_written_turns
 from actors.sglang_backend import token_bounded_batches
@@ -227,9 +228,7 @@ def write_generated(out_dir: str | Path, batch_index: int, batch_key: str, g: Ge
         json.dumps({"input_ids": ids, "loss_mask": m})
         for ids, m in zip(g.input_ids, g.loss_mask, strict=True)
     ]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, "\n".join(lines) + "\n", fsync=False)
     return path
 
 

@@ -53,9 +53,8 @@ class DrafterConfig(_Strict):
 class TrainConfig(_Strict):
     @model_validator(mode="after")
     def _epochs(self) -> TrainConfig:
-        e = self.epochs if isinstance(self.epochs, list) else [self.epochs]
-        if not e or any(x < 1 for x in e):
-            raise ValueError(f"train.epochs: {self.epochs} must be >= 1 (or a list of such)")
+        if self.epochs == []:
+            raise ValueError("train.epochs: an empty list; give one number per round")
         return self
 
     def for_round(self, r: int) -> TrainConfig:
@@ -79,9 +78,12 @@ class TrainConfig(_Strict):
     """CPUs each worker reserves."""
     fsdp: bool = False
     """Shard the drafter with FSDP2 instead of DDP (large drafters)."""
-    epochs: int | list[int] = 6
-    """Passes over all accumulated data per round; a list sets the rounds in order, the last
-    entry repeating (`[4, 1]`: a long first round, then short fine-tunes)."""
+    epochs: int = Field(6, ge=1)
+    """Passes over all accumulated data per round (rounds after the first fine-tune the serving
+    drafter)."""
+    first_round_epochs: int | None = Field(None, ge=1)
+    """Epochs of round 0, which trains from `drafter.init` (often from scratch) and so usually
+    needs more; None = `epochs`."""
     lr: float = Field(1e-4, gt=0)
     """Peak learning rate of AdamW."""
     warmup_ratio: float = Field(0.015, ge=0, lt=1)

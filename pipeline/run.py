@@ -58,18 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         print(err, file=sys.stderr)
         return 2
 
-    import ray
+    from actors.cluster import start_ray
 
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init()  # inside `ray job submit`: the job's runtime_env (see job_runtime_env) applies
-    else:
-        ray.init(
-            _node_ip_address="127.0.0.1",
-            include_dashboard=False,
-            num_cpus=local_num_cpus(cfg),
-            runtime_env=cfg.runtime_env or None,
-        )
+    # inside `ray job submit` the job's runtime_env (see job_runtime_env) applies
+    start_ray(cfg.runtime_env, num_cpus=local_num_cpus(cfg), join_with_runtime_env=False)
 
     from pipeline.loop import run_loop
 

@@ -7,23 +7,22 @@ stage not recorded as done, and reuses the MLflow run ids it created instead of 
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from actors.files import atomic_write
+
 STAGES = ("generate", "train", "bench", "gate", "traffic")
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_write(path, text, fsync=False)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str))
+    atomic_write(path, json.dumps(obj, indent=2, sort_keys=False, default=str), fsync=False)
 
 
 @dataclass

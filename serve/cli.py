@@ -32,10 +32,10 @@ def _ints(text: str) -> list[int]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
     from ray import serve
 
+    from actors.cluster import start_ray
     from serve.deployment import deploy
     from serve.startup import ServeStartupError
 
@@ -49,10 +49,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     }
     target_cfg = {"model": args.target, "gguf_file": args.gguf_file, "dtype": args.dtype}
     try:  # start-up is retried inside; what is left is a message, not a traceback
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init()
-        else:
-            ray.init(_node_ip_address="127.0.0.1", include_dashboard=False)
+        start_ray()
         ep = deploy(
             serve_cfg,
             target_cfg,
@@ -78,14 +75,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_swap(args: argparse.Namespace) -> int:
     import httpx
-    import ray
 
+    from actors.cluster import start_ray
     from serve.deployment import adopt_app, swap_drafter
     from serve.sglang_server import DrafterRejected
 
     info = httpx.get(f"{args.url.rstrip('/')}/drafter", timeout=60).json()
-    if not ray.is_initialized():
-        ray.init(address=info["ray_address"], log_to_driver=False)
+    os.environ["RAY_ADDRESS"] = info["ray_address"]  # join the server's own Ray
+    start_ray()
     adopt_app(info["app"])
     try:
         out = swap_drafter(Path(args.drafter).resolve(), info["app"])

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from actors.files import atomic_write
 from actors.sglang_backend import SGLANG_VERSION
 
 if TYPE_CHECKING:
@@ -169,8 +170,8 @@ def validate_drafter(drafter_dir: str | Path, target_cfg: TargetConfig) -> str |
     strict checkpoint checks (names, shapes, vocab map) plus vocab size, target hidden size and
     aux layer ids against the target's config.json. Catches before a restart what SGLang would
     otherwise load silently (unknown names dropped, a missing d2t)."""
-    from actors.sglang_backend import resolve_layer_ids
     from eagle3.checkpoint import CheckpointError, load_drafter
+    from eagle3.fit import drafter_fit_problems
     from eagle3.target_weights import read_target_config, target_info_from_dict
 
     try:
@@ -178,17 +179,9 @@ def validate_drafter(drafter_dir: str | Path, target_cfg: TargetConfig) -> str |
     except (CheckpointError, OSError, ValueError) as e:
         return f"{drafter_dir}: {e}"
     info = target_info_from_dict(read_target_config(target_cfg.model, target_cfg.revision))
-    problems = []
-    if cfg.vocab_size != info.vocab_size:
-        problems.append(f"vocab_size {cfg.vocab_size} != target vocab {info.vocab_size}")
-    if cfg.target_hidden_size != info.hidden_size:
-        problems.append(
-            f"target_hidden_size {cfg.target_hidden_size} != target hidden {info.hidden_size}"
-        )
-    try:
-        resolve_layer_ids(cfg.aux_layer_ids or None, info.num_layers)
-    except ValueError as e:
-        problems.append(f"eagle_aux_hidden_state_layer_ids: {e}")
+    problems = drafter_fit_problems(
+        cfg, vocab_size=info.vocab_size, hidden_size=info.hidden_size, num_layers=info.num_layers
+    )
     if problems:
         return f"{drafter_dir} does not fit {target_cfg.model}: " + "; ".join(problems)
     return None
@@ -554,9 +547,7 @@ class BaselineCache:
         data = self._read()
         data[key] = value
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
-        tmp.replace(self.path)
+        atomic_write(self.path, json.dumps(data, indent=2, sort_keys=True), fsync=False)
 
     def _read(self) -> dict[str, Any]:
         if not self.path.exists():

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("eagle3", "actors", "serve", "pipeline")
 SERVING = ("serve", "fastapi", "starlette", "uvicorn", "httpx", "sglang", "vllm")
@@ -18,6 +20,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "pipeline": (),
 }
 MLFLOW_HOME = "pipeline/tracking.py"  # the one module that talks to MLflow
+MAX_LINES = 700  # a module past this holds more than one role: split it
 
 
 def imported_modules(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
@@ -76,3 +79,59 @@ def test_the_check_names_file_and_line(tmp_path):
         "eagle3/x.py:6 imports ray (eagle3/ must not import ray)",
         "actors/y.py:1 imports pipeline (actors/ must not import pipeline)",
     ]
+
+
+def _calls(files: list[Path], dotted: str) -> list[str]:
+    """`file:line` of every call of `dotted` (e.g. `os.replace`) in `files`."""
+    obj, attr = dotted.rsplit(".", 1)
+    out = []
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            fn = getattr(node, "func", None)
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(fn, ast.Attribute)
+                and fn.attr == attr
+                and isinstance(fn.value, ast.Name)
+                and fn.value.id == obj
+            ):
+                out.append(f"{f.relative_to(ROOT)}:{node.lineno}")
+    return out
+
+
+def _classes(files: list[Path], name: str) -> list[str]:
+    return [
+        f"{f.relative_to(ROOT)}:{node.lineno}"
+        for f in files
+        for node in ast.walk(ast.parse(f.read_text(), str(f)))
+        if isinstance(node, ast.ClassDef) and node.name == name
+    ]
+
+
+def test_one_of_each_shared_helper():
+    """One atomic write (actors/files.py), one Ray start-up (actors/cluster.py), one TargetInfo
+    (eagle3/target_weights.py), one aux-layer rule (eagle3/fit.py): a second copy fails here."""
+    files = _sources()
+    assert [c.split(":")[0] for c in _calls(files, "os.replace")] == ["actors/files.py"], (
+        "use actors.files.atomic_write"
+    )
+    assert {c.split(":")[0] for c in _calls(files, "ray.init")} == {"actors/cluster.py"}, (
+        "use actors.cluster.start_ray"
+    )
+    assert [c.split(":")[0] for c in _classes(files, "TargetInfo")] == ["eagle3/target_weights.py"]
+    rule = [
+        f"{f.relative_to(ROOT)}"
+        for f in files
+        if "num_layers - 2" in f.read_text() and f.relative_to(ROOT).as_posix() != "eagle3/fit.py"
+    ]
+    assert not rule, f"the aux-layer range is written outside eagle3/fit.py: {rule}"
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_no_module_over_the_line_limit(pkg):
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in (ROOT / pkg).rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines (split them by role): {long}"

@@ -33,11 +33,11 @@ def _config(tmp: Path, tiny_target: Path) -> dict:
     return {
         "name": "closed",
         "target": {"model": str(tiny_target)},
-        "data": {"source": {"builtin": 0.5, "traffic": 0.5}, "prompts_per_round": [12, 8],
+        "data": {"source": {"builtin": 0.5, "traffic": 0.5}, "first_round_prompts": 12, "prompts_per_round": 8,
                  "heldout_prompts": 4, "user_prompts": 8, "max_new_tokens": 24, "batch_size": 6,
                  "num_actors": 2},
         "drafter": {"draft_vocab_size": 512},
-        "train": {"num_workers": 2, "epochs": [3, 1], "lr": 0.003, "ttt_length": 2,
+        "train": {"num_workers": 2, "first_round_epochs": 3, "epochs": 1, "lr": 0.003, "ttt_length": 2,
                   "tokens_per_batch": 256, "checkpoint_every": 4},
         "serve": {"steps": 2, "port": _free_port(), "record_traffic": True, "simulate_users": 6,
                   "simulate_concurrency": 2},

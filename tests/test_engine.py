@@ -5,6 +5,7 @@ sampling distribution under rejection sampling."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 
 import pytest
@@ -405,10 +406,13 @@ def test_check_drafter_for_target_names_each_mismatch():
     problems = check_drafter_for_target(
         cfg, vocab_size=120, hidden_size=64, num_layers=4, source="d"
     )
-    assert len(problems) == 3
-    assert "vocab_size 100" in problems[0] and "target_hidden_size 24" in problems[1]
-    assert "[1, 2, 9]" in problems[2]
-    assert check_drafter_for_target(cfg, 100, 24, 10, "d") == []
+    # hidden_size too (eagle3.fit, issue 15): the drafter reads the target's embedding
+    assert len(problems) == 4
+    assert "vocab_size 100" in problems[0] and "hidden_size 32 != target hidden 64" in problems[1]
+    assert "target_hidden_size 24" in problems[2] and "[1, 2, 9]" in problems[3]
+    fits = dataclasses.replace(cfg, hidden_size=24)
+    assert check_drafter_for_target(fits, 100, 24, 11, "d") == []  # id 9 needs >= 11 layers
+    assert "[9] outside" in check_drafter_for_target(fits, 100, 24, 10, "d")[0]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,414 @@
+"""The train stage's worker loop: one Ray Train worker builds the drafter, resumes, trains,
+evaluates, checkpoints and exports (rank 0). `pipeline/train.py` is the stage driver that checks
+the inputs, fixes the starting point and runs the `TorchTrainer` over `train_worker`.
+
+Workers read their share of the shards, pack, train (DDP; FSDP2 on GPUs when asked), log one line
+per step, evaluate on held-out samples at each epoch end, checkpoint every `checkpoint_every` steps
+through `ray.train.report`, and resume from `ray.train.get_checkpoint()` after a worker failure
+(FailureConfig) or a driver restart (same RunConfig name + storage_path).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.train_step import (
+    ShardSet,
+    SoftTargets,
+    eval_metrics,
+    eval_step,
+    format_line,
+    load_training_state,
+    make_optimizer,
+    make_scheduler,
+    pack,
+    parallelize,
+    rank_order,
+    save_training_state,
+    scratch_drafter,
+    set_threads,
+    split_eval,
+    step_metrics,
+    steps_per_epoch,
+    train_step,
+)
+from pipeline.config import (
+    TrainConfig,
+)
+
+log = logging.getLogger("pipeline.train")
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """What the driver hands every worker: paths, configs as dicts, numbers (JSON-safe)."""
+
+    out_dir: str
+    shards: tuple[tuple[str, str], ...]  # (path, sha256)
+    drafter: dict[str, Any]  # Eagle3Config fields
+    init: str  # "scratch" (init/vocab_map.safetensors) or "drafter" (init/drafter/)
+    target: dict[str, Any]  # TargetConfig
+    train: dict[str, Any]  # TrainConfig
+    sim_steps: int  # draft steps the served chain uses (sim_accept_len)
+    crash_at_step: int | None = None  # resume drill: the last worker exits once at this step
+
+
+def _say(line: str) -> None:
+    """One log line from a worker. Not print(): Ray Train V2 patches print in workers and, when
+    stdout is redirected (it is in Ray workers), emits every line twice."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker
+
+
+def train_worker(config: dict[str, Any]) -> None:
+    """One Ray Train worker: build, resume, train, evaluate, checkpoint, export (rank 0)."""
+    import ray.train
+
+    from eagle3.target_weights import load_target_tensors
+
+    job = TrainJob(**config["job"])
+    tc = TrainConfig(**job.train)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    t = job.target
+    # embed, lm_head and norm only: the target itself is never loaded here
+    tensors = load_target_tensors(t["model"], t["revision"], t["gguf_file"])
+    module, drafter, autocast, dt = _build(job, tc, tensors, device)
+    plan = Plan.make(job, tc, rank, world)
+    opt = make_optimizer(module, tc.lr, tc.weight_decay)
+    sched = make_scheduler(opt, plan.total, tc.warmup_ratio)
+    step = _resume(module, opt, sched)
+    # After the resume: soft labels use the vocab map the checkpoint restored.
+    soft = SoftTargets(
+        tensors.pop("lm_head"), drafter.d2t, drafter.t2d, dt or torch.float32, device
+    )
+    del tensors
+    mlog = MetricsLog(
+        Path(job.out_dir), rank == 0, step, tc.ttt_length, job.sim_steps, plan.total, world
+    )
+    if rank == 0:
+        _say(plan.describe(tc, world, step, device, dt))
+
+    while step < plan.total:
+        epoch, i = divmod(step, plan.steps_per_epoch)
+        batch = plan.batch(i, epoch).to(device)
+        t0 = time.perf_counter()
+        res = train_step(module, batch, soft, opt, sched, tc.ttt_length, tc.grad_clip, autocast)
+        sums = torch.tensor([res.loss, res.tokens, *res.correct, *res.counted], dtype=torch.float64)
+        step += 1
+        mlog.train(
+            step,
+            epoch,
+            _allreduce(sums, device),
+            sched.get_last_lr()[0],
+            time.perf_counter() - t0,
+            res.grad_norm,
+        )
+        if i + 1 == plan.steps_per_epoch and plan.eval_refs:
+            mlog.eval(step, epoch, _evaluate(module, plan, soft, tc, autocast, device))
+        if step % tc.checkpoint_every == 0 or step == plan.total:
+            _checkpoint(module, opt, sched, step, mlog.last)
+        if job.crash_at_step == step and rank == world - 1:
+            _crash_once(Path(job.out_dir), step)
+    _export(module, drafter, Path(job.out_dir), rank, mlog, plan.train_tokens, plan.total)
+
+
+@dataclass
+class Plan:
+    """Which samples this rank trains and evaluates on, in which batches: a pure function of
+    (shards, tokens_per_batch, eval_fraction, seed, epoch, rank, world), so a resumed run replays it."""
+
+    data: ShardSet
+    train_refs: list
+    eval_refs: list
+    bins: list[list[int]]
+    eval_bins: list[list[int]]  # this rank's
+    rank: int
+    world: int
+    seed: int
+    budget: int
+    steps_per_epoch: int
+    total: int
+
+    @classmethod
+    def make(cls, job: TrainJob, tc: TrainConfig, rank: int, world: int) -> Plan:
+        data = ShardSet([p for p, _ in job.shards], [s for _, s in job.shards])
+        train_refs, eval_refs = split_eval(data.samples, tc.eval_fraction)
+        if not train_refs:
+            raise ValueError(
+                f"{job.out_dir}: no training samples after the eval hold-out; lower train.eval_fraction"
+            )
+        budget = tc.tokens_per_batch
+        bins = pack([r.length for r in train_refs], budget, tc.seed)
+        eval_bins = pack([r.length for r in eval_refs], budget, tc.seed)[rank::world]
+        spe = steps_per_epoch(len(bins), world)
+        return cls(
+            data,
+            train_refs,
+            eval_refs,
+            bins,
+            eval_bins,
+            rank,
+            world,
+            tc.seed,
+            budget,
+            spe,
+            spe * tc.epochs,
+        )
+
+    @property
+    def train_tokens(self) -> int:
+        return sum(min(r.length, self.budget) for r in self.train_refs)
+
+    def batch(self, i: int, epoch: int):
+        order = rank_order(len(self.bins), self.rank, self.world, self.seed, epoch)
+        return self.data.load([self.train_refs[j] for j in self.bins[order[i]]], self.budget)
+
+    def eval_batches(self):
+        for b in self.eval_bins:
+            yield self.data.load([self.eval_refs[j] for j in b], self.budget)
+
+    def describe(self, tc: TrainConfig, world: int, step: int, device, dt) -> str:
+        long = sum(r.length > self.budget for r in self.train_refs)
+        cut = (
+            f"; {long} samples longer than tokens_per_batch={self.budget} are truncated"
+            if long
+            else ""
+        )
+        return (
+            f"[train] {len(self.train_refs)} train / {len(self.eval_refs)} eval samples, {len(self.bins)} batches, "
+            f"{world} workers, {self.steps_per_epoch} steps/epoch x {tc.epochs} = {self.total} steps, start at {step}, "
+            f"{device} {dt or torch.float32}{cut}"
+        )
+
+
+def _build(job: TrainJob, tc: TrainConfig, tensors: dict, device: torch.device):
+    """The drafter at its starting point, wrapped for data parallelism (DDP, or FSDP2 on GPUs),
+    the autocast dtype and the compute dtype."""
+    from eagle3.checkpoint import load_drafter
+    from eagle3.config import Eagle3Config
+    from eagle3.model import drafter_from_state
+
+    if device.type == "cpu":
+        set_threads(int(tc.cpus_per_worker))
+    out = Path(job.out_dir)
+    cfg = Eagle3Config(**job.drafter)
+    if job.init == "scratch":
+        from safetensors.torch import load_file
+
+        vm = load_file(str(out / "init" / "vocab_map.safetensors"))
+        drafter = scratch_drafter(
+            cfg,
+            tensors["embed"],
+            tensors["lm_head"],
+            tensors["norm"],
+            vm["d2t"],
+            vm["t2d"],
+            tc.seed,
+        )
+    else:
+        dcfg, state = load_drafter(out / "init" / "drafter")
+        drafter = drafter_from_state(dcfg, state, tensors["embed"].float())
+    drafter = drafter.to(device)
+    if tc.fsdp and device.type != "cuda":
+        _say("[train] train.fsdp needs GPUs (FSDP2 over NCCL); falling back to DDP on CPU")
+    module, autocast, dt = parallelize(drafter, device, tc.precision, tc.fsdp)
+    return module, drafter, autocast, dt
+
+
+def _allreduce(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if torch.distributed.is_initialized():
+        t = t.to(device)
+        torch.distributed.all_reduce(t)
+    return t.cpu()
+
+
+def _evaluate(module, plan: Plan, soft, tc: TrainConfig, autocast, device) -> torch.Tensor:
+    """Eval sums over this rank's eval batches, all-reduced (every rank calls, even with none)."""
+    k = tc.ttt_length
+    sums = torch.zeros(3 * k, dtype=torch.float64)
+    module.eval()
+    for b in plan.eval_batches():
+        sums += eval_step(module, b.to(device), soft, k, autocast)
+    module.train()
+    return _allreduce(sums, device)
+
+
+def _resume(module, opt, sched) -> int:
+    """Step to start from: the latest checkpoint's (worker failure or driver restart), else 0.
+
+    A driver killed while Ray persisted a checkpoint can leave Ray's latest one without (or with
+    a truncated) state file; then the newest complete checkpoint beside it is used."""
+    import ray.train
+
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is None:
+        return 0
+    bad = (FileNotFoundError, RuntimeError, EOFError)
+    try:
+        with ckpt.as_directory() as d:
+            step = load_training_state(Path(d), module, opt, sched)
+        _say(f"[train] resumed from checkpoint at step {step}")
+        return step
+    except bad as err:
+        _say(f"[train] latest checkpoint is incomplete ({type(err).__name__}); trying older ones")
+    latest = Path(ckpt.path)  # local storage: older checkpoints sit beside it
+    for cand in sorted(latest.parent.glob("step-*"), reverse=True):
+        if cand.name >= latest.name:
+            continue
+        try:
+            step = load_training_state(cand, module, opt, sched)
+        except bad:
+            continue
+        _say(f"[train] resumed from checkpoint {cand.name} at step {step}")
+        return step
+    _say("[train] no complete checkpoint found; starting from step 0")
+    return 0
+
+
+def _checkpoint(module, opt, sched, step: int, metrics: dict[str, float]) -> None:
+    """Model + optimizer + scheduler + step + RNG, persisted by Ray Train (every rank reports)."""
+    import ray.train
+
+    with tempfile.TemporaryDirectory() as d:
+        written = save_training_state(Path(d), module, opt, sched, step)
+        ckpt = ray.train.Checkpoint.from_directory(d) if written is not None else None
+        ray.train.report(
+            {"step": step, **metrics}, checkpoint=ckpt, checkpoint_dir_name=f"step-{step:07d}"
+        )
+
+
+def _crash_once(out: Path, step: int) -> None:
+    """Resume drill: exit this worker process once. It first waits out the controller's poll
+    (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s): a checkpoint reported less than one poll before a
+    crash is still queued in the worker and dies with it (the run would resume from the one before)."""
+    marker = out / f".crashed-at-{step}"
+    if not marker.exists():
+        marker.touch()
+        time.sleep(2.5 * float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", 2.0)))
+        _say(f"[train] crash drill: worker exits at step {step}")
+        os._exit(1)
+
+
+def _export(
+    module, drafter, out: Path, rank: int, mlog: MetricsLog, train_tokens: int, total: int
+) -> None:
+    """Rank 0 writes the drafter (SGLang format) and result.json; the state is gathered on every
+    rank first (a collective under FSDP)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from eagle3.checkpoint import save_drafter
+
+    sd = get_model_state_dict(
+        module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if rank != 0:
+        return
+    state = {k.removeprefix("drafter."): v for k, v in sd.items()}
+    dest = out / "drafter"
+    if dest.exists():
+        import shutil
+
+        shutil.rmtree(dest)  # a re-run after completion rewrites the same weights
+    save_drafter(state, drafter.cfg, dest)
+    train_lines = [m for m in mlog.read() if "loss" in m]
+    secs = sum(m["step_s"] for m in train_lines)
+    toks = sum(m["tokens"] for m in train_lines)
+    evals = [m for m in mlog.read() if "eval_loss" in m]
+    rec = {
+        "drafter_dir": str(dest),
+        "train_tokens": int(train_tokens),
+        "steps": total,
+        "tok_per_s": toks / secs if secs else 0.0,
+        "final_metrics": {
+            k: v
+            for k, v in (train_lines[-1] if train_lines else {}).items()
+            if k not in ("step", "epoch")
+        },
+        "eval_metrics": {
+            k.removeprefix("eval_"): v
+            for k, v in (evals[-1] if evals else {}).items()
+            if k.startswith("eval_")
+        },
+        "metrics_file": str(mlog.path),
+        "resumed_from": [e["start_step"] for e in mlog.events() if e["start_step"] > 0],
+    }
+    (out / "result.json").write_text(json.dumps(rec, indent=1) + "\n")
+
+
+class MetricsLog:
+    """The one metrics seam of the workers: rank 0 prints a dense line per step and appends the
+    same numbers to <out>/metrics.jsonl (the driver logs them to MLflow under train/)."""
+
+    def __init__(
+        self,
+        out: Path,
+        enabled: bool,
+        start_step: int,
+        k: int,
+        sim_steps: int,
+        total: int,
+        world: int,
+    ):
+        self.path, self.enabled, self.last = out / "metrics.jsonl", enabled, {}
+        self.k, self.sim_steps, self.total, self.world = k, sim_steps, total, world
+        if not enabled:
+            return
+        kept = [m for m in self.read() if m["step"] <= start_step]  # drop lines a failure will redo
+        self.path.write_text("".join(json.dumps(m) + "\n" for m in kept))
+        with (out / "events.jsonl").open("a") as f:
+            f.write(json.dumps({"start_step": start_step, "time": time.time()}) + "\n")
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(x) for x in self.path.read_text().splitlines() if x.strip()]
+
+    def events(self) -> list[dict[str, Any]]:
+        p = self.path.parent / "events.jsonl"
+        return (
+            [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []
+        )
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def train(
+        self, step: int, epoch: int, sums: torch.Tensor, lr: float, secs: float, grad_norm: float
+    ) -> None:
+        """sums = all-reduced [loss, tokens, correct_0..k-1, counted_0..k-1]."""
+        k = self.k
+        loss, tokens = float(sums[0]) / self.world, int(sums[1])
+        m = step_metrics(
+            loss, sums[2 : 2 + k].tolist(), sums[2 + k :].tolist(), lr, tokens, secs, self.sim_steps
+        )
+        m.update(grad_norm=grad_norm, tokens=tokens, step_s=secs)
+        self.last = m
+        if self.enabled:
+            _say(format_line(step, self.total, m, f" gnorm {grad_norm:.2f}"))
+            self._write({"step": step, "epoch": epoch, **m})
+
+    def eval(self, step: int, epoch: int, sums: torch.Tensor) -> None:
+        m = eval_metrics(sums, self.k, self.sim_steps)
+        if self.enabled:
+            accs = " ".join(f"{m[f'acc_{i}']:.3f}" for i in range(self.k))
+            _say(
+                f"[eval] epoch {epoch} step {step} loss {m['loss']:.4f} acc [{accs}] sim_accept {m['sim_accept_len']:.2f}"
+            )
+            self._write({"step": step, "epoch": epoch, **{f"eval_{n}": v for n, v in m.items()}})

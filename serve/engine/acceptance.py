@@ -1,0 +1,74 @@
+"""Acceptance rules: greedy prefix matching (chains and trees) and speculative rejection sampling,
+which preserves the target's distribution."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from serve.engine.drafting import DraftTree
+
+# ----------------------------------------------------------------------------------------------
+# Acceptance rules
+
+
+def greedy_accept(drafts: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
+    """drafts [B, k], target logits [B, k+1, V] -> (accepted count a [B], bonus token [B]):
+    the longest prefix of drafts equal to the target's argmax, then the target's own next token."""
+    top = logits.argmax(-1)  # [B, k+1]
+    a = (drafts == top[:, :-1]).long().cumprod(1).sum(1)
+    return a, top.gather(1, a[:, None]).squeeze(1)
+
+
+def rejection_accept(
+    drafts: Tensor, q: Tensor, logits: Tensor, temperature: float, gen: torch.Generator | None
+) -> tuple[Tensor, Tensor]:
+    """Speculative rejection sampling. Draft d_j (drawn from q_j) is accepted with probability
+    min(1, p_j(d)/q_j(d)) while all earlier ones were; at the first rejection the token is drawn
+    from norm(max(p_j - q_j, 0)); after k acceptances the bonus is drawn from p_k. The emitted
+    tokens are distributed exactly as the target samples them."""
+    B, k = drafts.shape
+    p = torch.softmax(logits / temperature, -1)  # [B, k+1, V]
+    pd = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)
+    qd = q.gather(-1, drafts[..., None]).squeeze(-1)
+    u = torch.rand(B, k, generator=gen)
+    a = (u * qd < pd).long().cumprod(1).sum(1)  # u < p/q without dividing by q
+    b = torch.arange(B)
+    pa = p[b, a]
+    qa = torch.where((a < k)[:, None], q[b, a.clamp(max=k - 1)], torch.zeros_like(pa))
+    resid = (pa - qa).clamp(min=0)
+    mass = resid.sum(-1, keepdim=True)
+    dist = torch.where(mass > 0, resid / mass.clamp(min=1e-30), pa)  # p == q: rejection had prob 0
+    return a, torch.multinomial(dist, 1, generator=gen).squeeze(1)
+
+
+def tree_greedy_accept(
+    tree: DraftTree, logits: Tensor, steps: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Walk each row's tree from the root, always into the child carrying the target's argmax.
+    logits [B, M+1, V] over [root, nodes...] -> (accepted count a [B], path node indices [B, steps]
+    (1-based, 0-padded), bonus token [B])."""
+    top = logits.argmax(-1).cpu()  # the walk below reads it element by element
+    B = top.shape[0]
+    a, path = torch.zeros(B, dtype=torch.long), torch.zeros(B, steps, dtype=torch.long)
+    bonus = torch.empty(B, dtype=torch.long)
+    for b in range(B):
+        children: dict[int, dict[int, int]] = {}
+        for i, (p, t) in enumerate(
+            zip(tree.parents[b].tolist(), tree.tokens[b].tolist(), strict=True)
+        ):
+            children.setdefault(p + 1, {}).setdefault(t, i + 1)
+        cur = 0
+        while (nxt := children.get(cur, {}).get(int(top[b, cur]))) is not None:
+            path[b, a[b]] = nxt
+            a[b] += 1
+            cur = nxt
+        bonus[b] = top[b, cur]
+    return a, path, bonus
+
+
+def sample_token(logits: Tensor, temperature: float, gen: torch.Generator | None) -> Tensor:
+    """[B, V] -> [B]: argmax at temperature 0, else a draw from softmax(logits / T)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    return torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen).squeeze(-1)

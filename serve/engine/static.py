@@ -1,0 +1,508 @@
+"""The static target runner: the target on a GPU at batch 1, a preallocated KV cache and one CUDA
+graph per verify width; its step is pure functions of tensors that torch.compile fuses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from serve.engine.eager import decoder_layers
+from serve.engine.kernels import _split_attention, triton_attention_ok
+from serve.engine.runner import _check_aux_ids
+
+# ----------------------------------------------------------------------------------------------
+# The target on a GPU at batch 1: a preallocated KV cache and one CUDA graph per verify width
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+# HF's Llama-family RMSNorm classes: one code (fp32 statistics, cast back, then the weight), which
+# `_rms` reproduces; the static runner reads their weights instead of calling them.
+_PLAIN_RMSNORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+
+
+def _plain_rmsnorm(mod: Any) -> bool:
+    return type(mod).__name__ in _PLAIN_RMSNORMS and hasattr(mod, "variance_epsilon")
+
+
+def static_runner_problem(model: torch.nn.Module) -> str | None:
+    """Why `StaticTargetRunner` cannot run `model`, or None. It re-implements the decoder of a
+    Llama-like model (rotary, GQA, optional q/k norms, no sliding window, plain RMSNorm, SwiGLU
+    MLP); only the embedding and rotary tables are the model's own modules."""
+    cfg = model.config.get_text_config(decoder=True)
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(base, "rotary_emb") or not hasattr(base, "norm"):
+        return f"{type(model).__name__}: no Llama-like .model.rotary_emb/.model.norm"
+    types = getattr(cfg, "layer_types", None) or []
+    windowed = getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)
+    if windowed or any(t != "full_attention" for t in types):
+        return f"{type(model).__name__}: sliding-window or non-attention layers"
+    try:
+        layers = decoder_layers(model)
+    except ValueError as e:
+        return str(e)
+    need = ("q_proj", "k_proj", "v_proj", "o_proj")
+    for la in layers:
+        attn = getattr(la, "self_attn", None)
+        if attn is None or not all(hasattr(attn, n) for n in need):
+            return f"{type(model).__name__}: a decoder layer without self_attn.q/k/v/o_proj"
+        if not all(hasattr(la, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp")):
+            return f"{type(model).__name__}: a decoder layer that is not pre-norm attention + MLP"
+        norms = [la.input_layernorm, la.post_attention_layernorm]
+        norms += [getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)]
+        if not all(_plain_rmsnorm(n) for n in [*norms, base.norm]):
+            return f"{type(model).__name__}: a norm that is not the Llama-family RMSNorm"
+        mlp = la.mlp
+        silu = getattr(cfg, "hidden_act", None) in ("silu", "swish")
+        if not silu or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            return f"{type(model).__name__}: an MLP that is not SwiGLU (gate/up/down, SiLU)"
+    return None
+
+
+def _fuse_linears(owner: torch.nn.Module, name: str, mods: list[torch.nn.Linear]) -> Tensor:
+    """One [sum of outputs, in] weight for linears that read the same input (q/k/v, gate/up), so
+    a step runs one matmul instead of three or two. The modules' own weights become views of it:
+    the model computes exactly as before and no memory is added. Cached on `owner` (a second
+    runner on the same model reuses it). Biases stay with the modules (see `_fused_bias`)."""
+    cached = owner.__dict__.get(name)
+    if cached is not None:
+        offs, o = [], 0
+        for m in mods:
+            offs.append(o)
+            o += m.weight.shape[0]
+        if all(
+            m.weight.data_ptr() == cached[o].data_ptr() for m, o in zip(mods, offs, strict=True)
+        ):
+            return cached
+    with torch.inference_mode(False), torch.no_grad():
+        fused = torch.cat([m.weight for m in mods])
+        for m, part in zip(mods, fused.split([m.weight.shape[0] for m in mods]), strict=True):
+            m.weight = torch.nn.Parameter(part, requires_grad=m.weight.requires_grad)
+    owner.__dict__[name] = fused
+    return fused
+
+
+def _fused_bias(mods: list[torch.nn.Linear]) -> Tensor | None:
+    if all(m.bias is None for m in mods):
+        return None
+    return torch.cat(
+        [m.bias if m.bias is not None else m.weight.new_zeros(m.weight.shape[0]) for m in mods]
+    )
+
+
+class _LayerWeights(NamedTuple):
+    """One decoder layer's tensors as the static runner's pure functions take them (a tuple, so
+    torch.compile treats its tensors as inputs: one compiled code for every layer)."""
+
+    norm_in: Tensor
+    qkv: Tensor  # [(H + 2 Hkv) d, hidden]
+    qkv_bias: Tensor | None
+    q_norm: Tensor | None  # Qwen3-style per-head norms
+    k_norm: Tensor | None
+    o: Tensor
+    o_bias: Tensor | None
+    norm_post: Tensor
+    gate_up: Tensor  # [2 I, hidden]
+    gate_up_bias: Tensor | None
+    down: Tensor
+    down_bias: Tensor | None
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module) -> _LayerWeights:
+        at, mlp = layer.self_attn, layer.mlp
+        qkv = [at.q_proj, at.k_proj, at.v_proj]
+        gu = [mlp.gate_proj, mlp.up_proj]
+        return cls(
+            norm_in=layer.input_layernorm.weight,
+            qkv=_fuse_linears(at, "_static_qkv", qkv),
+            qkv_bias=_fused_bias(qkv),
+            q_norm=at.q_norm.weight if hasattr(at, "q_norm") else None,
+            k_norm=at.k_norm.weight if hasattr(at, "k_norm") else None,
+            o=at.o_proj.weight,
+            o_bias=at.o_proj.bias,
+            norm_post=layer.post_attention_layernorm.weight,
+            gate_up=_fuse_linears(mlp, "_static_gate_up", gu),
+            gate_up_bias=_fused_bias(gu),
+            down=mlp.down_proj.weight,
+            down_bias=mlp.down_proj.bias,
+        )
+
+
+# The static runner's step, as pure functions of tensors (no modules, no host reads), so that
+# torch.compile can fuse each one's elementwise work (norms, residual adds, RoPE, the masked
+# softmax, SwiGLU) into a few kernels, and one compiled code serves all layers. The matmuls stay
+# cuBLAS calls. `heads` = (H, Hkv, head dim); `eps` = (norm eps, q/k norm eps).
+
+
+def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """HF's Llama RMSNorm: fp32 statistics, cast back to x's dtype, then the weight."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def _attn_in(
+    x: Tensor,
+    d: Tensor,
+    w: _LayerWeights,
+    cos: Tensor,
+    sin: Tensor,
+    heads: tuple[int, int, int],
+    eps: tuple[float, float],
+) -> tuple[Tensor, Tensor]:
+    """Add the previous layer's MLP output `d` to the residual `x`, norm, q/k/v in one matmul,
+    q/k norms, RoPE. Returns (x, the rotated queries, rotated keys and values [q, H + 2 Hkv, d]
+    in one tensor, so one kernel writes them; `_gqa_views` splits it)."""
+    H, Hkv, dh = heads
+    q = x.shape[1]
+    x = x + d
+    qkv = F.linear(_rms(x, w.norm_in, eps[0]), w.qkv, w.qkv_bias)[0]
+    qs, ks, vs = qkv.split([H * dh, Hkv * dh, Hkv * dh], -1)
+    qs, ks, vs = qs.view(q, H, dh), ks.view(q, Hkv, dh), vs.view(q, Hkv, dh)
+    if w.q_norm is not None and w.k_norm is not None:
+        qs, ks = _rms(qs, w.q_norm, eps[1]), _rms(ks, w.k_norm, eps[1])
+    qs = qs * cos + _rotate_half(qs) * sin  # cos, sin: [q, 1, d]
+    ks = ks * cos + _rotate_half(ks) * sin
+    return x, torch.cat([qs, ks, vs], dim=1)
+
+
+def _gqa_views(rot: Tensor, heads: tuple[int, int, int]) -> tuple[Tensor, Tensor]:
+    """Views of `_attn_in`'s [q, H + 2 Hkv, d]: queries [Hkv, rep, q, d] (the rep query heads of
+    a KV head; flattened, rep x q rows) and the new keys/values [2, Hkv, q, d]."""
+    H, Hkv, dh = heads
+    q = rot.shape[0]
+    queries = rot[:, :H].view(q, Hkv, H // Hkv, dh).permute(1, 2, 0, 3)
+    return queries, rot[:, H:].view(q, 2, Hkv, dh).permute(1, 2, 0, 3)
+
+
+def _probs(scores: Tensor, mask: Tensor, scale: float, rep: int) -> Tensor:
+    """Softmax over key slots in fp32 with the additive mask [q, span] (GQA rows: rep x q)."""
+    Hkv, rows, span = scores.shape
+    s = scores.float().view(Hkv, rep, rows // rep, span) * scale + mask
+    return torch.softmax(s, dim=-1).to(scores.dtype).view(Hkv, rows, span)
+
+
+def _attn_out_mlp(
+    o: Tensor, x: Tensor, w: _LayerWeights, heads: tuple[int, int, int], eps: tuple[float, float]
+) -> tuple[Tensor, Tensor]:
+    """o_proj and its residual add, the post-attention norm, gate/up in one matmul, SwiGLU and
+    down_proj. Returns (x, the MLP output): the next layer's `_attn_in` adds it to x."""
+    H, _, dh = heads
+    q = x.shape[1]
+    o = o.view(H, q, dh).transpose(0, 1).reshape(1, q, H * dh)
+    x = x + F.linear(o, w.o, w.o_bias)
+    g, u = F.linear(_rms(x, w.norm_post, eps[0]), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+    return x, F.linear(F.silu(g) * u, w.down, w.down_bias)
+
+
+def _head(
+    x: Tensor, d: Tensor, norm: Tensor, eps: float, head: Tensor, head_bias: Tensor | None
+) -> Tensor:
+    """Last residual add, final norm, lm_head; float logits."""
+    return F.linear(_rms(x + d, norm, eps), head, head_bias).float()
+
+
+@dataclass
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph
+    inputs: Tensor  # static int64 [2q + 1 + q*q]: ids, positions, base slot, tree mask
+    staging: Tensor  # pinned host copy of `inputs`
+    logits: Tensor
+    aux: Tensor | None
+    copied: Any  # torch.cuda.Event: the last staging -> inputs copy finished
+
+
+class StaticTargetRunner:
+    """The target at batch 1 over a preallocated KV cache [layers, k/v, kv heads, capacity,
+    head dim], with the forward of each (width q, cache bucket) captured once as a CUDA graph and
+    replayed.
+
+    Why: at batch 1 an 8B target's HF eager forward is launch-bound (about 22 ms a token on an
+    H200, against a 3.4 ms HBM floor), and a verify of q tokens costs 1.3x a decode. A graph
+    replays all kernels of a step with one launch, and the static cache needs no concatenation.
+    Inside the graph the kernels still run one by one, so the step is written as a few pure
+    functions (`_attn_in`, `_probs`, `_attn_out_mlp`, `_head`) over fused q/k/v and gate/up
+    weights, compiled with torch.compile on CUDA (`compiled`), and attention is one split-KV
+    triton kernel plus a merge (`split_attention`, CUDA): about 14 kernels a layer instead of
+    about 50. The matmuls read the weights once per step either way. Without `compiled` the same
+    functions run eagerly; without `split_attention` attention is two batched products and a
+    softmax (the CPU path).
+
+    Layout: slot i holds position i (batch 1 has no padding). A forward writes its q entries at
+    slots base..base+q-1 (base = committed length) and attends to slots < base plus the new entries
+    allowed by `tree` (causal for a chain). `commit` keeps the accepted entries: a prefix just moves
+    the length; a tree path is first gathered to the front. Attention reads a power-of-two bucket
+    of slots (>= 256) so short contexts do not read the whole capacity.
+
+    Same interface as `TargetRunner` (prefill / forward / commit / select / release), batch 1 only.
+    Without CUDA (or with graphs=False) the same code runs eagerly: that is what the CPU tests pin.
+    Building one makes the model's q/k/v and gate/up weights views of one fused tensor each
+    (same values; see `_fuse_linears`)."""
+
+    MIN_BUCKET = 256
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        capacity: int = 4096,
+        graphs: bool | None = None,
+        compiled: bool | None = None,
+        split_attention: bool | None = None,
+    ):
+        if (problem := static_runner_problem(model)) is not None:
+            raise ValueError(f"StaticTargetRunner: {problem}; use TargetRunner")
+        self.model = model.eval()
+        self.layers = decoder_layers(model)
+        emb = model.get_input_embeddings()
+        self.vocab_size, self.hidden_size = int(emb.weight.shape[0]), int(emb.weight.shape[1])
+        self.device, self.dtype = emb.weight.device, emb.weight.dtype
+        cfg = model.config.get_text_config(decoder=True)
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or self.hidden_size // self.n_heads)
+        self.capacity = int(capacity)
+        self.use_graphs = self.device.type == "cuda" if graphs is None else bool(graphs)
+        self.weights = [_LayerWeights.of(la) for la in self.layers]
+        at0 = self.layers[0].self_attn
+        self.scale = float(getattr(at0, "scaling", self.head_dim**-0.5))
+        qk_eps = float(at0.q_norm.variance_epsilon) if hasattr(at0, "q_norm") else 0.0
+        self.eps = (float(self.layers[0].input_layernorm.variance_epsilon), qk_eps)
+        self.compiled = self.use_graphs if compiled is None else bool(compiled)
+        can_split = triton_attention_ok(self.device, self.head_dim)
+        if split_attention and not can_split:
+            raise ValueError("split_attention needs triton, CUDA and a power-of-two head dim")
+        self.split_attention = can_split if split_attention is None else bool(split_attention)
+        self._fns = self._step_functions(self.compiled)
+        self.aux_ids: list[int] = []
+        self.length = 0  # committed slots
+        self.kv: Tensor | None = None  # [L, 2, Hkv, capacity, d], made on first prefill
+        self._graphs: dict[tuple[int, int, bool], _Graph] = {}
+        self._pool: Any = None
+        self._causal: dict[int, Tensor] = {}
+        self.valid = torch.zeros(1, 0, dtype=torch.bool)  # TargetRunner compatibility
+
+    @staticmethod
+    def _step_functions(compiled: bool) -> dict[str, Callable[..., Any]]:
+        fns = {"attn_in": _attn_in, "probs": _probs, "attn_out_mlp": _attn_out_mlp, "head": _head}
+        if not compiled:
+            return fns
+        # Static shapes give the best kernels; each (width, bucket) is one more specialisation
+        # (compiled once, during the graph's warm-up), more than dynamo's default limit of 8.
+        cfg = torch._dynamo.config
+        cfg.recompile_limit = max(cfg.recompile_limit, 64)
+        return {k: torch.compile(f, dynamic=False, fullgraph=True) for k, f in fns.items()}
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def set_aux_layers(self, ids: list[int]) -> None:
+        _check_aux_ids(ids, self.num_layers)
+        if list(ids) != self.aux_ids:
+            self.aux_ids = list(ids)
+            self._graphs.clear()  # the aux outputs are part of each captured graph
+
+    # -- the forward ------------------------------------------------------------------------
+    def _core(self, inputs: Tensor, q: int, span: int, aux: bool) -> tuple[Tensor, Tensor | None]:
+        """One forward of q entries from the packed int64 `inputs` (ids, positions, base, tree),
+        attending over slots [0, span). Graph-safe: no host reads, fixed shapes for fixed (q, span)."""
+        m, dev, fns, kv = self.model, self.device, self._fns, self.kv
+        assert kv is not None
+        ids, pos = inputs[:q][None], inputs[q : 2 * q][None]
+        base = inputs[2 * q : 2 * q + 1]
+        tree = inputs[2 * q + 1 :].view(q, q).bool()
+        slots = base + torch.arange(q, device=dev)
+        rel = torch.arange(span, device=dev) - base  # key slot relative to the first new entry
+        new = (rel >= 0) & (rel < q)
+        allowed = (rel < 0)[None, :] | (new[None, :] & tree[:, rel.clamp(0, q - 1)])
+        mask = torch.zeros(q, span, device=dev).masked_fill_(~allowed, float("-inf"))
+        x = m.get_input_embeddings()(ids)
+        cos, sin = m.model.rotary_emb(x, pos)
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [q, 1, d]
+        heads = (self.n_heads, self.n_kv, self.head_dim)
+        rep = self.n_heads // self.n_kv
+        d = torch.zeros_like(x)
+        states = []
+        for i, w in enumerate(self.weights):
+            x, rot = fns["attn_in"](x, d, w, cos, sin, heads, self.eps)
+            queries, new_kv = _gqa_views(rot, heads)
+            if self.split_attention:  # also writes the new keys/values
+                o = _split_attention(queries, kv[i, 0], kv[i, 1], new_kv, base, mask, self.scale)
+            else:
+                kv[i].index_copy_(2, slots, new_kv)
+                queries = queries.reshape(self.n_kv, rep * q, self.head_dim)
+                scores = torch.matmul(queries, kv[i, 0, :, :span].transpose(1, 2))
+                p = fns["probs"](scores, mask, self.scale, rep)
+                o = torch.matmul(p, kv[i, 1, :, :span])  # [Hkv, rep*q, d] = [H, q, d]
+            x, d = fns["attn_out_mlp"](o, x, w, heads, self.eps)
+            if aux and i in self.aux_ids:
+                states.append((i, x + d))
+        norm, head = m.model.norm, m.get_output_embeddings()
+        logits = fns["head"](
+            x, d, norm.weight, float(norm.variance_epsilon), head.weight, head.bias
+        )
+        if not aux or not self.aux_ids:
+            return logits, None
+        by_id = dict(states)
+        return logits, torch.cat([by_id[k] for k in self.aux_ids], -1)
+
+    def _pack(self, ids: Tensor, positions: Tensor, tree: Tensor | None) -> Tensor:
+        q = ids.shape[1]
+        if tree is None:
+            if q not in self._causal:
+                self._causal[q] = torch.ones(q, q, dtype=torch.long).tril().reshape(-1)
+            t = self._causal[q]
+        else:
+            t = tree[0].long().cpu().reshape(-1)
+        return torch.cat(
+            [ids[0].long().cpu(), positions[0].long().cpu(), torch.tensor([self.length]), t]
+        )
+
+    def _span(self, q: int) -> int:
+        if not self.use_graphs:
+            return self.length + q
+        need = self.length + q
+        span = self.MIN_BUCKET
+        while span < need:
+            span *= 2
+        return min(span, self.capacity)
+
+    def _graph(self, q: int, span: int, aux: bool, packed: Tensor) -> _Graph:
+        key = (q, span, aux)
+        if key in self._graphs:
+            return self._graphs[key]
+        inputs = packed.to(self.device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up (compiled, kernels chosen, workspaces made)
+            for _ in range(2):
+                self._core(inputs, q, span, aux)
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits, states = self._core(inputs, q, span, aux)
+        staging = torch.empty_like(packed).pin_memory()
+        g = _Graph(graph, inputs, staging, logits, states, torch.cuda.Event())
+        self._graphs[key] = g
+        return g
+
+    def forward(
+        self,
+        ids: Tensor,
+        positions: Tensor,
+        new_valid: Tensor,
+        logits_to_keep: int = 0,
+        aux: bool = False,
+        tree: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """q new entries of the one row (a chain, or a tree given its ancestor mask [1, q, q]);
+        returns (float logits [1, q, V], aux [1, q, 3·Ht]) on the target's device. `new_valid`
+        must be all True (batch 1 has no padding); `logits_to_keep` is ignored (all q kept)."""
+        if ids.shape[0] != 1 or not bool(new_valid.all()):
+            raise ValueError("StaticTargetRunner runs one row without padding")
+        q = ids.shape[1]
+        if self.length + q > self.capacity:
+            raise ValueError(
+                f"static KV cache full: {self.length} + {q} entries > capacity {self.capacity}; "
+                "build the engine with a larger static_capacity"
+            )
+        aux = aux and bool(self.aux_ids)
+        packed = self._pack(ids, positions, tree)
+        span = self._span(q)
+        if not self.use_graphs:
+            return self._core(packed.to(self.device), q, span, aux)
+        g = self._graph(q, span, aux, packed)
+        g.copied.synchronize()  # the staging buffer may still be in flight
+        g.staging.copy_(packed)
+        g.inputs.copy_(g.staging, non_blocking=True)
+        g.copied.record()
+        g.graph.replay()
+        # Graphs share one memory pool: hand out copies, not the static outputs.
+        return g.logits.clone(), (g.aux.clone() if g.aux is not None else None)
+
+    def prefill(
+        self, prompts: list[list[int]], aux: bool
+    ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+        """Prefill of one prompt (eager, causal SDPA); returns (last logits [1, V],
+        aux [1, L, 3·Ht], ids [1, L], valid [1, L]) like `TargetRunner.prefill`."""
+        if len(prompts) != 1:
+            raise ValueError("StaticTargetRunner runs one prompt at a time")
+        L = len(prompts[0])
+        if L > self.capacity:
+            raise ValueError(f"prompt of {L} tokens > static KV cache capacity {self.capacity}")
+        if self.kv is None:
+            shape = (self.num_layers, 2, self.n_kv, self.capacity, self.head_dim)
+            self.kv = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.length = 0
+        ids = torch.tensor([prompts[0]], dtype=torch.long)
+        logits, states = self._prefill(ids.to(self.device), aux and bool(self.aux_ids))
+        self.length = L
+        self.valid = torch.ones(1, L, dtype=torch.bool)
+        return logits[:, -1], states, ids, torch.ones(1, L, dtype=torch.bool)
+
+    def _prefill(self, ids: Tensor, aux: bool) -> tuple[Tensor, Tensor | None]:
+        """The prompt in one eager pass: the model's own modules (their q/k/v and gate/up weights
+        are views of the fused ones) and causal SDPA; the keys and values go to the cache."""
+        m, L, kv = self.model, ids.shape[1], self.kv
+        assert kv is not None
+        pos = torch.arange(L, device=self.device)[None]
+        x = m.get_input_embeddings()(ids)
+        cos, sin = m.model.rotary_emb(x, pos)
+        cos, sin = cos[:, None], sin[:, None]
+        H, Hkv, d = self.n_heads, self.n_kv, self.head_dim
+        states = {}
+        for i, layer in enumerate(self.layers):
+            at = layer.self_attn
+            h = layer.input_layernorm(x)
+            qs = at.q_proj(h).view(1, L, H, d).transpose(1, 2)
+            ks = at.k_proj(h).view(1, L, Hkv, d).transpose(1, 2)
+            vs = at.v_proj(h).view(1, L, Hkv, d).transpose(1, 2)
+            if hasattr(at, "q_norm"):
+                qs, ks = at.q_norm(qs), at.k_norm(ks)
+            qs = qs * cos + _rotate_half(qs) * sin
+            ks = ks * cos + _rotate_half(ks) * sin
+            kv[i, 0, :, :L] = ks[0]
+            kv[i, 1, :, :L] = vs[0]
+            o = F.scaled_dot_product_attention(
+                qs,
+                ks.repeat_interleave(H // Hkv, 1),
+                vs.repeat_interleave(H // Hkv, 1),
+                is_causal=True,
+                scale=self.scale,
+            )
+            x = x + at.o_proj(o.transpose(1, 2).reshape(1, L, H * d))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if aux and i in self.aux_ids:
+                states[i] = x
+        logits = m.get_output_embeddings()(m.model.norm(x[:, -1:])).float()
+        return logits, (torch.cat([states[k] for k in self.aux_ids], -1) if aux else None)
+
+    def commit(self, keep: Tensor) -> None:
+        """Keep the accepted entries of the last forward ([1, q] bool, the root first): a prefix
+        only moves the length; a tree path is gathered to the front of the new slots first."""
+        idx = keep[0].nonzero().squeeze(1)
+        n = int(idx.numel())
+        if n and int(idx[-1]) != n - 1:  # not a prefix: move the kept entries together
+            assert self.kv is not None
+            src = (self.length + idx).to(self.device)
+            self.kv[:, :, :, self.length : self.length + n] = self.kv[:, :, :, src]
+        self.length += n
+        self.valid = torch.ones(1, self.length, dtype=torch.bool)
+
+    def select(self, rows: Tensor) -> None:
+        if rows.numel() != 1:
+            raise ValueError("StaticTargetRunner runs one row")
+
+    def release(self) -> None:
+        self.length = 0
+        self.valid = torch.zeros(1, 0, dtype=torch.bool)
