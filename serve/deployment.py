@@ -123,6 +123,23 @@ def run_isolated(
     return out
 
 
+def _traffic_log(opts: dict[str, Any] | None):
+    """The replica's traffic log when recording is on (`serve.record_traffic`), else None.
+    Defined above the class: Serve serializes the class when it is decorated, and a helper
+    defined below it would be missing in the replica."""
+    if not opts:
+        return None
+    from serve.traffic import TrafficLog, load_redactor
+
+    return TrafficLog(
+        opts["dir"],
+        replica=f"{os.getpid()}",
+        max_bytes=int(opts.get("max_bytes", 64 << 20)),
+        max_files=int(opts.get("max_files", 8)),
+        redact=load_redactor(opts.get("redact")),
+    )
+
+
 @serve.deployment(name="SpecServer", max_ongoing_requests=64, graceful_shutdown_timeout_s=5)
 @serve.ingress(app)
 class SpecServer:
@@ -441,21 +458,6 @@ class SpecServer:
     @app.get("/drafter")
     def drafter(self) -> dict[str, Any]:
         return self.drafter_info()
-
-
-def _traffic_log(opts: dict[str, Any] | None):
-    """The replica's traffic log when recording is on (`serve.record_traffic`), else None."""
-    if not opts:
-        return None
-    from serve.traffic import TrafficLog, load_redactor
-
-    return TrafficLog(
-        opts["dir"],
-        replica=f"{os.getpid()}",
-        max_bytes=int(opts.get("max_bytes", 64 << 20)),
-        max_files=int(opts.get("max_files", 8)),
-        redact=load_redactor(opts.get("redact")),
-    )
 
 
 # ----------------------------------------------------------------------------------------------
