@@ -71,8 +71,8 @@ def read_json_records(text: str) -> list[dict[str, Any]]:
 
 def split_turns(turns: list[dict[str, Any]], max_chars: int = MAX_CONTEXT_CHARS) -> list[list]:
     """One prompt per user turn of a ShareGPT conversation: the turn with the turns before it as
-    context. Turns by unknown speakers end the conversation; prompts over `max_chars`, user turns
-    mostly outside ASCII and very short ones are left out."""
+    context. Leading assistant turns are dropped, turns by unknown speakers end the conversation;
+    prompts over `max_chars`, user turns mostly outside ASCII and very short ones are left out."""
     conv: list[dict[str, str]] = []
     out = []
     for t in turns:
@@ -80,6 +80,8 @@ def split_turns(turns: list[dict[str, Any]], max_chars: int = MAX_CONTEXT_CHARS)
         value = t.get("value")
         if role is None or not isinstance(value, str):
             break
+        if not conv and role != "user":
+            continue  # a chat template renders no assistant turn before the first user turn
         conv.append({"role": role, "content": value.strip()})
         if role != "user":
             continue

@@ -37,7 +37,7 @@ def _config(tmp: Path, tiny_target: Path) -> dict:
                  "heldout_prompts": 4, "user_prompts": 8, "max_new_tokens": 24, "batch_size": 6,
                  "num_actors": 2},
         "drafter": {"draft_vocab_size": 512},
-        "train": {"num_workers": 2, "first_round_epochs": 3, "epochs": 1, "lr": 0.003, "ttt_length": 2,
+        "train": {"num_workers": 2, "first_round_epochs": 40, "epochs": 10, "lr": 0.01, "ttt_length": 2,
                   "tokens_per_batch": 256, "checkpoint_every": 4},
         "serve": {"steps": 2, "port": _free_port(), "record_traffic": True, "simulate_users": 6,
                   "simulate_concurrency": 2},

@@ -225,6 +225,8 @@ def test_sharegpt_turns_split_with_context():
     assert got[1][-1] == {"role": "user", "content": "Write one about rain."}
     assert got[1][1]["role"] == "assistant"
     assert split_turns(turns, max_chars=30) == got[:1]  # the second prompt's context is too long
+    # a shared chat that starts with the assistant: no template renders that, so it goes
+    assert split_turns([{"from": "gpt", "value": "Hello!"}, *turns])[1] == got[1]
 
 
 def test_installed_real_sources_load_with_domains():

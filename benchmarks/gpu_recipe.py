@@ -1,0 +1,201 @@
+"""The embedded default's recipe, sized and scored on one GPU host without Ray: how far do N real
+prompts and E epochs take the SmolLM2 drafter on held-out real prompts (tree and chain)?
+
+    python benchmarks/gpu_recipe.py --target /path/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --pool pool.jsonl --eval chat.jsonl --eval everyday.jsonl --out $OUT \
+        --run real1280:1280:4 --run real2560:2560:3 --run builtin1280:b1280:4
+
+`--pool`: training prompts, one `{"messages": [...]}` per line, in draw order (the loop's own
+split: write it with `actors.prompts.plan_prompts`). A run `name:N:E` generates the first N (the
+data is shared: a longer run reuses the shorter runs' shards), trains a scratch drafter E epochs
+with the demo's training settings, exports it, and scores it in-process with `SpecEngine` on each
+eval file (tree 5/4/12 and chain 3, greedy, 96 tokens, end at EOS). `bN` draws from `--builtin`.
+Generation and training run on the GPU; scoring runs on the host's CPU in fp32 (the engine's
+bf16 CPU path needs AVX512-BF16). Prints one JSON line per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from actors.config import DataConfig, TargetConfig  # noqa: E402
+from actors.shards import ShardInfo, verify_manifest, write_manifest  # noqa: E402
+from actors.target import TargetWorker  # noqa: E402
+from eagle3.checkpoint import save_drafter  # noqa: E402
+from eagle3.config import Eagle3Config  # noqa: E402
+from eagle3.target_weights import load_target_tensors, read_target_info  # noqa: E402
+from eagle3.train_step import (  # noqa: E402
+    ShardSet,
+    SoftTargets,
+    eval_metrics,
+    eval_step,
+    make_optimizer,
+    make_scheduler,
+    pack,
+    parallelize,
+    scratch_drafter,
+    split_eval,
+    token_counts,
+    train_step,
+)
+from eagle3.vocab import build_vocab_map  # noqa: E402
+from pipeline.config import DrafterConfig  # noqa: E402
+from pipeline.train import _scratch_config  # noqa: E402
+
+BATCH = 64
+
+
+def read_jsonl(path: str) -> list[list[dict[str, str]]]:
+    return [json.loads(x)["messages"] for x in Path(path).read_text().splitlines() if x.strip()]
+
+
+def generate(worker: TargetWorker, prompts: list, out: Path, first: int) -> list:
+    """Shards of `prompts` (batches numbered from `first`), kept across runs."""
+    out.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for b in range(0, len(prompts), BATCH):
+        idx = first + b // BATCH
+        if (out / f"b{idx:05d}.json").exists():  # made by an earlier call
+            continue
+        key = hashlib.sha256(json.dumps(prompts[b : b + BATCH]).encode()).hexdigest()[:16]
+        res = worker.process(prompts[b : b + BATCH], str(out), idx, key)
+        shards += list(res.shards)
+    return shards
+
+
+def train(dirs: list[Path], target: str, epochs: int, out: Path, device: torch.device) -> dict:
+    """The demo's recipe (ttt 3, 512-token batches, lr 1e-3, draft vocab 4096) on `dirs`."""
+    paths, ids, aux = [], [], None
+    for d in dirs:
+        m = verify_manifest(d)
+        paths += [str(p) for p in m.shard_paths()]
+        ids += [s.sha256 for s in m.shards]
+        aux = list(m.aux_layer_ids)
+    info = read_target_info(target)
+    cfg = Eagle3Config(**_scratch_config(DrafterConfig(draft_vocab_size=4096), info, aux))
+    tens = load_target_tensors(target)
+    d2t, t2d = build_vocab_map(token_counts(paths, info.vocab_size), 4096)
+    drafter = scratch_drafter(cfg, tens["embed"], tens["lm_head"], tens["norm"], d2t, t2d, 0)
+    drafter = drafter.to(device)
+    module, autocast, dt = parallelize(drafter, device, "auto")
+    data = ShardSet(paths, ids)
+    tr, held = split_eval(data.samples, 0.05)
+    bins = pack([r.length for r in tr], 512, 0)
+    opt = make_optimizer(module, 1e-3, 0.0)
+    sched = make_scheduler(opt, len(bins) * epochs, 0.015)
+    soft = SoftTargets(tens["lm_head"], drafter.d2t, drafter.t2d, dt or torch.float32, device)
+    t0, evals = time.perf_counter(), []
+    for epoch in range(epochs):
+        order = list(range(len(bins)))
+        random.Random(epoch).shuffle(order)
+        for b in order:
+            batch = data.load([tr[j] for j in bins[b]], 512).to(device)
+            train_step(module, batch, soft, opt, sched, 3, 0.5, autocast)
+        sums = torch.zeros(9, dtype=torch.float64)
+        module.eval()
+        for b in pack([r.length for r in held], 2048, 0):
+            sums += eval_step(module, data.load([held[j] for j in b], 2048).to(device), soft, 3, autocast).cpu()  # fmt: skip
+        module.train()
+        evals.append(round(eval_metrics(sums, 3, 3)["sim_accept_len"], 3))
+    state = {k.removeprefix("drafter."): v.detach().cpu() for k, v in module.state_dict().items()}
+    save_drafter(state, drafter.cfg, out)
+    return {"train_s": round(time.perf_counter() - t0, 1), "samples": len(tr),
+            "tokens": sum(r.length for r in tr), "sim_accept_by_epoch": evals}  # fmt: skip
+
+
+def score(drafter: Path, target: str, evals: list[str], limit: int, threads: int) -> dict:
+    """accept_len (mean over requests) of `drafter` on each eval file, tree and chain, on CPU."""
+    torch.set_num_threads(threads)
+    from actors.chat import prompt_ids
+    from serve.engine import GenParams, SpecEngine, load_eagle, load_target
+
+    model, tok = load_target(target, dtype="float32")
+    engine = SpecEngine(model, load_eagle(drafter, model))
+    settings = {"tree": GenParams(max_tokens=96, steps=5, topk=4, num_draft_tokens=12),
+                "chain3": GenParams(max_tokens=96, steps=3, topk=1)}  # fmt: skip
+    out = {}
+    for f in evals:
+        ids = [prompt_ids(tok, c) for c in read_jsonl(f)[:limit]]
+        for name, p in settings.items():
+            lens = [g.stats.accept_len for g in (engine.generate([x], p)[0] for x in ids)]
+            out[f"{Path(f).stem}/{name}"] = round(sum(lens) / len(lens), 3)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--pool", required=True)
+    ap.add_argument("--builtin", default=None)
+    ap.add_argument("--eval", action="append", required=True)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--run", action="append", required=True, help="name:N:epochs (bN = builtin)")
+    ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--limit", type=int, default=24, help="first N prompts of each eval file")
+    ap.add_argument("--device", default="cuda")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    device = torch.device(a.device)
+    worker = None
+    pools = {"": read_jsonl(a.pool), "b": read_jsonl(a.builtin) if a.builtin else []}
+    runs = []
+    for spec in a.run:
+        name, n, epochs = spec.split(":")
+        kind, n = ("b", int(n[1:])) if n.startswith("b") else ("", int(n))
+        runs.append((name, kind, n, int(epochs)))
+    gen_s = {}
+    for kind in ("", "b"):  # generate each pool's longest prefix once; runs share the shards
+        n = max([r[2] for r in runs if r[1] == kind], default=0)
+        if n:
+            t0 = time.perf_counter()
+            out = a.out / f"data{kind or 'real'}"
+            if not all((out / f"b{i:05d}.json").exists() for i in range(n // BATCH)):
+                worker = worker or TargetWorker(
+                    TargetConfig(model=a.target, dtype="bfloat16", num_gpus_per_actor=int(a.device == "cuda")),
+                    DataConfig(source="builtin", max_new_tokens=128, batch_size=BATCH),
+                )  # fmt: skip
+                generate(worker, pools[kind][:n], out, 0)
+            gen_s[kind] = round(time.perf_counter() - t0, 1)
+    side = json.loads(next((a.out / "datareal").glob("b*.json")).read_text())
+    info = {"target": side["target"], "aux_layer_ids": side["aux_layer_ids"]}
+    del worker
+    torch.cuda.empty_cache()
+    results = {}
+    for name, kind, n, epochs in runs:
+        data = a.out / f"data{kind or 'real'}"
+        shards = [s for p in sorted(data.glob("b*.json")) if int(p.stem[1:]) < n // BATCH
+                  for s in json.loads(p.read_text())["shards"]]  # fmt: skip
+        sub = a.out / f"{name}-data"
+        sub.mkdir(parents=True, exist_ok=True)
+        for s in shards:
+            (sub / s["file"]).unlink(missing_ok=True)
+            (sub / s["file"]).symlink_to((data / s["file"]).resolve())
+        write_manifest(sub, info["target"], info["aux_layer_ids"], name, [ShardInfo(**s) for s in shards])  # fmt: skip
+        results[name] = {"run": name, "prompts": n, "epochs": epochs, "gen_s_pool": gen_s[kind],
+                         **train([sub], a.target, epochs, a.out / name, device)}  # fmt: skip
+        print(json.dumps(results[name]), flush=True)
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    per = max(1, a.threads // len(runs))
+    with ProcessPoolExecutor(len(runs), mp_context=mp.get_context("spawn")) as pool:
+        futs = {
+            name: pool.submit(score, a.out / name, a.target, a.eval, a.limit, per)
+            for name in results
+        }
+        for name, fut in futs.items():
+            print(json.dumps({**results[name], **fut.result()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
