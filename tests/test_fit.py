@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("pydantic")  # a bare GPU host (torch + transformers) skips, not errors
+
 from actors.config import TargetConfig
 from actors.hf_backend import resolve_aux_layer_ids as hf_resolve
 from actors.hf_backend import resolve_model
