@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config, dump_config
+from pipeline.layout import RunDir, round_tag
 from pipeline.rules import format_table, round_row, stop_reason
 from pipeline.state import Clock, RunState, write_json_atomic
 from pipeline.tracking import Tracker
@@ -23,14 +24,14 @@ log = logging.getLogger("eagle_loop")
 
 def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.resolved.yaml").write_text(dump_config(cfg))
+    RunDir(run_dir).config.write_text(dump_config(cfg))
     log.info("resolved config:\n%s", dump_config(cfg))
     state = RunState.load_or_new(run_dir, cfg.digest())
     tracker = Tracker(cfg.tracking)
     if not tracker.run_exists(state.parent_run_id):
         state.parent_run_id = tracker.start_run(cfg.name, params=cfg.model_dump(mode="json"))
         state.save(run_dir)
-    tracker.log_artifact(state.parent_run_id, run_dir / "config.resolved.yaml")
+    tracker.log_artifact(state.parent_run_id, RunDir(run_dir).config)
     if state.stopped_because:
         log.info("run already finished: %s", state.stopped_because)
         return _write_summary(state, run_dir)
@@ -120,7 +121,7 @@ def _generate(
         cfg.target,
         cfg.data,
         prompts,
-        run_dir / "data" / f"round-{r:03d}",
+        RunDir(run_dir).data(r),
         cfg.digest(),
         round_index=r,
     )
@@ -134,16 +135,16 @@ def _train(
 ) -> dict:
     from pipeline.train import run_train
 
-    data_dirs = [Path(state.rounds[i].done["generate"]["manifest"]).parent for i in range(r + 1)]
+    data_dirs = [state.rounds[i].manifest.parent for i in range(r + 1)]
     init = cfg.drafter.init
     if r > 0:
-        init = state.rounds[r - 1].done["train"]["drafter_dir"]  # keep learning from the last round
+        init = state.rounds[r - 1].drafter_dir  # keep learning from the last round
     res = run_train(
         cfg=cfg,
         data_dirs=data_dirs,
         init=init,
-        out_dir=run_dir / "train" / f"round-{r:03d}",
-        run_name=f"{cfg.name}-round-{r:03d}",
+        out_dir=RunDir(run_dir).train(r),
+        run_name=f"{cfg.name}-{round_tag(r)}",
     )
     rec = _record(res)
     for step, metrics in _read_metrics(Path(rec["metrics_file"])):
@@ -159,9 +160,9 @@ def _serve(cfg: Config, run_dir: Path, state: RunState, r: int, server):
     the old drafter keeps serving). Embedded engine: a Ray Serve hot-swap; SGLang: a restart."""
     from serve.deployment import deploy_endpoint
 
-    drafter = state.rounds[r].done["train"]["drafter_dir"]
+    drafter = state.rounds[r].drafter_dir
     if server is None:
-        return deploy_endpoint(cfg.serve, cfg.target, drafter, run_dir / "serve")
+        return deploy_endpoint(cfg.serve, cfg.target, drafter, RunDir(run_dir).serve)
     server.swap_drafter(drafter)
     return server
 
@@ -176,14 +177,14 @@ def _bench(
 ) -> dict:
     from serve.bench import bench_endpoint
 
-    out = run_dir / "bench" / f"round-{r:03d}"
+    out = RunDir(run_dir).bench(r)
     res = bench_endpoint(
         server,
         heldout,
         cfg.bench,
         out,
-        baseline_cache=run_dir / "baseline.json",
-        tag=f"round-{r:03d}",
+        baseline_cache=RunDir(run_dir).baseline,
+        tag=round_tag(r),
     )
     rec = _record(res)
     tracker.log(child, {f"bench/{k}": v for k, v in rec.items()})
@@ -205,7 +206,7 @@ def _finish(cfg: Config, state: RunState, run_dir: Path, tracker: Tracker) -> No
         state.champion = {
             "round": best["round"],
             "accept_len": best["accept_len"],
-            "drafter_dir": state.rounds[best["round"]].done["train"]["drafter_dir"],
+            "drafter_dir": state.rounds[best["round"]].drafter_dir,
             "registered_model": cfg.tracking.registered_model,
             "version": version,
         }
@@ -217,7 +218,7 @@ def _finish(cfg: Config, state: RunState, run_dir: Path, tracker: Tracker) -> No
                 {f"bench/{k}": v for k, v in row.items() if k != "round"},
                 step=row["round"],
             )
-    tracker.log_artifact(state.parent_run_id, run_dir / "summary.json")
+    tracker.log_artifact(state.parent_run_id, RunDir(run_dir).summary)
     tracker.finish(state.parent_run_id)
     log.info("stopped because %s\n%s", summary["stopped_because"], format_table(rows))
 
@@ -250,7 +251,7 @@ def _rows(state: RunState) -> list[dict[str, Any]]:
 def _write_summary(state: RunState, run_dir: Path) -> dict[str, Any]:
     summary = {"rounds": _rows(state), "stopped_because": state.stopped_because, "champion": state.champion,
                "elapsed_s": round(state.elapsed_s, 1)}  # fmt: skip
-    write_json_atomic(run_dir / "summary.json", summary)
+    write_json_atomic(RunDir(run_dir).summary, summary)
     return summary
 
 
@@ -266,7 +267,7 @@ def _plots(state: RunState, run_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     rows = _rows(state)
-    out = run_dir / "plots"
+    out = RunDir(run_dir).plots
     out.mkdir(exist_ok=True)
     paths = []
     fig, ax = plt.subplots(figsize=(5, 3.2))

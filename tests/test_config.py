@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("pydantic")  # a bare GPU host (torch + transformers) skips, not errors
+pytest.importorskip("pydantic")  # bare GPU host (torch only): skip
 
 from pipeline.config import Config, ConfigError, load_config, parse_config
 

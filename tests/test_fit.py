@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("pydantic")  # a bare GPU host (torch + transformers) skips, not errors
+pytest.importorskip("pydantic")  # bare GPU host (torch only): skip
 
 from actors.config import TargetConfig
 from actors.hf_backend import resolve_aux_layer_ids as hf_resolve

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-for _dep in ("pydantic", "ray"):  # a bare GPU host (torch + transformers) skips, not errors
+for _dep in ("pydantic", "ray"):  # bare GPU host (torch only): skip
     pytest.importorskip(_dep)
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-pytest.importorskip("pydantic")  # a bare GPU host (torch + transformers) skips, not errors
+pytest.importorskip("pydantic")  # bare GPU host (torch only): skip
 from transformers import AutoTokenizer
 
 from actors.chat import encode_conversation, prompt_ids, user_turn_prefix

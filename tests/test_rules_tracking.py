@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-for _dep in ("mlflow", "pydantic"):  # a bare GPU host (torch + transformers) skips, not errors
+for _dep in ("mlflow", "pydantic"):  # bare GPU host (torch only): skip
     pytest.importorskip(_dep)
 
 import mlflow  # noqa: E402

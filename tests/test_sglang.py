@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-for _dep in ("pydantic", "ray"):  # a bare GPU host (torch + transformers) skips, not errors
+for _dep in ("pydantic", "ray"):  # bare GPU host (torch only): skip
     pytest.importorskip(_dep)
 
 from actors.sglang_backend import (
