@@ -65,6 +65,23 @@ def resolve_aux_layer_ids(
     return out
 
 
+def resolve_capture_layers(
+    ids: Sequence[int] | None, num_layers: int, field: str = "target.aux_layer_ids"
+) -> list[int]:
+    """Layers a runner or backend captures: `ids` (SGLang's default when None), each naming a
+    captured layer. Any number of layers may be captured; the three-id rule is the drafter's
+    (`resolve_aux_layer_ids`, applied where the data stage and the engine pick the ids)."""
+    out = default_aux_layer_ids(num_layers) if ids is None else list(ids)
+    bad = bad_aux_ids(out, num_layers)
+    if bad or not out:
+        raise ValueError(
+            f"{field}: {out} invalid for a {num_layers}-layer target: ids {bad} outside "
+            f"0..{num_layers - 2} (id k is the output of decoder layer k, captured at the input "
+            "of layer k+1)"
+        )
+    return out
+
+
 @dataclass(frozen=True)
 class FitCheck:
     """One property a drafter must share with its target: both sides, verdict and the fix."""

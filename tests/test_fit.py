@@ -20,7 +20,12 @@ from actors.hf_backend import resolve_aux_layer_ids as hf_resolve
 from actors.hf_backend import resolve_model
 from actors.sglang_backend import resolve_layer_ids as sglang_resolve
 from eagle3.config import Eagle3Config
-from eagle3.fit import aux_layer_problem, bad_aux_ids, drafter_fit_problems
+from eagle3.fit import (
+    aux_layer_problem,
+    bad_aux_ids,
+    drafter_fit_problems,
+    resolve_capture_layers,
+)
 from eagle3.target_weights import resolve_target
 from pipeline.config import ConfigError, parse_config
 from serve.engine import _check_aux_ids, check_drafter_for_target
@@ -64,8 +69,9 @@ def test_every_stage_applies_the_same_aux_rule(ids):
         ),
     }
     assert verdicts == dict.fromkeys(verdicts, ok), ids
-    # The runners capture any layer list (the count is the drafter's rule): the same range.
+    # Runners and backends capture any layer list (the count is the drafter's rule), same range.
     assert _accepts(_check_aux_ids, ids, N) == (not bad_aux_ids(ids, N))
+    assert _accepts(resolve_capture_layers, ids, N) == (not bad_aux_ids(ids, N))
 
 
 def test_engine_refuses_a_drafter_of_another_width():
