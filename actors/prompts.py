@@ -51,7 +51,20 @@ class SelfWritten:
     seed: int
 
 
-Batch = list[Conversation] | SelfWritten
+@dataclass(frozen=True)
+class Answered:
+    """A batch the target has already answered: served requests from the traffic log. At
+    temperature 0 a served completion is the target's own greedy output (sampled, a sample from
+    the target), so these need only the capture pass, no generation."""
+
+    prompt_ids: tuple[tuple[int, ...], ...]
+    completion_ids: tuple[tuple[int, ...], ...]
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+
+Batch = list[Conversation] | SelfWritten | Answered
 
 
 def self_written_batches(
@@ -82,15 +95,131 @@ class PromptFormatError(ValueError):
     """A prompt record that no accepted format matches."""
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """A conversation with the benchmark domain it counts toward and the source it came from."""
+
+    messages: Conversation
+    domain: str
+    source: str
+
+
+@dataclass(frozen=True)
+class PromptPlan:
+    """The prompts of a run, split once: per source a seeded training order, the held-out
+    benchmark prompts (interleaved across domains, so any prefix covers them all) and the
+    simulated users' pool. The three never share a prompt text."""
+
+    train: dict[str, list[Conversation]]
+    heldout: list[Prompt]
+    users: list[Prompt]
+    weights: dict[str, float]  # of the prompt sources (traffic excluded), summing to 1
+
+
 def load_prompts(data: DataConfig) -> list[Conversation]:
-    """All prompts of ``data.source``, each a conversation ending with a user turn."""
-    if data.source == "builtin":
-        return builtin_prompts(data.seed)
-    if data.source == "jsonl":
-        return _load_jsonl(Path(data.path or ""))
-    if data.source == "hf":
-        return _load_hf(data)
-    raise ValueError(f"data.source: unknown source {data.source!r}; use builtin, jsonl or hf")
+    """All prompts of ``data.source`` (every source of a mix), each a conversation ending with a
+    user turn."""
+    return [
+        p.messages for src in data.sources() if src != "traffic" for p in load_source(src, data)
+    ]
+
+
+def load_source(source: str, data: DataConfig) -> list[Prompt]:
+    """The prompts of one source, tagged with their domain."""
+    from actors.sources import READERS
+
+    if source in READERS:
+        return READERS[source]()
+    if source == "builtin":
+        return [Prompt(c, "builtin", "builtin") for c in builtin_prompts(data.seed)]
+    if source == "jsonl":
+        paths = data.path if isinstance(data.path, list) else [data.path or ""]
+        return [p for path in paths for p in load_jsonl_prompts(Path(path))]
+    if source == "hf":
+        return [Prompt(c, str(data.path), "hf") for c in _load_hf(data)]
+    raise ValueError(
+        f"data.source: unknown source {source!r}; use real, sharegpt, humaneval, lm_eval, "
+        "builtin, jsonl, hf or traffic"
+    )
+
+
+def load_jsonl_prompts(path: Path) -> list[Prompt]:
+    """A prompt file; each record's domain is its `domain` field, else the file's stem."""
+    return [Prompt(c, d or path.stem, "jsonl") for c, d in _load_jsonl(path, with_domain=True)]
+
+
+def plan_prompts(data: DataConfig, seed: int | None = None) -> PromptPlan:
+    """Load every prompt source of `data` and split it: per source `data.heldout_prompts` held
+    out, then its share of `data.user_prompts`, the rest training material in a seeded order."""
+    seed = data.seed if seed is None else seed
+    weights = {k: w for k, w in data.sources().items() if k != "traffic"}
+    total = sum(weights.values())
+    weights = {k: w / total for k, w in weights.items()}
+    shuffled = {}
+    for src in weights:
+        unique: dict[str, Prompt] = {}
+        for p in load_source(src, data):
+            unique.setdefault(prompt_key(p.messages), p)
+        keys = sorted(unique)  # input order must not matter, only the seed
+        random.Random(seed).shuffle(keys)
+        shuffled[src] = [unique[k] for k in keys]
+    heldout_by, users, taken = {}, [], set()
+    for src, prompts in shuffled.items():
+        n_users = round(data.user_prompts * weights[src])
+        if data.heldout_prompts + n_users >= len(prompts):
+            raise ValueError(
+                f"data.heldout_prompts: {data.heldout_prompts} (+ {n_users} simulated users' "
+                f"prompts) leaves no training prompts out of {len(prompts)} distinct ones of "
+                f"source {src!r}; lower it or add prompts"
+            )
+        heldout_by[src] = prompts[: data.heldout_prompts]
+        users += prompts[data.heldout_prompts : data.heldout_prompts + n_users]
+        taken |= {prompt_key(p.messages) for p in prompts[: data.heldout_prompts + n_users]}
+    train = {
+        src: [p.messages for p in prompts if prompt_key(p.messages) not in taken]
+        for src, prompts in shuffled.items()
+    }
+    return PromptPlan(train, interleave(list(heldout_by.values())), users, weights)
+
+
+def interleave(groups: list[list[Prompt]]) -> list[Prompt]:
+    """Round-robin over groups: the first n prompts cover every group as evenly as possible."""
+    out, i = [], 0
+    while any(i < len(g) for g in groups):
+        out += [g[i] for g in groups if i < len(g)]
+        i += 1
+    return out
+
+
+def source_quotas(weights: dict[str, float], n: int) -> dict[str, int]:
+    """`n` split by weight into integers summing to `n` (largest remainders first)."""
+    total = sum(weights.values())
+    raw = {k: n * w / total for k, w in weights.items()}
+    out = {k: int(v) for k, v in raw.items()}
+    for k in sorted(raw, key=lambda k: out[k] - raw[k])[: n - sum(out.values())]:
+        out[k] += 1
+    return out
+
+
+def mixed_round(
+    plan: PromptPlan, n: int, drawn: dict[str, int]
+) -> tuple[list[Conversation], dict[str, int]]:
+    """`n` fresh training prompts split across sources by weight, each source continuing after
+    the `drawn` prompts earlier rounds took from it (wrapping, with a warning, when it runs
+    out); returns the prompts and how many came from each source."""
+    counts = source_quotas(plan.weights, n)
+    out: list[Conversation] = []
+    for src, k in counts.items():
+        pool = plan.train[src]
+        start = drawn.get(src, 0)
+        if k and start + k > len(pool):
+            warnings.warn(
+                f"source {src!r}: its {len(pool)} training prompts are used up after {start}; "
+                "reusing prompts (add prompts for fresh data)",
+                stacklevel=2,
+            )
+        out += [pool[(start + i) % len(pool)] for i in range(k)]
+    return out, counts
 
 
 def prompt_key(conv: Conversation) -> str:
@@ -177,7 +306,7 @@ def _turn(t: dict[str, Any], where: str) -> dict[str, str]:
     )
 
 
-def _load_jsonl(path: Path) -> list[Conversation]:
+def _load_jsonl(path: Path, with_domain: bool = False) -> list[Any]:
     if not path.is_file():
         raise FileNotFoundError(
             f"data.path: prompt file {path} does not exist; point data.path at a JSONL file"
@@ -191,7 +320,9 @@ def _load_jsonl(path: Path) -> list[Conversation]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise PromptFormatError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            out.append(parse_record(rec, f"{path}:{lineno}"))
+            conv = parse_record(rec, f"{path}:{lineno}")
+            domain = rec.get("domain") if isinstance(rec.get("domain"), str) else None
+            out.append((conv, domain) if with_domain else conv)
     if not out:
         raise ValueError(f"data.path: prompt file {path} is empty; add one JSON record per line")
     return out

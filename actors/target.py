@@ -39,7 +39,7 @@ from actors.chat import Conversation, encode_conversation, prompt_ids, user_turn
 from actors.config import DataConfig, TargetConfig
 from actors.files import atomic_write
 from actors.hf_backend import HFTarget, PinnedPool, load_tokenizer, resolve_aux_layer_ids
-from actors.prompts import Batch, SelfWritten, keep_written_turns
+from actors.prompts import Answered, Batch, SelfWritten, keep_written_turns
 from actors.sglang_backend import token_bounded_batches
 from actors.shards import (
     HEADER_RESERVE,
@@ -310,6 +310,8 @@ class TargetWorker:
 
         Loss mask: the response (EOS included) plus earlier assistant turns of the prompt.
         With ``data.capture`` decode (HF's default) the states come out of the generation itself."""
+        if isinstance(batch, Answered):  # served already: capture only
+            return self._capture_and_write(self._answered(batch), out_dir, batch_index, batch_key)
         convs, wrote = self._conversations(batch)
         if self.capture_in_decode:
             return wrote.add_to(self._generate_captured(convs, out_dir, batch_index, batch_key))
@@ -327,9 +329,12 @@ class TargetWorker:
     ) -> BatchResult:
         """Phase 1 of the two-phase round: generate and keep the ids in the batch's
         `.gen.jsonl` sidecar (no capture, no shards)."""
-        convs, wrote = self._conversations(batch)
-        # the sidecar carries the dropped turns, so the capture phase reports them too
-        gen = wrote.add_to(self._generate(convs, batch_index))
+        if isinstance(batch, Answered):
+            gen = self._answered(batch)
+        else:
+            convs, wrote = self._conversations(batch)
+            # the sidecar carries the dropped turns, so the capture phase reports them too
+            gen = wrote.add_to(self._generate(convs, batch_index))
         write_generated(out_dir, batch_index, batch_key, gen)
         return BatchResult(
             batch_index=batch_index,
@@ -355,6 +360,20 @@ class TargetWorker:
         if close is not None:
             with self._compute:
                 close()
+
+    def _answered(self, batch: Answered) -> Generated:
+        """Served requests as sequences: the prompt ids as the server templated them, then the
+        completion (masked in), cut at max_length; prompts that leave no room are skipped."""
+        n = self.data.max_length
+        keep = [(p, c) for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True) if len(p) < n]  # fmt: skip
+        return Generated(
+            input_ids=[(list(p) + list(c))[:n] for p, c in keep],
+            loss_mask=[([0] * len(p) + [1] * len(c))[:n] for p, c in keep],
+            num_prompts=len(batch),
+            skipped_prompts=len(batch) - len(keep),
+            gen_tokens=0,
+            gen_seconds=0.0,
+        )
 
     def _conversations(self, batch: Batch) -> tuple[list[Conversation], _Written]:
         """The batch's conversations; a `SelfWritten` batch first samples its user turns by

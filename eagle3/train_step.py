@@ -553,7 +553,7 @@ def load_training_state(
     """Restore what save_training_state wrote; returns the step to continue from."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    payload = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=False)
+    payload = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)
     opts = StateDictOptions(full_state_dict=True)
     set_state_dict(
         module,

@@ -51,6 +51,21 @@ class DrafterConfig(_Strict):
 
 
 class TrainConfig(_Strict):
+    @model_validator(mode="after")
+    def _epochs(self) -> TrainConfig:
+        if self.epochs == []:
+            raise ValueError("train.epochs: an empty list; give one number per round")
+        return self
+
+    def for_round(self, r: int) -> TrainConfig:
+        """This section with round r's epochs as a plain int (what the workers run)."""
+        e = (
+            self.epochs
+            if isinstance(self.epochs, int)
+            else self.epochs[min(r, len(self.epochs) - 1)]
+        )
+        return self.model_copy(update={"epochs": e})
+
     num_workers: int = Field(2, ge=1)
     """Ray Train workers (DDP)."""
     use_gpu: bool = False
@@ -64,7 +79,11 @@ class TrainConfig(_Strict):
     fsdp: bool = False
     """Shard the drafter with FSDP2 instead of DDP (large drafters)."""
     epochs: int = Field(6, ge=1)
-    """Passes over all accumulated data per round."""
+    """Passes over all accumulated data per round (rounds after the first fine-tune the serving
+    drafter)."""
+    first_round_epochs: int | None = Field(None, ge=1)
+    """Epochs of round 0, which trains from `drafter.init` (often from scratch) and so usually
+    needs more; None = `epochs`."""
     lr: float = Field(1e-4, gt=0)
     """Peak learning rate of AdamW."""
     warmup_ratio: float = Field(0.015, ge=0, lt=1)
@@ -103,8 +122,9 @@ class StopConfig(_Strict):
 
 
 class TrackingConfig(_Strict):
-    tracking_uri: str = "sqlite:///mlflow.db"
-    """MLflow tracking URI (sqlite or http://127.0.0.1:5000)."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI (sqlite or http://127.0.0.1:5000); None = the run directory's own
+    store, sqlite:///<run-dir>/mlflow.db with artifacts in <run-dir>/mlartifacts."""
     experiment: str = "eagle-loop"
     """MLflow experiment name."""
     registered_model: str = "eagle3-drafter"
@@ -128,6 +148,23 @@ class Config(_Strict):
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
         errs = data_stage_problems(self.target, self.data)
+        sources = self.data.sources()
+        if sources == {"traffic": 1.0} and not self.bench.eval_files:
+            errs.append(
+                "data.source: traffic alone leaves no held-out prompts to judge rounds on; add "
+                "bench.eval_files or mix traffic with another source"
+            )
+        if self.serve.record_traffic and self.serve.engine != "embedded":
+            errs.append(
+                f"serve.record_traffic: only the embedded engine records requests (clients reach "
+                f"{self.serve.engine}'s server directly); set serve.engine: embedded or turn it off"
+            )
+        if "traffic" in sources and not self.serve.record_traffic:
+            errs.append("data.source: traffic needs serve.record_traffic: true")
+        if self.serve.simulate_users and not self.data.user_prompts:
+            errs.append(
+                "serve.simulate_users: needs a simulated users' pool; set data.user_prompts"
+            )
         if self.serve.topk == 1 and self.serve.num_draft_tokens not in (None, self.serve.steps + 1):
             errs.append(
                 f"serve.num_draft_tokens: {self.serve.num_draft_tokens} with topk 1 must be "
@@ -138,9 +175,10 @@ class Config(_Strict):
         return self
 
     def digest(self) -> str:
-        """Stable hash of the resolved config (recorded in manifests)."""
+        """Stable hash of the resolved config (recorded in manifests). `tracking` is left out:
+        where results are tracked does not change them, and a run may move to another store."""
         return hashlib.sha256(
-            json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+            json.dumps(self.model_dump(mode="json", exclude={"tracking"}), sort_keys=True).encode()
         ).hexdigest()[:16]
 
 
@@ -157,4 +195,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
 
 
 def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """The resolved config as YAML with secrets masked: what is written and logged, never read
+    back (pipeline/redact.py)."""
+    from pipeline.redact import redact
+
+    return yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False)

@@ -8,6 +8,8 @@ Layout of a run directory:
     <run>/train/round-NNN/       Ray Train storage, metrics.jsonl, drafter/ (train)
     <run>/bench/round-NNN/       round-NNN.json and round-NNN.png (bench)
     <run>/serve/                 logs of the serving deployment
+    <run>/traffic/               requests the embedded server recorded (prompts of later rounds)
+    <run>/mlflow.db              the default MLflow store (tracking.tracking_uri unset)
     <run>/baseline.json          cached no-speculation figures of the SGLang server
     <run>/plots/                 accept_len and tok/s per round
 """
@@ -42,6 +44,10 @@ class RunDir:
     @property
     def serve(self) -> Path:
         return self.root / "serve"
+
+    @property
+    def traffic(self) -> Path:
+        return self.root / "traffic"
 
     @property
     def baseline(self) -> Path:

@@ -13,68 +13,104 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from actors.shards import ShardError
 from pipeline.config import Config, dump_config
 from pipeline.layout import RunDir, round_tag
-from pipeline.rules import format_table, round_row, stop_reason
-from pipeline.state import Clock, RunState, write_json_atomic
+from pipeline.preflight import preflight
+from pipeline.rules import (
+    AcceptanceCollapsed,
+    collapse_problem,
+    format_table,
+    promote,
+    round_row,
+    stop_reason,
+)
+from pipeline.state import Clock, RunState, write_json_atomic, write_text_atomic
 from pipeline.tracking import Tracker
 
 log = logging.getLogger("eagle_loop")
 
 
 def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    preflight(cfg)  # seconds, before any MLflow run or GPU time (run.py: before Ray starts too)
     run_dir.mkdir(parents=True, exist_ok=True)
     RunDir(run_dir).config.write_text(dump_config(cfg))
     log.info("resolved config:\n%s", dump_config(cfg))
     state = RunState.load_or_new(run_dir, cfg.digest())
-    tracker = Tracker(cfg.tracking)
-    if not tracker.run_exists(state.parent_run_id):
+    tracker = Tracker(cfg.tracking, run_dir)  # default store: <run_dir>/mlflow.db
+    tracker.check_known(state.run_ids(), str(RunDir(run_dir).state), state.tracking_uri)
+    if not state.parent_run_id:
         state.parent_run_id = tracker.start_run(cfg.name, params=cfg.model_dump(mode="json"))
+        state.tracking_uri = tracker.uri
         state.save(run_dir)
+    elif not state.stopped_because:
+        tracker.reopen(state.parent_run_id)  # a failed earlier attempt resumes
     tracker.log_artifact(state.parent_run_id, RunDir(run_dir).config)
     if state.stopped_because:
         log.info("run already finished: %s", state.stopped_because)
         return _write_summary(state, run_dir)
 
-    preflight(cfg)  # compatibility before any GPU time
-    train_prompts, heldout = _prompts(cfg)
+    plan = _prompts(cfg)
+    evalset = _eval_set(cfg, plan)
     clock, server = Clock(state), None
     try:
         for r in range(cfg.stop.max_rounds):
             rs = state.round(r)
-            if not tracker.run_exists(rs.mlflow_run_id):
+            if not rs.mlflow_run_id:
                 rs.mlflow_run_id = tracker.start_run(
                     f"round-{r}", state.parent_run_id, cfg.model_dump(mode="json")
                 )
                 state.save(run_dir)
+            elif not rs.is_done("gate"):
+                tracker.reopen(rs.mlflow_run_id)
             child = rs.mlflow_run_id
             if not rs.is_done("generate"):
                 t0 = clock.elapsed()
-                rs.done["generate"] = _generate(cfg, run_dir, r, train_prompts, tracker, child)
+                rs.done["generate"] = _generate(
+                    cfg, run_dir, state, r, plan, evalset, tracker, child
+                )
                 rs.done["generate"]["wall_s"] = clock.elapsed() - t0
                 _commit(state, clock, run_dir)
             if not rs.is_done("train"):
                 t0 = clock.elapsed()
-                rs.done["train"] = _train(cfg, run_dir, state, r, tracker, child)
+                try:
+                    rs.done["train"] = _train(cfg, run_dir, state, r, tracker, child)
+                except ShardError:  # a finished round's shards were damaged since: heal, retry
+                    _heal_data(cfg, run_dir, state, r, plan, evalset)
+                    rs.done["train"] = _train(cfg, run_dir, state, r, tracker, child)
                 rs.done["train"]["wall_s"] = clock.elapsed() - t0
                 _commit(state, clock, run_dir)
             if not rs.is_done("bench"):
                 t0 = clock.elapsed()
-                server = _serve(cfg, run_dir, state, r, server)
-                rs.done["bench"] = _bench(cfg, run_dir, r, heldout, server, tracker, child)
+                server = _serve(cfg, run_dir, state.rounds[r].done["train"]["drafter_dir"], server)
+                rs.done["bench"] = _bench(cfg, run_dir, r, evalset, server, tracker, child)
                 rs.done["bench"]["wall_s"] = clock.elapsed() - t0
-                if cfg.serve.num_gpus > 0:  # the next round's stages need those GPUs
-                    server = _stop_serving(server)
-                tracker.finish(child)
+                _commit(state, clock, run_dir)
+            if not rs.is_done("gate"):
+                server = _serve(cfg, run_dir, rs.done["train"]["drafter_dir"], server)
+                rs.done["gate"] = _gate(cfg, state, r, server, tracker, child)
                 _commit(state, clock, run_dir)
             reason = stop_reason(cfg.stop, _rows(state)[: r + 1], rs.done["bench"], clock.elapsed())
             _write_summary(state, run_dir)
             if reason:
                 state.stopped_because = reason
+                tracker.finish(child)
                 break
+            if cfg.serve.simulate_users and not rs.is_done("traffic"):
+                t0 = clock.elapsed()
+                server = _serve(cfg, run_dir, _serving_drafter(state), server)
+                rs.done["traffic"] = _simulate(cfg, plan, r, server, tracker, child)
+                rs.done["traffic"]["wall_s"] = clock.elapsed() - t0
+                _commit(state, clock, run_dir)
+            if cfg.serve.num_gpus > 0:  # the next round's stages need those GPUs
+                server = _stop_serving(server)
+            tracker.finish(child)
         state.stopped_because = state.stopped_because or f"budget: {cfg.stop.max_rounds} rounds"
         _finish(cfg, state, run_dir, tracker)
         _commit(state, clock, run_dir)
+    except BaseException as e:
+        _mark_failed(tracker, state, e)
+        raise
     finally:
         _stop_serving(server)
     return _write_summary(state, run_dir)
@@ -83,51 +119,118 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
 # ---- stages ------------------------------------------------------------------------------------
 
 
-def preflight(cfg: Config) -> None:
-    """Refuse an incompatible starting drafter before the target is loaded anywhere."""
-    if cfg.drafter.init in ("scratch", "previous"):
-        return
-    from eagle3.target_weights import resolve_target
-    from pipeline.compat import check_compat
+def _prompts(cfg: Config):
+    from actors.prompts import plan_prompts
 
-    model, gguf = resolve_target(cfg.target.model, cfg.target.gguf_file)
-    report = check_compat(
-        cfg.drafter.init, model, target_revision=cfg.target.revision, gguf_file=gguf
-    )
-    if not report.compatible:
-        lines = "\n".join(
-            f"  {m['field']}: drafter {m['left']!r} vs target {m['right']!r}"
-            for m in report.mismatches
-        )
-        raise SystemExit(
-            f"drafter.init {cfg.drafter.init!r} does not fit target.model {cfg.target.model!r}:\n{lines}"
-        )
+    return plan_prompts(cfg.data)
 
 
-def _prompts(cfg: Config) -> tuple[list, list]:
-    from actors.prompts import load_prompts, split_prompts
+def _eval_set(cfg: Config, plan) -> tuple[list, list[str]]:
+    """What every round is judged on (the stop rule, the promotion gate): all prompts of
+    `bench.eval_files` (one domain per file), else the held-out split of the prompt sources;
+    `bench.num_prompts` of them, interleaved across domains."""
+    from actors.prompts import interleave, load_jsonl_prompts
 
-    return split_prompts(load_prompts(cfg.data), cfg.data.heldout_prompts, cfg.data.seed)
+    if cfg.bench.eval_files:
+        prompts = interleave([load_jsonl_prompts(Path(f)) for f in cfg.bench.eval_files])
+    else:
+        prompts = plan.heldout
+    prompts = prompts[: cfg.bench.num_prompts]
+    return [p.messages for p in prompts], [p.domain for p in prompts]
 
 
 def _generate(
-    cfg: Config, run_dir: Path, r: int, train_prompts: list, tracker: Tracker, child: str
+    cfg: Config, run_dir: Path, state: RunState, r: int, plan, evalset, tracker: Tracker, child: str
 ) -> dict:
-    from actors.generate import run_generate
-    from actors.prompts import round_prompts
+    rec = _generate_round(cfg, run_dir, state, r, plan, evalset)
+    tracker.log(child, {f"data/{k}": v for k, v in rec.items()})
+    return rec
 
-    prompts = round_prompts(train_prompts, r, cfg.data.prompts_per_round)
+
+def _generate_round(cfg: Config, run_dir: Path, state: RunState, r: int, plan, evalset) -> dict:
+    """Round r's data: served requests from the traffic log (their share of the round's prompts;
+    capture only), then fresh prompts from the other sources for what the log does not cover
+    (generated and captured). Batches already on disk and intact are kept, the others (re)made;
+    the same call again (healing) makes the same batches."""
+    from actors.generate import run_generate
+    from actors.prompts import mixed_round
+
+    out = RunDir(run_dir).data(r)
+    records = _traffic_for_round(cfg, run_dir, state, r, out, evalset)
+    drawn: dict[str, int] = {}
+    for i in range(r):
+        for src, k in (state.rounds[i].done["generate"].get("drawn") or {}).items():
+            drawn[src] = drawn.get(src, 0) + k
+    prompts, counts = mixed_round(plan, cfg.data.prompts_for_round(r) - len(records), drawn)
     res = run_generate(
         cfg.target,
         cfg.data,
         prompts,
-        RunDir(run_dir).data(r),
+        out,
         cfg.digest(),
         round_index=r,
+        answered=_answered_batches(records, cfg.data.batch_size),
     )
-    rec = _record(res)
-    tracker.log(child, {f"data/{k}": v for k, v in rec.items()})
-    return rec
+    return {**_record(res), "drawn": counts, "traffic_records": len(records),
+            "fresh_prompts": len(prompts), "traffic_ids": [x["id"] for x in records]}  # fmt: skip
+
+
+def _heal_data(cfg: Config, run_dir: Path, state: RunState, r: int, plan, evalset) -> list[int]:
+    """Check the shards of rounds 0..r (what round r trains on); a round with missing, truncated
+    or corrupted shards gets those batches regenerated, the intact ones kept. Returns the rounds
+    healed; a shard still bad afterwards raises ShardError."""
+    from actors.shards import verify_manifest
+
+    healed = []
+    for i in range(r + 1):
+        try:
+            verify_manifest(state.rounds[i].done["generate"]["manifest"])
+        except ShardError as e:
+            log.warning("round %d: damaged shards, regenerating them:\n%s", i, e)
+            verify_manifest(_generate_round(cfg, run_dir, state, i, plan, evalset)["manifest"])
+            healed.append(i)
+    return healed
+
+
+def _traffic_for_round(
+    cfg: Config, run_dir: Path, state: RunState, r: int, out: Path, evalset
+) -> list[dict]:
+    """The traffic records round `r` learns from, chosen once and kept in the round's data dir
+    (a resumed round captures the same ones even if the log grew)."""
+    import json
+
+    from actors.prompts import prompt_key
+    from serve.traffic import read_traffic, select_traffic
+
+    share = cfg.data.sources().get("traffic", 0.0)
+    if not share:
+        return []
+    chosen = out / "traffic_selected.jsonl"
+    if chosen.exists():
+        return [json.loads(x) for x in chosen.read_text().splitlines() if x.strip()]
+    used = {i for rs in state.rounds[:r] for i in (rs.done.get("generate") or {}).get("traffic_ids", [])}  # fmt: skip
+    recs = select_traffic(
+        list(read_traffic(RunDir(run_dir).traffic)),
+        round(cfg.data.prompts_for_round(r) * share),
+        used,
+        {prompt_key(c) for c in evalset[0]},
+        cfg.data.max_length,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(chosen, "".join(json.dumps(x) + "\n" for x in recs))
+    return recs
+
+
+def _answered_batches(records: list[dict], batch_size: int) -> list:
+    from actors.prompts import Answered
+
+    return [
+        Answered(
+            tuple(tuple(x["prompt_ids"]) for x in records[i : i + batch_size]),
+            tuple(tuple(x["completion_ids"]) for x in records[i : i + batch_size]),
+        )
+        for i in range(0, len(records), batch_size)
+    ]
 
 
 def _train(
@@ -137,10 +240,10 @@ def _train(
 
     data_dirs = [state.rounds[i].manifest.parent for i in range(r + 1)]
     init = cfg.drafter.init
-    if r > 0:
-        init = state.rounds[r - 1].drafter_dir  # keep learning from the last round
+    if r > 0:  # keep learning from the drafter that serves (the last one the gate promoted)
+        init = _serving_drafter(state) or state.rounds[r - 1].drafter_dir
     res = run_train(
-        cfg=cfg,
+        cfg=cfg.model_copy(update={"train": cfg.train.for_round(r)}),
         data_dirs=data_dirs,
         init=init,
         out_dir=RunDir(run_dir).train(r),
@@ -155,16 +258,27 @@ def _train(
     return rec
 
 
-def _serve(cfg: Config, run_dir: Path, state: RunState, r: int, server):
-    """Deploy once, then swap the drafter each round (validated first: a bad one is refused and
-    the old drafter keeps serving). Embedded engine: a Ray Serve hot-swap; SGLang: a restart."""
+def _serve(cfg: Config, run_dir: Path, drafter: str | None, server):
+    """The live server, serving `drafter`. Deployed once, then the drafter is swapped (validated
+    first: a bad one is refused and the old drafter keeps serving). Embedded engine: a Ray Serve
+    hot-swap; SGLang: a restart."""
     from serve.deployment import deploy_endpoint
 
-    drafter = state.rounds[r].drafter_dir
     if server is None:
-        return deploy_endpoint(cfg.serve, cfg.target, drafter, RunDir(run_dir).serve)
-    server.swap_drafter(drafter)
+        return deploy_endpoint(
+            cfg.serve,
+            cfg.target,
+            drafter,
+            RunDir(run_dir).serve,
+            traffic_dir=RunDir(run_dir).traffic,
+        )
+    if drafter and server.info().get("path") != drafter:
+        server.swap_drafter(drafter)
     return server
+
+
+def _serving_drafter(state: RunState) -> str | None:
+    return (state.champion or {}).get("drafter_dir")
 
 
 def _stop_serving(server) -> None:
@@ -173,40 +287,100 @@ def _stop_serving(server) -> None:
 
 
 def _bench(
-    cfg: Config, run_dir: Path, r: int, heldout: list, server, tracker: Tracker, child: str
+    cfg: Config, run_dir: Path, r: int, evalset, server, tracker: Tracker, child: str
 ) -> dict:
     from serve.bench import bench_endpoint
 
     out = RunDir(run_dir).bench(r)
+    prompts, domains = evalset
     res = bench_endpoint(
         server,
-        heldout,
+        prompts,
         cfg.bench,
         out,
         baseline_cache=RunDir(run_dir).baseline,
         tag=round_tag(r),
+        domains=domains,
     )
     rec = _record(res)
     tracker.log(child, {f"bench/{k}": v for k, v in rec.items()})
     for i, a in enumerate(rec.get("acceptance_per_position") or []):
         tracker.log(child, {"bench/acceptance_per_position": a}, step=i + 1)
+    for dom, figs in (rec.get("domains") or {}).items():
+        tracker.log(child, {f"bench/{dom}/{k}": v for k, v in figs.items()})
+        for i, a in enumerate(figs.get("acceptance_per_position") or []):
+            tracker.log(child, {f"bench/{dom}/acceptance_per_position": a}, step=i + 1)
     for key in ("json_path", "plot_path"):
         if rec.get(key):
             tracker.log_artifact(child, Path(rec[key]), "bench")
     return rec
 
 
+def _gate(cfg: Config, state: RunState, r: int, server, tracker: Tracker, child: str) -> dict:
+    """Promote round r's drafter only when it beats the serving one on the same prompts and
+    settings; otherwise put the serving one back. A collapsed drafter (serves at ~1.0 while its
+    held-out accuracy predicts more) is an error, after the serving one is back."""
+    bench, train = state.rounds[r].done["bench"], state.rounds[r].done["train"]
+    champ = state.champion
+    ok = promote(bench["accept_len"], champ and champ["accept_len"], cfg.bench.promote_margin)
+    predicted = (train.get("eval_metrics") or {}).get("sim_accept_len")
+    problem = collapse_problem(train["drafter_dir"], bench["accept_len"], predicted, cfg.bench)
+    if problem or not ok:
+        if champ is not None:
+            server.swap_drafter(champ["drafter_dir"])
+        if problem:
+            raise AcceptanceCollapsed(problem)
+    rec = {
+        "promoted": ok,
+        "accept_len": bench["accept_len"],
+        "champion_accept_len": champ and champ["accept_len"],
+        "champion_round": champ and champ["round"],
+        "predicted_accept_len": predicted,
+    }
+    if ok:
+        state.champion = {"round": r, "accept_len": bench["accept_len"],
+                          "domains": {d: v.get("accept_len") for d, v in (bench.get("domains") or {}).items()},
+                          "drafter_dir": train["drafter_dir"]}  # fmt: skip
+    log.info(
+        "round %d %s: accept_len %.3f vs serving %s",
+        r,
+        "promoted" if ok else "NOT promoted, the serving drafter stays",
+        bench["accept_len"],
+        "none" if champ is None else f"{champ['accept_len']:.3f} (round {champ['round']})",
+    )
+    tracker.log(child, {"gate/promoted": float(ok), "gate/accept_len": bench["accept_len"],
+                        "gate/champion_accept_len": (champ or {}).get("accept_len") or 0.0})  # fmt: skip
+    return rec
+
+
+def _simulate(cfg: Config, plan, r: int, server, tracker: Tracker, child: str) -> dict:
+    """Simulated users answered by the live server: the next round's traffic (bounded)."""
+    from serve.simulate import simulate_users
+
+    n = cfg.serve.simulate_users
+    pool = plan.users
+    start = (r * n) % max(1, len(pool))
+    prompts = [pool[(start + i) % len(pool)].messages for i in range(min(n, len(pool)))]
+    res = simulate_users(
+        server.url,
+        prompts,
+        max_tokens=cfg.data.max_new_tokens,
+        concurrency=cfg.serve.simulate_concurrency,
+    )
+    rec = _record(res)
+    log.info("simulated users: %s", rec)
+    tracker.log(child, {f"traffic/{k}": v for k, v in rec.items() if isinstance(v, int | float)})
+    return rec
+
+
 def _finish(cfg: Config, state: RunState, run_dir: Path, tracker: Tracker) -> None:
     rows = _rows(state)
     summary = _write_summary(state, run_dir)
-    if rows:
-        best = max(rows, key=lambda x: x["accept_len"])
-        rid = state.rounds[best["round"]].mlflow_run_id
+    if rows and state.champion:
+        rid = state.rounds[state.champion["round"]].mlflow_run_id
         version = tracker.register_champion(rid, "drafter")
         state.champion = {
-            "round": best["round"],
-            "accept_len": best["accept_len"],
-            "drafter_dir": state.rounds[best["round"]].drafter_dir,
+            **state.champion,
             "registered_model": cfg.tracking.registered_model,
             "version": version,
         }
@@ -215,12 +389,31 @@ def _finish(cfg: Config, state: RunState, run_dir: Path, tracker: Tracker) -> No
         for row in rows:
             tracker.log(
                 state.parent_run_id,
-                {f"bench/{k}": v for k, v in row.items() if k != "round"},
+                {
+                    f"bench/{k}": float(v)
+                    for k, v in row.items()
+                    if isinstance(v, int | float) and k != "round"
+                },
                 step=row["round"],
             )
     tracker.log_artifact(state.parent_run_id, RunDir(run_dir).summary)
     tracker.finish(state.parent_run_id)
     log.info("stopped because %s\n%s", summary["stopped_because"], format_table(rows))
+
+
+def _mark_failed(tracker: Tracker, state: RunState, err: BaseException) -> None:
+    """The parent and every unfinished round's run end FAILED (KILLED on Ctrl-C), not RUNNING
+    forever; a re-run reopens them and resumes."""
+    status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
+    ids = [state.parent_run_id] + [
+        rs.mlflow_run_id for rs in state.rounds if not rs.is_done("gate")
+    ]
+    for run_id in filter(None, ids):
+        try:
+            tracker.finish(run_id, status)
+        except Exception as e:  # noqa: BLE001 - keep the original error
+            log.warning("could not mark MLflow run %s %s: %s", run_id, status, e)
+    log.error("run %s: %s: %s", status, type(err).__name__, err)
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -271,8 +464,15 @@ def _plots(state: RunState, run_dir: Path) -> list[Path]:
     out.mkdir(exist_ok=True)
     paths = []
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.plot([r["round"] for r in rows], [r["accept_len"] for r in rows], "o-")
-    ax.set(xlabel="round", ylabel="accept_len", title="accept_len per round")
+    ax.plot([r["round"] for r in rows], [r["accept_len"] for r in rows], "o-", label="overall")
+    for dom in dict.fromkeys(d for r in rows for d in r.get("domains") or {}):
+        pts = [(r["round"], r["domains"][dom]) for r in rows if (r.get("domains") or {}).get(dom)]
+        ax.plot(*zip(*pts, strict=True), ".--", label=dom)
+    for r in rows:  # rounds the gate did not promote: the serving drafter stayed
+        if not r.get("promoted", True):
+            ax.annotate("not promoted", (r["round"], r["accept_len"]), fontsize=7)
+    ax.set(xlabel="round", ylabel="accept_len", title="accept_len per round (held-out)")
+    ax.legend(fontsize=7)
     paths.append(out / "accept_len_per_round.png")
     fig.tight_layout(), fig.savefig(paths[-1]), plt.close(fig)
 

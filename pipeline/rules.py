@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from pipeline.config import StopConfig
+
+
+class BenchLimits(Protocol):
+    collapse_accept_len: float
+    collapse_predicted: float
 
 
 def round_row(index: int, done: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -18,6 +23,10 @@ def round_row(index: int, done: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "train_tokens": train["train_tokens"],
         "steps": bench.get("steps"),
         "wall_s": round(sum(rec.get("wall_s", 0.0) for rec in done.values()), 1),
+        "domains": {d: v.get("accept_len") for d, v in (bench.get("domains") or {}).items()},
+        "promoted": (done.get("gate") or {}).get("promoted", True),
+        "champion_accept_len": (done.get("gate") or {}).get("champion_accept_len"),
+        "traffic_records": (done.get("generate") or {}).get("traffic_records", 0),
     }
 
 
@@ -75,11 +84,52 @@ def stop_reason(
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'round':>5} {'accept_len':>10} {'tok/s':>8} {'baseline':>8} {'speedup':>7} {'train_tok':>10}"
+    """One line per round: accept_len overall and per domain (held-out prompts), speed, the
+    training tokens, the traffic records learnt from, and whether the round was promoted."""
+    domains = list(dict.fromkeys(d for r in rows for d in r.get("domains") or {}))
+    head = (
+        f"{'round':>5} {'accept_len':>10} "
+        + "".join(f"{d[:9]:>10}" for d in domains)
+        + f" {'tok/s':>7} {'speedup':>7} {'train_tok':>9} {'traffic':>7} {'promoted':>8}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
+        doms = "".join(f"{(r.get('domains') or {}).get(d) or 0:>10.3f}" for d in domains)
         lines.append(
-            f"{r['round']:>5} {r['accept_len']:>10.3f} {r['tok_per_s']:>8.1f} "
-            f"{r['baseline_tok_per_s']:>8.1f} {r['speedup']:>7.2f} {r['train_tokens']:>10}"
+            f"{r['round']:>5} {r['accept_len']:>10.3f} {doms} {r['tok_per_s']:>7.1f} "
+            f"{r['speedup']:>7.2f} {r['train_tokens']:>9} {r.get('traffic_records', 0):>7} "
+            f"{'yes' if r.get('promoted', True) else 'no':>8}"
         )
     return "\n".join(lines)
+
+
+# ---- the promotion gate and the collapse check -------------------------------------------------
+
+
+class AcceptanceCollapsed(RuntimeError):
+    """A drafter that serves at about 1.0 while its offline accuracy predicts much more: the
+    silent failure of draft-model reloads that drop weights or export keys (docs/serving.md)."""
+
+
+def promote(candidate: float, champion: float | None, margin: float) -> bool:
+    """The new drafter replaces the serving one only when it beats it, on the same prompts and
+    settings, by more than `margin`; the first drafter of a run has nothing to beat."""
+    return champion is None or candidate > champion + margin
+
+
+def collapse_problem(
+    drafter: str, served: float | None, predicted: float | None, bench: BenchLimits
+) -> str | None:
+    """The 'acceptance collapsed' message when a drafter serves below
+    `bench.collapse_accept_len` though its held-out accuracy predicts `bench.collapse_predicted`
+    or more; None otherwise."""
+    if served is None or predicted is None:
+        return None
+    if served < bench.collapse_accept_len and predicted >= bench.collapse_predicted:
+        return (
+            f"acceptance collapsed: drafter {drafter} serves accept_len {served:.3f} but its "
+            f"held-out accuracy predicts {predicted:.2f}. The served weights are not the trained "
+            "ones: check the export (config.json keys, d2t/t2d, aux layer ids) and that the "
+            "engine reloaded the draft model after the swap"
+        )
+    return None

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from actors.config import add_set_argument  # noqa: E402
 from pipeline.config import Config, ConfigError, load_config  # noqa: E402
+from pipeline.preflight import PreflightError, preflight  # noqa: E402
 from pipeline.rules import format_table  # noqa: E402
 
 
@@ -51,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         print(err, file=sys.stderr)
         return 2
     run_dir = Path(args.run_dir or f"runs/{cfg.name}").resolve()
+    try:
+        preflight(cfg)  # seconds; before Ray starts and before any MLflow run exists
+    except PreflightError as err:
+        print(err, file=sys.stderr)
+        return 2
 
     from actors.cluster import start_ray
 

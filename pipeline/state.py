@@ -15,7 +15,11 @@ from typing import Any
 from actors.files import atomic_write
 from pipeline.layout import RunDir
 
-STAGES = ("generate", "train", "bench")
+STAGES = ("generate", "train", "bench", "gate", "traffic")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    atomic_write(path, text, fsync=False)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -52,6 +56,13 @@ class RunState:
     elapsed_s: float = 0.0  # wall time spent in earlier invocations
     stopped_because: str | None = None
     champion: dict[str, Any] | None = None
+    tracking_uri: str | None = None  # the MLflow store the run ids below live in
+
+    def run_ids(self) -> dict[str, str | None]:
+        """Every MLflow run id this state names: "parent", "round-N"."""
+        ids: dict[str, str | None] = {"parent": self.parent_run_id}
+        ids.update({f"round-{rs.index}": rs.mlflow_run_id for rs in self.rounds})
+        return ids
 
     @classmethod
     def load_or_new(cls, run_dir: Path, digest: str) -> RunState:

@@ -9,7 +9,6 @@ what `mlflow.start_run(parent_run_id=...)` sets.
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -17,29 +16,70 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 from pipeline.config import TrackingConfig
-
-_SECRET = re.compile(r"(token|secret|password|api_key|apikey|credential)", re.IGNORECASE)
+from pipeline.redact import redact
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    """Nested config -> dotted params, secrets redacted."""
+    """Nested config -> dotted params, secrets redacted (pipeline/redact.py)."""
     out: dict[str, str] = {}
-    for k, v in d.items():
+    for k, v in redact(d).items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and v:
             out.update(flatten(v, key + "."))
         else:
-            out[key] = "***" if _SECRET.search(key) else str(v)[:6000]
+            out[key] = str(v)[:6000]
     return out
 
 
+class UnknownRuns(RuntimeError):
+    """state.json names MLflow runs the tracking store does not have."""
+
+
+def store_uri(cfg: TrackingConfig, run_dir: str | Path | None) -> str:
+    """`tracking.tracking_uri`, or the run directory's own store when none is given: a re-run
+    from another working directory finds the same runs."""
+    if cfg.tracking_uri:
+        return cfg.tracking_uri
+    if run_dir is None:
+        raise ValueError("tracking.tracking_uri: not set and no run directory to keep a store in")
+    return f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
+
+
+def _artifact_root(uri: str) -> str | None:
+    """Artifacts of a new experiment in a sqlite store go beside the database (MLflow's default,
+    ./mlruns, would be relative to whatever directory the driver runs in)."""
+    if not uri.startswith("sqlite:///"):
+        return None  # a server decides
+    return (Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts").as_uri()
+
+
 class Tracker:
-    def __init__(self, cfg: TrackingConfig):
+    def __init__(self, cfg: TrackingConfig, run_dir: str | Path | None = None):
         self.cfg = cfg
-        self.client = MlflowClient(tracking_uri=cfg.tracking_uri)
+        self.uri = store_uri(cfg, run_dir)
+        self.client = MlflowClient(tracking_uri=self.uri)
         exp = self.client.get_experiment_by_name(cfg.experiment)
         self.experiment_id = (
-            exp.experiment_id if exp else self.client.create_experiment(cfg.experiment)
+            exp.experiment_id
+            if exp
+            else self.client.create_experiment(
+                cfg.experiment, artifact_location=_artifact_root(self.uri)
+            )
+        )
+
+    def check_known(self, run_ids: dict[str, str | None], source: str, made_in: str | None) -> None:
+        """Raise UnknownRuns when any of `run_ids` (what -> id, from `source`) is not an active run
+        of this store: resuming would silently start new runs beside the old ones."""
+        unknown = {k: v for k, v in run_ids.items() if v and not self.run_exists(v)}
+        if not unknown:
+            return
+        listed = ", ".join(f"{k} {v}" for k, v in unknown.items())
+        was = f" (it was made with {made_in})" if made_in and made_in != self.uri else ""
+        raise UnknownRuns(
+            f"{source} names MLflow runs that the tracking store {self.uri} does not have: "
+            f"{listed}{was}. Point tracking.tracking_uri at the store this run was tracked in "
+            f"(--set tracking.tracking_uri=...), or start fresh MLflow runs for these results by "
+            f"moving {source} aside or using a new --run-dir."
         )
 
     def start_run(
@@ -78,6 +118,10 @@ class Tracker:
             self.client.log_artifacts(run_id, str(path), artifact_path)
         elif path.exists():
             self.client.log_artifact(run_id, str(path), artifact_path)
+
+    def reopen(self, run_id: str) -> None:
+        """A resumed run is RUNNING again (an earlier attempt may have ended it FAILED)."""
+        self.client.update_run(run_id, status="RUNNING")
 
     def finish(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status)

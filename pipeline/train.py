@@ -353,6 +353,7 @@ def main(argv: list[str] | None = None) -> TrainResult:
     from actors.cluster import start_ray
 
     start_ray(cfg.runtime_env)
+    cfg = cfg.model_copy(update={"train": cfg.train.for_round(0)})  # a list of epochs: the first
     res = run_train(cfg, args.data, args.out, init=args.init)
     _say(json.dumps(dataclasses.asdict(res)))
     return res

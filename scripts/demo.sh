@@ -51,5 +51,13 @@ from pipeline.rules import format_table
 s = json.load(open(sys.argv[1]))
 print(format_table(s["rounds"]))
 print("stopped because:", s["stopped_because"])
+c = s.get("champion") or {}
+if c:
+    doms = ", ".join(f"{d} {v:.3f}" for d, v in (c.get("domains") or {}).items() if v)
+    print(f"champion: round {c['round']}, accept_len {c['accept_len']:.3f} on held-out real prompts ({doms})")
+    print(f"          {c['drafter_dir']}")
 PY
 echo "demo wall time: $(( $(date +%s) - t0 )) s"
+echo "The Ray head and this MLflow server stop now. To look again:"
+echo "  make ui                      # MLflow UI of $RUN_DIR on http://127.0.0.1:$MLFLOW_PORT"
+echo "  ls /tmp/ray/session_latest/logs   # the Ray logs of this run (job driver: job-driver-*.log)"

@@ -115,6 +115,7 @@ def chat_request(
         "ignore_eos": ignore_eos,
         "speculative": speculative,
         "return_meta_info": True,
+        "record": False,  # benchmark prompts must never reach the traffic log (training data)
     }
     if steps is not None:
         body["steps"] = steps
@@ -189,6 +190,36 @@ class BenchResult:
     json_path: str
     plot_path: str
     extra: dict[str, Any] = field(default_factory=dict)
+    domains: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-domain figures
+
+
+def domain_figures(
+    spec: list[RequestStats], base: list[RequestStats], domains: list[str]
+) -> dict[str, dict[str, Any]]:
+    """accept_len (mean over requests and pooled), per-position acceptance, tok/s and speedup of
+    each domain, from the per-request statistics of the first concurrency level (speculative and
+    baseline runs of the same prompts, in the same order)."""
+    out: dict[str, dict[str, Any]] = {}
+    for d in dict.fromkeys(domains):
+        idx = [i for i, x in enumerate(domains) if x == d]
+        s, b = [spec[i] for i in idx], [base[i] for i in idx]
+        lens = [x.accept_len for x in s if x.accept_len is not None]
+        verify = sum(x.verify_ct or 0 for x in s)
+        hists = [x.accept_hist for x in s if x.accept_hist]
+        width = max((len(h) for h in hists), default=0)
+        hist = tuple(sum(h[i] for h in hists if i < len(h)) for i in range(width))
+        tps = sum(x.completion_tokens for x in s) / max(sum(x.latency_s for x in s), 1e-9)
+        base_tps = sum(x.completion_tokens for x in b) / max(sum(x.latency_s for x in b), 1e-9)
+        out[d] = {
+            "requests": len(s),
+            "accept_len": statistics.fmean(lens) if lens else None,
+            "accept_len_pooled": sum(x.completion_tokens for x in s) / verify if verify else None,
+            "acceptance_per_position": list(acceptance_per_position(hist)),
+            "tok_per_s": tps,
+            "baseline_tok_per_s": base_tps,
+            "speedup": tps / base_tps if base_tps else None,
+        }
+    return out
 
 
 def _run_requests(
@@ -248,9 +279,12 @@ def run_bench(
     baseline_url: str | None = None,
     baseline: dict[str, Any] | None = None,
     fixed_steps: int | None = None,
+    domains: list[str] | None = None,
 ) -> BenchResult:
     """Benchmark `url` on `prompts` (held-out conversations or strings) with `bench_cfg` (a
     BenchConfig or a dict with num_prompts, max_tokens, concurrency, warmup, steps_sweep).
+    `domains[i]` names the domain of `prompts[i]`; the result then carries figures per domain
+    (`BenchResult.domains`) beside the overall ones. `num_prompts` None = every prompt.
 
     Baseline: `baseline` (figures from `measure_baseline_levels`, e.g. cached), else measured on
     `baseline_url` (a server without a drafter), else `speculative: false` requests to `url`.
@@ -260,11 +294,13 @@ def run_bench(
     levels_c, warmup = list(_get(bench_cfg, "concurrency")), _get(bench_cfg, "warmup")
     build = _builder(bench_cfg, build)
     sweep_steps = [] if fixed_steps else list(_get(bench_cfg, "steps_sweep"))
+    n = n or len(prompts)
     if len(prompts) < n:
         raise ValueError(
             f"bench.num_prompts={n} but only {len(prompts)} held-out prompts; lower it or hold out more"
         )
     prompts = prompts[:n]
+    domains = list(domains[:n]) if domains else ["all"] * n
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     source = "same server, speculative: false"
@@ -286,15 +322,17 @@ def run_bench(
             stats, wall = _run_requests(client, prompts, build, max_tokens, True, s, c0)
             sweep.append(_level(stats, c0, True, s, wall))
         best = fixed_steps or (max(sweep, key=lambda lv: lv.tok_per_s).steps if sweep else None)
-        levels = []
+        levels, first = [], None
         for c in levels_c:  # speculative and baseline back to back: drifting load hits both
             stats, wall = _run_requests(client, prompts, build, max_tokens, True, best, c)
             levels.append(_level(stats, c, True, best, wall))
             if baseline is not None:
                 levels.append(_baseline_level(baseline, c))
+                base_stats = stats  # no per-request baseline: per-domain speedup stays overall
             else:
-                stats, wall = _run_requests(client, prompts, build, max_tokens, False, None, c)
-                levels.append(_level(stats, c, False, None, wall))
+                base_stats, wall = _run_requests(client, prompts, build, max_tokens, False, None, c)
+                levels.append(_level(base_stats, c, False, None, wall))
+            first = first or (stats, base_stats)
     settings = {
         "url": url,
         "num_prompts": n,
@@ -306,7 +344,11 @@ def run_bench(
         "fixed_steps": fixed_steps,
         "baseline": source,
     }
-    return _summarize(levels, sweep, out, tag, settings)
+    per_domain = domain_figures(first[0], first[1], domains)
+    if baseline is not None:
+        for d in per_domain.values():
+            d["baseline_tok_per_s"] = d["speedup"] = None
+    return _summarize(levels, sweep, out, tag, settings, per_domain)
 
 
 def measure_baseline_levels(
@@ -368,17 +410,28 @@ def bench_endpoint(
     baseline_cache: str | Path,
     tag: str = "bench",
     timeout_s: float = 900.0,
+    domains: list[str] | None = None,
 ) -> BenchResult:
     """`run_bench` the way the endpoint's engine needs (a serve.deployment.ServingEndpoint):
     embedded = baseline per request on the same replica and the steps sweep; SGLang = steps fixed
     at launch and the baseline from `baseline_cache` or measured once by restarting the endpoint
-    without its drafter (the speculative server holds the GPUs a second server would need)."""
+    without its drafter (the speculative server holds the GPUs a second server would need).
+    `bench.reuse_baseline` (embedded): the first run's baseline levels go into `baseline_cache`
+    and later runs on the same prompts and settings reuse them (the target without a drafter does
+    not change between rounds; per-domain speedups are then left out)."""
+    from serve.sglang_server import BaselineCache
+
+    key = bench_settings_key(prompts, bench_cfg)
     got = endpoint.baseline(
         lambda url: measure_baseline_levels(url, prompts, bench_cfg, timeout_s=timeout_s),
         baseline_cache,
-        bench_settings_key(prompts, bench_cfg),
+        key,
     )
     baseline, cached = got if got is not None else (None, False)
+    reuse = got is None and bool(_get(bench_cfg, "reuse_baseline", False))
+    cache = BaselineCache(Path(baseline_cache))
+    if reuse and (hit := cache.get(key)) is not None:
+        baseline, cached = hit, True
     result = run_bench(
         endpoint.url,
         prompts,
@@ -388,7 +441,12 @@ def bench_endpoint(
         timeout_s=timeout_s,
         baseline=baseline,
         fixed_steps=endpoint.fixed_steps,
+        domains=domains,
     )
+    if reuse and not cached:
+        levels = [asdict(lv) for lv in result.levels if not lv.speculative]
+        cache.put(key, {"url": endpoint.url, "levels": levels,
+                        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})  # fmt: skip
     result.extra["baseline_cached"] = cached
     Path(result.json_path).write_text(json.dumps(asdict(result), indent=2) + "\n")
     return result
@@ -400,6 +458,7 @@ def _summarize(
     out: Path,
     tag: str,
     settings: dict[str, Any],
+    domains: dict[str, dict[str, Any]] | None = None,
 ) -> BenchResult:
     c0 = levels[0].concurrency
     spec = next(lv for lv in levels if lv.speculative and lv.concurrency == c0)
@@ -436,6 +495,7 @@ def _summarize(
         json_path=str(out / f"{tag}.json"),
         plot_path=str(out / f"{tag}.png"),
         extra={"settings": settings, "baseline_verify_ms": base.verify_ms},
+        domains=domains or {},
     )
     Path(result.json_path).write_text(json.dumps(asdict(result), indent=2) + "\n")
     plot(result)
@@ -460,7 +520,21 @@ def plot(result: BenchResult) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(2, 2, figsize=(10, 7))
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7))
+    ax = axes[:, :2]
+    names = list(result.domains)
+    vals = [result.domains[d]["accept_len"] or 0 for d in names]
+    axes[0, 2].bar(range(len(names)), vals)
+    axes[0, 2].set_xticks(range(len(names)), names, rotation=30, ha="right")
+    axes[0, 2].set(title="accept_len per domain", ylabel="accept_len")
+    for d in names:
+        acc = result.domains[d]["acceptance_per_position"]
+        axes[1, 2].plot(range(1, len(acc) + 1), acc, "o-", label=d)
+    axes[1, 2].set(
+        title="acceptance per position by domain", xlabel="draft position i", ylim=(0, 1)
+    )
+    if names:
+        axes[1, 2].legend()
     h = result.accept_len_hist
     if h["counts"]:
         ax[0, 0].bar(h["edges"][:-1], h["counts"], width=0.23, align="edge")

@@ -4,15 +4,22 @@
   python -m serve.cli bench --url http://127.0.0.1:8000 --num-prompts 16 --max-tokens 64 \
       --concurrency 1,4 --steps-sweep 1,2,3,4 --out runs/bench --tag manual
 
+  python -m serve.cli swap --url http://127.0.0.1:8000 --drafter runs/x/train/round-001/drafter
+
 `serve` starts a local Ray bound to 127.0.0.1 (or joins RAY_ADDRESS), deploys the engine and
-blocks until Ctrl-C. `bench` scores any OpenAI-compatible endpoint on the held-out split of the
-prompt set (same split as the loop: `--heldout`, `--seed`) and prints the summary as JSON.
+blocks until Ctrl-C. `swap` hot-swaps the drafter of that server: it asks the server (GET
+/drafter) for its app and Ray address, joins that Ray and swaps as the loop does (the replica
+checks the checkpoint first; a refused one exits 1 and the old drafter keeps serving). `bench`
+scores any OpenAI-compatible endpoint on every prompt of the files given (one domain per file)
+or on the held-out split of the built-in set (`--heldout`, `--seed`), and prints the summary,
+overall and per domain, as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -30,8 +37,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from actors.cluster import start_ray
     from serve.deployment import deploy
+    from serve.startup import ServeStartupError
 
-    start_ray()
     serve_cfg = {
         "host": args.host,
         "port": args.port,
@@ -41,15 +48,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "num_gpus": args.num_gpus,
     }
     target_cfg = {"model": args.target, "gguf_file": args.gguf_file, "dtype": args.dtype}
-    ep = deploy(
-        serve_cfg,
-        target_cfg,
-        args.drafter,
-        app_name=args.app,
-        num_cpus=args.num_cpus,
-        torch_threads=args.threads,
-        max_batch_size=args.max_batch_size,
-    )
+    try:  # start-up is retried inside; what is left is a message, not a traceback
+        start_ray()
+        ep = deploy(
+            serve_cfg,
+            target_cfg,
+            args.drafter,
+            app_name=args.app,
+            num_cpus=args.num_cpus,
+            torch_threads=args.threads,
+            max_batch_size=args.max_batch_size,
+        )
+    except (ServeStartupError, ConnectionError) as e:
+        print(f"serve: the server did not start: {e}", file=sys.stderr, flush=True)
+        ray.shutdown()
+        return 2
     print(json.dumps({"url": ep.url, "app": ep.app_name, "drafter": ep.drafter}), flush=True)
     stop = threading.Event()  # SIGTERM too: a backgrounded shell job ignores SIGINT
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -60,26 +73,76 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def heldout_prompts(jsonl: str | None, heldout: int, seed: int) -> list[Any]:
-    """The benchmark's prompts: the held-out split of the built-in set or of a JSONL file."""
-    from actors.prompts import builtin_prompts, parse_record, split_prompts
+def cmd_swap(args: argparse.Namespace) -> int:
+    import httpx
 
-    if jsonl:
-        lines = Path(jsonl).read_text().splitlines()
-        prompts = [
-            parse_record(json.loads(x), f"{jsonl}:{i + 1}")
-            for i, x in enumerate(lines)
-            if x.strip()
-        ]
-    else:
-        prompts = builtin_prompts(seed)
-    return split_prompts(prompts, heldout, seed)[1]
+    from actors.cluster import start_ray
+    from serve.deployment import adopt_app, swap_drafter
+    from serve.sglang_server import DrafterRejected
+
+    info = httpx.get(f"{args.url.rstrip('/')}/drafter", timeout=60).json()
+    os.environ["RAY_ADDRESS"] = info["ray_address"]  # join the server's own Ray
+    start_ray()
+    adopt_app(info["app"])
+    try:
+        out = swap_drafter(Path(args.drafter).resolve(), info["app"])
+    except DrafterRejected as e:
+        print(e, file=sys.stderr)
+        return 1
+    print(json.dumps({k: out[k] for k in ("app", "path", "swaps", "pid")}), flush=True)
+    return 0
+
+
+# Standard suites by HF dataset id (need the `datasets` package and a network): id, config,
+# split, the field holding the first user turn.
+SUITES: dict[str, tuple[str, str | None, str, str]] = {
+    "mt-bench": ("HuggingFaceH4/mt_bench_prompts", None, "train", "prompt"),
+    "gsm8k": ("openai/gsm8k", "main", "test", "question"),
+    "humaneval": ("openai/openai_humaneval", None, "test", "prompt"),
+    "math-500": ("HuggingFaceH4/MATH-500", None, "test", "problem"),
+}
+
+
+def suite_prompts(name: str) -> tuple[list[Any], list[str]]:
+    """A standard benchmark suite's prompts (first user turns), all in domain `name`."""
+    import importlib
+
+    if name not in SUITES:
+        raise SystemExit(f"--suite {name!r}: unknown; use one of {sorted(SUITES)}")
+    try:
+        datasets = importlib.import_module("datasets")
+    except ImportError:
+        raise SystemExit(f"--suite {name}: needs `pip install datasets` and a network") from None
+    repo, config, split, key = SUITES[name]
+    rows = datasets.load_dataset(repo, config, split=split)
+    texts = [r[key][0] if isinstance(r[key], list) else r[key] for r in rows]
+    return [[{"role": "user", "content": t}] for t in texts], [name] * len(texts)
+
+
+def bench_prompts(args: argparse.Namespace) -> tuple[list[Any], list[str]]:
+    """(prompts, domain of each): every prompt of the given files (one domain per file, or a
+    record's `domain`) and suites, else the built-in set's held-out split (as the loop's)."""
+    from actors.prompts import builtin_prompts, interleave, load_jsonl_prompts, split_prompts
+
+    groups = [load_jsonl_prompts(Path(f)) for f in args.prompts_jsonl or []]
+    prompts = [p for g in groups for p in g]
+    out = [p.messages for p in prompts], [p.domain for p in prompts]
+    if args.interleave:
+        mixed = interleave(groups)
+        out = [p.messages for p in mixed], [p.domain for p in mixed]
+    for name in args.suite or []:
+        convs, doms = suite_prompts(name)
+        out = out[0] + convs, out[1] + doms
+    if out[0]:
+        return out
+    held = split_prompts(builtin_prompts(args.seed), args.heldout, args.seed)[1]
+    return held, ["builtin"] * len(held)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from serve.bench import run_bench
 
-    prompts = heldout_prompts(args.prompts_jsonl, max(args.heldout, args.num_prompts), args.seed)
+    prompts, domains = bench_prompts(args)
     cfg = {
         "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens,
@@ -88,7 +151,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "steps_sweep": _ints(args.steps_sweep),
         "ignore_eos": args.ignore_eos,
     }
-    r = run_bench(args.url, prompts, cfg, args.out, tag=args.tag, timeout_s=args.timeout)
+    r = run_bench(
+        args.url, prompts, cfg, args.out, tag=args.tag, timeout_s=args.timeout, domains=domains
+    )
     summary = {
         "accept_len": r.accept_len,
         "tok_per_s": r.tok_per_s,
@@ -99,6 +164,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "draft_ms_per_step": r.draft_ms,
         "break_even_accept_len": r.break_even_accept_len,
         "acceptance_per_position": r.acceptance_per_position,
+        "domains": r.domains,
         "json": r.json_path,
         "plot": r.plot_path,
     }
@@ -131,14 +197,32 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--app", default="eagle3", help="Serve application name")
     s.set_defaults(func=cmd_serve)
 
+    w = sub.add_parser("swap", help="hot-swap the drafter of a running `serve`")
+    w.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    w.add_argument("--drafter", required=True, help="EAGLE-3 checkpoint folder")
+    w.set_defaults(func=cmd_swap)
+
     b = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint")
     b.add_argument("--url", required=True, help="base URL without /v1, e.g. http://127.0.0.1:8000")
-    b.add_argument("--prompts-jsonl", default=None, help="prompt file (default: the built-in set)")
     b.add_argument(
-        "--heldout", type=int, default=64, help="held-out split size (as data.heldout_prompts)"
+        "--prompts-jsonl",
+        action="append",
+        help="prompt file, benchmarked whole, one domain per file (repeatable; default: the "
+        "built-in set's held-out split)",
     )
-    b.add_argument("--seed", type=int, default=0, help="split seed (as data.seed)")
-    b.add_argument("--num-prompts", type=int, default=32)
+    b.add_argument(
+        "--suite", action="append", help=f"a standard suite by HF id ({', '.join(SUITES)})"
+    )
+    b.add_argument(
+        "--interleave",
+        action="store_true",
+        help="alternate the files' prompts (with --num-prompts)",
+    )
+    b.add_argument("--heldout", type=int, default=64, help="built-in set: held-out split size")
+    b.add_argument("--seed", type=int, default=0, help="built-in set: split seed (as data.seed)")
+    b.add_argument(
+        "--num-prompts", type=int, default=None, help="first N prompts (default: all of them)"
+    )
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument(
         "--ignore-eos", action="store_true", help="always generate --max-tokens (past the EOS)"

@@ -32,6 +32,24 @@ class ServeConfig(Strict):
     """Extra command-line arguments for sglang.launch_server."""
     env: dict[str, str] = Field(default_factory=dict)
     """Environment for the server process (NCCL variables)."""
+    record_traffic: bool = False
+    """Append every finished request (messages, prompt and completion token ids, sampling
+    settings, accept_len, verify count, time) to the run's traffic log, `traffic/` in the run
+    directory, one fsynced JSON line per request. Benchmark requests are never recorded. Off:
+    nothing is written."""
+    traffic_max_mb: float = Field(64.0, gt=0)
+    """Size of one traffic file before it rotates to the next."""
+    traffic_max_files: int = Field(8, ge=1)
+    """Traffic files kept per replica; the oldest is deleted beyond this."""
+    traffic_redact: str | None = None
+    """`module:function` applied to each record (a dict) before it is written, e.g. to mask
+    user content; it returns the record to write, or None to drop it."""
+    simulate_users: int = Field(0, ge=0)
+    """After each round's benchmark (when another round follows), replay this many prompts from
+    the simulated users' pool (`data.user_prompts`) against the live server, as users would send
+    them: the demo's stand-in for real traffic. Loopback only."""
+    simulate_concurrency: int = Field(4, ge=1)
+    """Simulated users in flight at once."""
 
 
 class BenchConfig(Strict):
@@ -48,3 +66,18 @@ class BenchConfig(Strict):
     """Requests sent first and excluded."""
     steps_sweep: list[int] = Field(default_factory=list)
     """Draft steps to try (best is kept); empty = only serve.steps."""
+    reuse_baseline: bool = False
+    """Embedded engine: measure the no-drafter baseline in the first round only and reuse it for
+    later rounds on the same prompts and settings (saves a baseline pass per round; the figures
+    then come from another time, so a machine whose load changed skews the speedup)."""
+    eval_files: list[str] = Field(default_factory=list)
+    """Your own evaluation prompt files (JSONL, formats as data.path): when given, each round is
+    judged on every prompt of these files (one domain per file) instead of the held-out split."""
+    promote_margin: float = Field(0.0, ge=0)
+    """A new drafter replaces the serving one only when its accept_len beats the serving one's
+    by more than this, on the same prompts and settings."""
+    collapse_accept_len: float = Field(1.1, gt=1)
+    """A drafter that serves below this accept_len while its held-out training accuracy predicts
+    at least `collapse_predicted` is an error ("acceptance collapsed"), not a weak round."""
+    collapse_predicted: float = Field(1.5, gt=1)
+    """See `collapse_accept_len`."""

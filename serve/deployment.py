@@ -51,18 +51,14 @@ from serve.engine import (
     tree_problem,
 )
 from serve.sglang_server import DrafterRejected, deploy_sglang
+from serve.startup import retry, start_serve, wait_http_ready
+from serve.validation import BadRequest, Limits, check_request, parse_body
 
 log = logging.getLogger("ray.serve")
 
 APP_NAME = "eagle3"
-DEFAULT_MAX_TOKENS = 256
-MAX_STEPS = 16
 
 app = FastAPI()
-
-
-class BadRequest(ValueError):
-    """A request the server cannot serve; answered with HTTP 400."""
 
 
 @dataclass
@@ -72,6 +68,7 @@ class _Job:
     speculative: bool
     queue: asyncio.Queue | None = None  # streaming: token lists, then None
     loop: asyncio.AbstractEventLoop | None = None
+    record: dict[str, Any] | None = None  # what the traffic log keeps of the request, if any
 
     @property
     def key(self) -> tuple:
@@ -87,15 +84,67 @@ class _Job:
             p.num_draft_tokens,
         )
 
+    seen: int = 0  # tokens the current attempt produced
+    sent: int = 0  # tokens already streamed to the client (a retry does not repeat them)
+
     def push(self, item: list[int] | None) -> None:
+        if item is not None:
+            self.seen += len(item)
+            fresh = self.seen - self.sent
+            if fresh <= 0:
+                return
+            item, self.sent = item[len(item) - fresh :], self.seen
         if self.queue is not None and self.loop is not None:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def restart(self) -> None:
+        """Before a retry: the tokens it produces again up to `sent` are not streamed twice."""
+        self.seen = 0
+
+
+def run_isolated(
+    run: Callable[[list[_Job]], list[Generation]], jobs: list[_Job]
+) -> list[Generation | Exception]:
+    """`run(jobs)`, one engine call; when it fails, each job again alone, so a request that breaks
+    the engine fails only itself and the others it was batched with still get their answer.
+    (A streamed job retried after some tokens went out continues after them; greedy decoding
+    reproduces them, sampling may not.)"""
+    try:
+        return list(run(jobs))
+    except Exception as e:  # noqa: BLE001 - isolate, then report per request
+        if len(jobs) == 1:
+            log.error("request failed: %r", e)
+            return [e]
+        log.warning("a batch of %d failed (%r); retrying each request alone", len(jobs), e)
+    out: list[Generation | Exception] = []
+    for j in jobs:
+        j.restart()
+        out += run_isolated(run, [j])
+    return out
+
+
+def _traffic_log(opts: dict[str, Any] | None):
+    """The replica's traffic log when recording is on (`serve.record_traffic`), else None.
+    Defined above the class: Serve serializes the class when it is decorated, and a helper
+    defined below it would be missing in the replica."""
+    if not opts:
+        return None
+    from serve.traffic import TrafficLog, load_redactor
+
+    return TrafficLog(
+        opts["dir"],
+        replica=f"{os.getpid()}",
+        max_bytes=int(opts.get("max_bytes", 64 << 20)),
+        max_files=int(opts.get("max_files", 8)),
+        redact=load_redactor(opts.get("redact")),
+    )
 
 
 @serve.deployment(name="SpecServer", max_ongoing_requests=64, graceful_shutdown_timeout_s=5)
 @serve.ingress(app)
 class SpecServer:
-    def __init__(self, target: dict[str, Any], options: dict[str, Any]):
+    def __init__(self, target: dict[str, Any], options: dict[str, Any], actor: dict | None = None):
+        self._spec = {"target": target, "options": options, "actor": actor or {}}
         if options.get("torch_threads"):
             torch.set_num_threads(int(options["torch_threads"]))
         lm, self.tokenizer = load_target(
@@ -122,6 +171,7 @@ class SpecServer:
         self.swap_error: str | None = None
         self.swaps = 0
         self.configured = False  # Serve calls reconfigure once right after __init__
+        self.traffic = _traffic_log(options.get("traffic"))
         self._run.set_max_batch_size(int(options.get("max_batch_size", 8)))
         log.info(
             "SpecServer: target %s loaded (%d layers)",
@@ -129,14 +179,28 @@ class SpecServer:
             self.engine.target.num_layers,
         )
 
+    @property
+    def limits(self) -> Limits:
+        """What requests are checked against (steps may change through reconfigure)."""
+        e = self.engine
+        return Limits(e.target.vocab_size, self.max_context, e.steps, e.topk, e.num_draft_tokens)
+
     # -- drafter management -----------------------------------------------------------------
     def reconfigure(self, user_config: dict[str, Any]) -> None:
-        """user_config: {"drafter": path or None, "steps": int (optional)}."""
+        """user_config: {"drafter": path or None, "fallback": the last good drafter (optional),
+        "steps": int (optional)}. A fresh replica (a restart) whose declared drafter does not
+        load serves the fallback instead of failing to start."""
         first, self.configured = not self.configured, True
         if user_config.get("steps"):
             self.engine.steps = int(user_config["steps"])
         path = user_config.get("drafter")
         path = str(path) if path else None
+        refused = None
+        fallback = user_config.get("fallback")
+        if first and path and fallback and str(fallback) != path:
+            if refused := self.validate_drafter(path):
+                log.error("declared drafter refused, serving the last good one: %s", refused)
+                path = str(fallback)
         if path == self.drafter_path:
             return
         if path is None:
@@ -156,7 +220,7 @@ class SpecServer:
             return
         with self.lock:
             self.engine.set_drafter(drafter)
-        self.drafter_path, self.swap_error = path, None
+        self.drafter_path, self.swap_error = path, refused
         self.swaps += 1
         log.info("drafter now %s (swap %d)", path, self.swaps)
 
@@ -169,107 +233,101 @@ class SpecServer:
         return None
 
     def drafter_info(self) -> dict[str, Any]:
+        import ray
+
         return {
             "path": self.drafter_path,
             "error": self.swap_error,
             "swaps": self.swaps,
             "steps": self.engine.steps,
             "pid": os.getpid(),
+            "app": serve.get_replica_context().app_name,
+            "ray_address": ray.get_runtime_context().gcs_address,  # for `serve.cli swap`
         }
+
+    def spec(self) -> dict[str, Any]:
+        """What the app was bound with, so another driver can redeploy it unchanged (a swap)."""
+        return self._spec
 
     # -- generation -------------------------------------------------------------------------
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
     async def _run(self, jobs: list[_Job]) -> list[Generation]:
         return await asyncio.to_thread(self._run_sync, jobs)
 
-    def _run_sync(self, jobs: list[_Job]) -> list[Generation]:
+    def _run_sync(self, jobs: list[_Job]) -> list[Generation | Exception]:
         groups: dict[tuple, list[int]] = defaultdict(list)
         for i, job in enumerate(jobs):
             groups[job.key].append(i)
-        results: list[Generation | None] = [None] * len(jobs)
-        for idx in groups.values():
-            sub = [jobs[i] for i in idx]
-            try:
-                with self.lock:
-                    gens = self.engine.generate(
-                        [j.prompt for j in sub],
-                        sub[0].params,
-                        on_tokens=lambda r, toks, sub=sub: sub[r].push(toks),
-                        speculative=sub[0].speculative,
-                        max_tokens_each=[j.params.max_tokens for j in sub],
-                    )
-            finally:
-                for j in sub:
-                    j.push(None)
-            for i, g in zip(idx, gens, strict=True):
-                results[i] = g
+        results: list[Generation | Exception | None] = [None] * len(jobs)
+        try:
+            for idx in groups.values():
+                sub = [jobs[i] for i in idx]
+                for i, out in zip(idx, run_isolated(self._generate, sub), strict=True):
+                    results[i] = out
+        finally:
+            for j in jobs:
+                j.push(None)
         return results  # type: ignore[return-value]
 
+    def _generate(self, sub: list[_Job]) -> list[Generation]:
+        """One engine call for jobs of one key (equal sampling settings)."""
+        with self.lock:
+            return self.engine.generate(
+                [j.prompt for j in sub],
+                sub[0].params,
+                on_tokens=lambda r, toks: sub[r].push(toks),
+                speculative=sub[0].speculative,
+                max_tokens_each=[j.params.max_tokens for j in sub],
+            )
+
     def _job(self, body: dict[str, Any], chat: bool, stream: bool) -> _Job:
-        prompt = self._prompt_ids(body, chat)
-        max_tokens = body.get("max_completion_tokens") if chat else None
-        max_tokens = max_tokens or body.get("max_tokens") or DEFAULT_MAX_TOKENS
-        temperature = body.get("temperature")
-        temperature = 1.0 if temperature is None else float(temperature)  # OpenAI's default
-        steps, topk, n_tokens = body.get("steps"), body.get("topk"), body.get("num_draft_tokens")
-        tree = tree_problem(
-            steps or self.engine.steps,
-            topk or self.engine.topk,
-            n_tokens or self.engine.num_draft_tokens,
+        """A checked request (BadRequest names every bad field); only these join a batch."""
+        from actors.chat import prompt_ids
+
+        if not isinstance(body, dict):
+            raise BadRequest("body: must be a JSON object")
+        req = check_request(
+            body,
+            chat,
+            self.limits,
+            encode=lambda text: self.tokenizer(text)["input_ids"],
+            apply_template=lambda messages: prompt_ids(self.tokenizer, messages),
         )
-        checks = [
-            (isinstance(max_tokens, int) and max_tokens >= 1, f"max_tokens: {max_tokens!r} must be an int >= 1"),
-            (temperature >= 0, f"temperature: {temperature} must be >= 0"),
-            (body.get("top_p") in (None, 1, 1.0), "top_p: only 1.0 is supported; leave it out"),
-            (body.get("n") in (None, 1), "n: only 1 completion per request is supported"),
-            (not body.get("stop"), "stop: stop strings are not supported; leave it out"),
-            (steps is None or (isinstance(steps, int) and 1 <= steps <= MAX_STEPS), f"steps: {steps!r} must be an int in [1, {MAX_STEPS}]"),
-            (topk is None or (isinstance(topk, int) and topk >= 1), f"topk: {topk!r} must be an int >= 1"),
-            (tree is None, f"steps/topk/num_draft_tokens: {tree}"),
-            (not self.max_context or len(prompt) + max_tokens <= self.max_context, f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the context of {self.max_context}"),
-        ]  # fmt: skip
-        problems = [msg for ok, msg in checks if not ok]
-        if problems:
-            raise BadRequest("; ".join(problems))
-        params = GenParams(
-            max_tokens=int(max_tokens),
-            temperature=temperature,
-            steps=steps,
-            seed=body.get("seed"),
-            ignore_eos=bool(body.get("ignore_eos", False)),
-            topk=topk,
-            num_draft_tokens=n_tokens,
-        )
-        job = _Job(prompt, params, speculative=bool(body.get("speculative", True)))
+        job = _Job(req.prompt, req.params, speculative=req.speculative)
+        if self.traffic is not None and body.get("record", True) is not False:
+            job.record = {"chat": chat, "messages": body.get("messages") if chat else None,
+                          "prompt": None if chat else body.get("prompt")}  # fmt: skip
         if stream:
             job.queue, job.loop = asyncio.Queue(), asyncio.get_running_loop()
         return job
-
-    def _prompt_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
-        if chat:
-            from actors.chat import prompt_ids
-
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise BadRequest("messages: a non-empty list of {role, content} is required")
-            try:
-                return prompt_ids(self.tokenizer, messages)
-            except Exception as e:  # noqa: BLE001 - template errors are the client's
-                raise BadRequest(f"messages: cannot apply the chat template ({e})") from None
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, str) and prompt:
-            return list(self.tokenizer(prompt)["input_ids"])
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return prompt
-        raise BadRequest("prompt: a non-empty string or list of token ids is required (one prompt)")
 
     async def complete(self, body: dict[str, Any], chat: bool = True) -> dict[str, Any]:
         """One non-streaming request (also the handle API); returns the OpenAI response body."""
         job = self._job(body, chat, stream=False)
         gen = await self._run(job)
+        if isinstance(gen, Exception):
+            raise gen  # this request alone failed (run_isolated retried it by itself)
+        self._log_traffic(job, gen)
         return self._response(gen, chat, job.speculative)
+
+    def _log_traffic(self, job: _Job, gen: Generation) -> None:
+        """Append the finished request to the traffic log (serve/traffic.py); a logging failure
+        costs the record, never the response."""
+        if self.traffic is None or job.record is None:
+            return
+        st, p = gen.stats, job.params
+        try:
+            self.traffic.append({
+                "time": time.time(), "id": uuid.uuid4().hex, "replica": self.traffic.replica,
+                **job.record, "prompt_ids": list(job.prompt), "completion_ids": list(gen.token_ids),
+                "finish_reason": st.finish_reason, "temperature": p.temperature,
+                "max_tokens": p.max_tokens, "seed": p.seed,
+                "speculative": job.speculative and self.engine.drafter is not None,
+                "drafter": self.drafter_path, "accept_len": st.accept_len,
+                "verify_ct": st.spec_verify_ct, "completion_tokens": st.completion_tokens,
+            })  # fmt: skip
+        except Exception as e:  # noqa: BLE001
+            log.error("traffic log: record dropped (%s)", e)
 
     def _response(self, gen: Generation, chat: bool, speculative: bool) -> dict[str, Any]:
         text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
@@ -348,10 +406,13 @@ class SpecServer:
                     yield chunk(text[len(sent) :])
                     sent = text
             gen = await task
+            if isinstance(gen, Exception):
+                raise gen
         except Exception as e:  # noqa: BLE001 - report inside the stream, headers are gone
             yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
             yield "data: [DONE]\n\n"
             return
+        self._log_traffic(job, gen)
         text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         yield chunk(text[len(sent) :] or None, finish=gen.stats.finish_reason)
         if include_usage:
@@ -360,18 +421,17 @@ class SpecServer:
 
     async def _http(self, request: Request, chat: bool):
         try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise BadRequest("the request body must be a JSON object")
-            stream = bool(body.get("stream", False))
+            body = parse_body(await request.body())
+            stream = body.get("stream", False) is True
             if not stream:
                 return JSONResponse(await self.complete(body, chat))
             job = self._job(body, chat, stream=True)
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+            opts = body.get("stream_options") or {}
             return StreamingResponse(
-                self._sse(job, chat, include_usage), media_type="text/event-stream"
+                self._sse(job, chat, bool(opts.get("include_usage", False))),
+                media_type="text/event-stream",
             )
-        except (BadRequest, json.JSONDecodeError) as e:
+        except BadRequest as e:
             return JSONResponse(
                 {"error": {"message": str(e), "type": "invalid_request_error"}}, status_code=400
             )
@@ -429,6 +489,7 @@ def deploy(
     torch_threads: int | None = None,
     max_batch_size: int = 8,
     model_name: str | None = None,
+    traffic_dir: str | Path | None = None,
 ) -> Endpoint:
     """Start Serve on serve.host:serve.port and run the engine app with `drafter_dir` (None = no
     drafter: plain decoding only). Returns where to send OpenAI requests."""
@@ -447,31 +508,54 @@ def deploy(
         "torch_threads": torch_threads or max(1, int(num_cpus)),
         "max_batch_size": max_batch_size,
         "model_name": model_name,
+        "traffic": _traffic_options(s, traffic_dir),
     }
     actor = {"num_cpus": num_cpus, "num_gpus": s.get("num_gpus", 0.0)}
-    serve.start(http_options={"host": s.get("host", "127.0.0.1"), "port": s.get("port", 8000)})
+    host, port = s.get("host", "127.0.0.1"), s.get("port", 8000)
+    start_serve(host, port)  # retried; raises ServeStartupError with what to try
     _APPS[app_name] = {"target": t, "options": options, "actor": actor}
     drafter = str(drafter_dir) if drafter_dir else None
-    _run_app(app_name, drafter)
-    return Endpoint(f"http://{s.get('host', '127.0.0.1')}:{s.get('port', 8000)}", app_name, drafter)
+    _run_app(app_name, drafter)  # a drafter that does not load fails here (DrafterRejected)
+    _APPS[app_name]["good"] = drafter
+    wait_http_ready(f"http://{host}:{port}/health")  # the proxy routes to the app only later
+    return Endpoint(f"http://{host}:{port}", app_name, drafter)
+
+
+def _traffic_options(s: dict[str, Any], traffic_dir: str | Path | None) -> dict[str, Any] | None:
+    if not s.get("record_traffic"):
+        return None
+    if traffic_dir is None:
+        raise ValueError(
+            "serve.record_traffic: true needs a traffic directory (the run dir's traffic/)"
+        )
+    return {
+        "dir": str(traffic_dir),
+        "max_bytes": int(float(s.get("traffic_max_mb", 64)) * 2**20),
+        "max_files": int(s.get("traffic_max_files", 8)),
+        "redact": s.get("traffic_redact"),
+    }
 
 
 def _run_app(app_name: str, drafter: str | None) -> None:
+    """Declare the app with `drafter`; the last good drafter rides along as the fallback a
+    restarted replica serves when the declared one does not load."""
     spec = _APPS[app_name]
-    dep = SpecServer.options(user_config={"drafter": drafter}, ray_actor_options=spec["actor"])
+    user_config = {"drafter": drafter, "fallback": spec.get("good")}
+    dep = SpecServer.options(user_config=user_config, ray_actor_options=spec["actor"])
     # A fixed version makes a user_config change an in-place `reconfigure` (no replica restart,
     # no target reload). Ray 2.60 only takes it through the internal flag; without it the swap
     # still works, by restarting the replica.
-    version = hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[
-        :16
-    ]
+    bound = {k: spec[k] for k in ("target", "options", "actor")}
+    version = hashlib.sha256(json.dumps(bound, sort_keys=True, default=str).encode()).hexdigest()
+    version = version[:16]
     try:
         dep = dep.options(version=version, _internal=True)
     except (TypeError, ValueError):
         log.warning(
             "Serve rejected a fixed deployment version; drafter swaps will restart the replica"
         )
-    serve.run(dep.bind(spec["target"], spec["options"]), name=app_name, route_prefix="/")
+    app = dep.bind(spec["target"], spec["options"], spec["actor"])
+    retry(lambda: serve.run(app, name=app_name, route_prefix="/"), f"serve.run of app {app_name!r}")
 
 
 def swap_drafter(drafter_dir: str | Path, app_name: str = APP_NAME) -> dict[str, Any]:
@@ -487,8 +571,20 @@ def swap_drafter(drafter_dir: str | Path, app_name: str = APP_NAME) -> dict[str,
     _run_app(app_name, path)
     info = handle.drafter_info.remote().result()
     if info["path"] != path:
+        # declare the drafter that serves again: a refused path must not stay in the config
+        # that a restarted replica starts from
+        _run_app(app_name, info["path"])
         raise DrafterRejected(f"drafter swap refused by the replica: {info['error']}")
+    _APPS[app_name]["good"] = path
     return info
+
+
+def adopt_app(app_name: str = APP_NAME) -> None:
+    """Make an app another process deployed swappable from this one (`serve.cli swap`): read
+    what it was bound with from the replica, so a redeploy keeps its version (in place)."""
+    handle = serve.get_app_handle(app_name)
+    spec = handle.spec.remote().result()
+    _APPS[app_name] = {**spec, "good": handle.drafter_info.remote().result()["path"]}
 
 
 def shutdown(app_name: str = APP_NAME) -> None:
@@ -563,6 +659,7 @@ def deploy_endpoint(
     *,
     app_name: str = APP_NAME,
     launch: Sequence[str] | None = None,
+    traffic_dir: str | Path | None = None,
 ) -> ServingEndpoint:
     """Start the server `serve.engine` names with `drafter_dir` (None = no speculation).
 
@@ -579,5 +676,6 @@ def deploy_endpoint(
         app_name=app_name,
         num_cpus=serve_cfg.num_cpus,
         torch_threads=int(serve_cfg.num_cpus),
+        traffic_dir=traffic_dir,
     )
     return EmbeddedEndpoint(ep.url, ep.app_name)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -87,3 +89,25 @@ def ray_local():
     )
     yield ray
     ray.shutdown()
+
+
+def free_port() -> int:
+    """A loopback port free right now (the OS's pick, so parallel runs on one machine differ)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def serve_port(ray_local) -> Iterator[int]:
+    """Ray Serve started once for the module, through serve/startup.py's retried start-up, on a
+    free loopback port, with every proxy HEALTHY before any test deploys onto it. Per module,
+    not per session: Serve lives in the module's Ray (see ray_local)."""
+    from ray import serve
+
+    from serve.startup import start_serve
+
+    port = free_port()
+    start_serve("127.0.0.1", port)
+    yield port
+    serve.shutdown()

@@ -4,7 +4,6 @@ Serve deployment of a tiny target (sweep, concurrency levels, baseline, JSON, pl
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -108,21 +107,16 @@ def test_acceptance_per_position():
 
 
 @pytest.fixture(scope="module")
-def endpoint(ray_local, tiny_target, tmp_path_factory):
-    from ray import serve
-
+def endpoint(serve_port, tiny_target, tmp_path_factory):
     target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
     d = random_drafter(target, draft_vocab_size=4000, seed=1, aux_layer_ids=[0, 1, 2]).model
     ckpt = save_drafter(d.state_dict(), d.cfg, tmp_path_factory.mktemp("bench") / "drafter")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     from pipeline.config import ServeConfig, TargetConfig  # the driver passes its config sections
 
-    serve_cfg, target_cfg = ServeConfig(port=port, steps=2), TargetConfig(model=str(tiny_target))
+    serve_cfg = ServeConfig(port=serve_port, steps=2)
+    target_cfg = TargetConfig(model=str(tiny_target))
     logs = tmp_path_factory.mktemp("logs")
-    yield deploy_endpoint(serve_cfg, target_cfg, ckpt, logs, app_name="test-bench")
-    serve.shutdown()
+    return deploy_endpoint(serve_cfg, target_cfg, ckpt, logs, app_name="test-bench")
 
 
 def test_run_bench_against_the_deployment(endpoint, tmp_path):
@@ -212,3 +206,26 @@ def test_bench_endpoint_on_the_embedded_engine(endpoint, tmp_path):
     assert r.extra["settings"]["baseline"] == "same server, speculative: false"
     assert r.extra["baseline_cached"] is False and not (tmp_path / "b.json").exists()
     assert json.loads(Path(r.json_path).read_text())["extra"]["baseline_cached"] is False
+
+
+def test_cli_benchmarks_a_whole_small_file_by_domain(endpoint, tmp_path, capsys):
+    """A user's 10-prompt file is benchmarked whole (no held-out split to leave it short), one
+    domain per file or per record, figures per domain in the printed JSON and the result file."""
+    from serve.cli import main
+
+    f = tmp_path / "mine.jsonl"
+    lines = [{"prompt": f"Name a colour, number {i}."} for i in range(6)]
+    lines += [{"prompt": f"What is {i} + {i}?", "domain": "math"} for i in range(4)]
+    f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    rc = main(["bench", "--url", endpoint.url, "--prompts-jsonl", str(f), "--max-tokens", "6",
+               "--warmup", "0", "--out", str(tmp_path), "--tag", "mine"])  # fmt: skip
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {d: v["requests"] for d, v in out["domains"].items()} == {"mine": 6, "math": 4}
+    saved = json.loads((tmp_path / "mine.json").read_text())
+    assert sum(lv["requests"] for lv in saved["levels"] if lv["speculative"]) == 10
+    for d in out["domains"].values():
+        assert 1.0 <= d["accept_len"] <= 3.0 and d["speedup"] > 0
+        assert len(d["acceptance_per_position"]) == 2  # the server drafts 2 steps
+    total = sum(d["accept_len"] * d["requests"] for d in out["domains"].values()) / 10
+    assert out["accept_len"] == pytest.approx(total)  # the overall figure is the same requests

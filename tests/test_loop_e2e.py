@@ -38,16 +38,34 @@ def ray_head(tmp_path_factory):
     env["PATH"] = f"{bindir}:{env['PATH']}"  # the job's `python` is this venv's
     token = [str(bindir / "ray"), "get-auth-token", "--generate"]
     subprocess.run(token, check=True, env=env, capture_output=True)
-    dash, gcs = _free_port(), _free_port()
+    # Every port this head listens on is a free one: Ray's fixed defaults (client server 10001,
+    # dashboard agent 52365) are shared with any other Ray on the machine, and an agent that
+    # loses its port leaves the head without a job agent ("No available agent").
+    dash, gcs, client, agent = (_free_port() for _ in range(4))
     temp = tmp_path_factory.mktemp("ray")
-    subprocess.run(
-        [str(bindir / "ray"), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
-         "--num-cpus", "4", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
+    log = temp / "ray-start.log"
+    # --block, and SIGTERM to stop it: that stops this head's processes only, where
+    # `ray stop --force` would kill every Ray on the machine (other test runs' included).
+    head = subprocess.Popen(
+        [str(bindir / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+         "--port", str(gcs), "--ray-client-server-port", str(client),
+         "--dashboard-agent-listen-port", str(agent), "--num-cpus", "4",
+         "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
          "--disable-usage-stats", f"--temp-dir={temp}"],
-        check=True, env=env, capture_output=True,
+        env=dict(env, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0"), stdout=log.open("w"),
+        stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
+    deadline = time.time() + 300
+    while "Ray runtime started" not in log.read_text():
+        assert head.poll() is None and time.time() < deadline, log.read_text()[-4000:]
+        time.sleep(1)
     yield {"address": f"http://127.0.0.1:{dash}", "env": env, "bin": bindir}
-    subprocess.run([str(bindir / "ray"), "stop", "--force"], env=env, capture_output=True)
+    head.terminate()
+    try:
+        head.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(head.pid, 9)
+        head.wait()
 
 
 def _config(tmp: Path, tiny_target: Path) -> Path:

@@ -203,3 +203,65 @@ def test_self_written_batches_are_fresh_per_round_and_sized_by_the_batch():
     assert [b.count for b in r0] == [32, 32, 6] and self_written_batches(0, 32, 0, 0) == []
     seeds = [b.seed for b in r0 + r1 + self_written_batches(70, 32, 1, 0)]
     assert len(set(seeds)) == len(seeds)
+
+
+# ---- real prompt sources and the per-run split --------------------------------------------------
+
+
+def test_truncated_json_array_keeps_every_complete_record():
+    from actors.sources import read_json_records
+
+    text = '[\n {"id": 1, "conversations": []},\n {"id": 2, "conversations": [{"from": "hu'
+    assert [r["id"] for r in read_json_records(text)] == [1]
+    assert read_json_records('[{"a": 1}, {"a": 2}]') == [{"a": 1}, {"a": 2}]
+
+
+def test_sharegpt_turns_split_with_context():
+    from actors.sources import split_turns
+
+    turns = [{"from": "human", "value": "What is a haiku?"}, {"from": "gpt", "value": "A poem."},
+             {"from": "human", "value": "Write one about rain."}, {"from": "gpt", "value": "..."},
+             {"from": "human", "value": "这是中文的问题吗"}, {"from": "human", "value": "ok"}]  # fmt: skip
+    got = split_turns(turns)
+    assert [len(c) for c in got] == [1, 3]  # non-English and too-short turns are left out
+    assert got[1][-1] == {"role": "user", "content": "Write one about rain."}
+    assert got[1][1]["role"] == "assistant"
+    assert split_turns(turns, max_chars=30) == got[:1]  # the second prompt's context is too long
+
+
+def test_installed_real_sources_load_with_domains():
+    from actors.sources import READERS
+
+    counts = {name: read() for name, read in READERS.items()}
+    assert len(counts["sharegpt"]) > 15_000 and len(counts["humaneval"]) == 164
+    assert len(counts["lm_eval"]) > 300
+    assert {p.domain for p in counts["sharegpt"]} == {"chat"}
+    assert {p.domain for p in counts["humaneval"]} == {"coding"}
+    assert {p.domain for p in counts["lm_eval"]} == {"math"}
+    for prompts in counts.values():
+        assert all(p.messages[-1]["role"] == "user" for p in prompts)
+
+
+def test_plan_splits_sources_disjointly_and_rounds_draw_by_weight(tmp_path):
+    from actors.prompts import mixed_round, plan_prompts, prompt_key
+
+    a = tmp_path / "a.jsonl"
+    a.write_text("".join(json.dumps({"prompt": f"a{i}"}) + "\n" for i in range(40)))
+    b = tmp_path / "b.jsonl"  # shares prompts with a: held out in one means never trained in any
+    b.write_text("".join(json.dumps({"prompt": f"a{i}"}) + "\n" for i in range(20)))
+    data = DataConfig(source={"builtin": 3, "jsonl": 1, "traffic": 4}, path=[str(a), str(b)],
+                      heldout_prompts=5, user_prompts=8)  # fmt: skip
+    plan = plan_prompts(data)
+    assert plan.weights == {"builtin": 0.75, "jsonl": 0.25}  # traffic is drawn by the loop
+    assert len(plan.heldout) == 10 and [p.source for p in plan.heldout[:2]] == ["builtin", "jsonl"]
+    assert len(plan.users) == 8
+    held = {prompt_key(p.messages) for p in plan.heldout}
+    users = {prompt_key(p.messages) for p in plan.users}
+    train = {prompt_key(c) for pool in plan.train.values() for c in pool}
+    assert not held & train and not users & train and not held & users
+    assert {p.domain for p in plan.heldout if p.source == "jsonl"} <= {"a", "b"}
+    first, counts = mixed_round(plan, 20, {})
+    assert counts == {"builtin": 15, "jsonl": 5} and len(first) == 20
+    second, _ = mixed_round(plan, 20, counts)
+    assert not {prompt_key(c) for c in first} & {prompt_key(c) for c in second}
+    assert plan_prompts(data) == plan  # the seed alone decides

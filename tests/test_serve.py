@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -29,12 +29,6 @@ CHAT = {
     "max_tokens": 10,
     "temperature": 0,
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def save_random(target, out, seed: int, draft_vocab: int = 4000) -> str:
@@ -61,15 +55,11 @@ def drafters(tiny_target, tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def endpoint(ray_local, tiny_target, drafters, tmp_path_factory):
-    from ray import serve
-
-    serve_cfg = ServeConfig(port=free_port(), steps=3, num_cpus=1)  # 1 CPU = 1 torch thread
+def endpoint(serve_port, tiny_target, drafters, tmp_path_factory):
+    serve_cfg = ServeConfig(port=serve_port, steps=3, num_cpus=1)  # 1 CPU = 1 torch thread
     target_cfg = TargetConfig(model=str(tiny_target))
     logs = tmp_path_factory.mktemp("logs")
-    ep = deploy_endpoint(serve_cfg, target_cfg, drafters["good1"], logs, app_name=APP)
-    yield ep
-    serve.shutdown()
+    return deploy_endpoint(serve_cfg, target_cfg, drafters["good1"], logs, app_name=APP)
 
 
 def test_handle_and_http_answer_with_spec_stats(endpoint):
@@ -150,6 +140,35 @@ def test_bad_requests_get_400(endpoint):
         assert c.post("/v1/completions", json={"max_tokens": 3}).status_code == 400
         r = c.post("/v1/chat/completions", json=dict(CHAT, topk=2, num_draft_tokens=40))
         assert r.status_code == 400 and "num_draft_tokens=40" in r.json()["error"]["message"]
+        # each answered 500 (or, max_tokens 0, 200 with 256 tokens allowed) before validation
+        for path, body, field in (
+            ("/v1/chat/completions", dict(CHAT, max_tokens=0), "max_tokens: 0"),
+            ("/v1/chat/completions", dict(CHAT, max_tokens="5"), "max_tokens: '5'"),
+            ("/v1/chat/completions", dict(CHAT, temperature="hot"), "temperature"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0]"),
+            ("/v1/completions", {"prompt": [1, 10**7], "max_tokens": 3}, "outside the vocabulary"),
+            ("/v1/completions", {"prompt": "hi", "max_tokens": 2000}, "exceeds the context"),
+        ):
+            r = c.post(path, json=body)
+            assert r.status_code == 400 and field in r.json()["error"]["message"], (body, r.text)
+        raw = b'{"prompt": "\xff\xfe", "max_tokens": 3}'
+        r = c.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"]
+
+
+def test_a_bad_request_never_fails_the_valid_ones_batched_with_it(endpoint):
+    """An out-of-vocabulary id sent with valid requests failed 3-5 of 5 of them on main."""
+    good = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    bad = dict(good, prompt=[5, 10**7])
+
+    def ask(body: dict) -> httpx.Response:
+        with httpx.Client(base_url=endpoint.url, timeout=120) as c:
+            return c.post("/v1/completions", json=body)
+
+    with cf.ThreadPoolExecutor(6) as pool:
+        outs = list(pool.map(ask, [good, bad, good, good, bad, good]))
+    assert [r.status_code for r in outs] == [200, 400, 200, 200, 400, 200]
+    assert len({r.json()["choices"][0]["text"] for r in outs if r.status_code == 200}) == 1
 
 
 def test_hot_swap_and_bad_checkpoint_refused(endpoint, drafters):
@@ -194,6 +213,59 @@ def test_endpoint_swaps_and_refuses_through_one_interface(endpoint, drafters, tm
     assert measured == [] and not cache.exists()
 
 
+def _restart_replica(app: str, old_pid: int) -> dict:
+    """Kill the app's replica the way a crash would; Serve starts a new one from the declared
+    config. Returns the new replica's drafter_info."""
+    import ray
+    from ray import serve
+    from ray.util import list_named_actors
+
+    (actor,) = [
+        a
+        for a in list_named_actors(all_namespaces=True)
+        if a["name"].startswith(f"SERVE_REPLICA::{app}#")
+    ]
+    ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            info = serve.get_app_handle(app).drafter_info.remote().result(timeout_s=10)
+            if info["pid"] != old_pid:
+                return info
+        except Exception:  # noqa: BLE001 - the replica is restarting
+            pass
+        time.sleep(1)
+    raise AssertionError(f"no new replica of {app} within 180 s: {serve.status()}")
+
+
+def test_a_refused_drafter_never_outlives_a_replica_restart(endpoint, drafters):
+    """On main a refused path stayed declared, so the restarted replica failed six times and
+    the app stayed down; now it comes back on the last good drafter."""
+    good = endpoint.swap_drafter(drafters["good1"])
+    with pytest.raises(DrafterRejected):
+        swap_drafter(drafters["wrong"], app_name=APP)
+    _run_app(APP, drafters["broken"])  # a bad config declared directly: refused in place
+    assert endpoint.info()["path"] == drafters["good1"]
+    info = _restart_replica(APP, good["pid"])
+    assert info["path"] == drafters["good1"] and "config.json" in info["error"]
+    with httpx.Client(base_url=endpoint.url, timeout=120) as c:
+        assert c.get("/health").status_code == 200
+        out = c.post("/v1/chat/completions", json=dict(CHAT, ignore_eos=True)).json()
+    assert out["usage"]["drafter"] == drafters["good1"]
+    _run_app(APP, drafters["good1"])  # leave the app on a valid config
+
+
+def test_cli_swaps_the_drafter_of_a_running_server(endpoint, drafters):
+    from serve.cli import main
+
+    pid = endpoint.info()["pid"]
+    assert main(["swap", "--url", endpoint.url, "--drafter", drafters["good2"]]) == 0
+    info = endpoint.info()
+    assert info["path"] == drafters["good2"] and info["pid"] == pid  # in place
+    assert main(["swap", "--url", endpoint.url, "--drafter", drafters["wrong"]]) == 1
+    assert endpoint.info()["path"] == drafters["good2"]
+
+
 def test_sglang_drafter_check_without_loading_the_target(tiny_target, drafters, tmp_path):
     """What the SGLang endpoint checks before a restart: the checkpoint and its fit to the
     target's config.json (no weights of the target loaded)."""
@@ -214,3 +286,124 @@ def test_sglang_drafter_check_without_loading_the_target(tiny_target, drafters, 
     serve_cfg = ServeConfig(engine="sglang", port=30000)  # nothing binds it
     with pytest.raises(DrafterRejected, match="target_hidden_size"):
         deploy_endpoint(serve_cfg, target, drafters["wrong"], tmp_path / "logs")
+
+
+# ---- bounded fault and fuzz harness ------------------------------------------------------------
+
+FUZZ_SEED, FUZZ_CONCURRENCY, FUZZ_BUDGET_S = 16, 8, 240
+
+
+def _valid_requests() -> list[tuple[str, dict]]:
+    """Greedy requests of different shapes (the ones the fuzz must never hurt)."""
+    out = []
+    for i in range(10):
+        body = {"max_tokens": 3 + i % 5, "temperature": 0, "ignore_eos": True}
+        if i % 3 == 0:
+            out.append(("/v1/chat/completions", dict(body, messages=[
+                {"role": "user", "content": f"Say {i} words."}])))  # fmt: skip
+        else:
+            prompt = [5 + i, 17, 300 + i] if i % 2 else f"Count to {i}:"
+            out.append(("/v1/completions", dict(body, prompt=prompt)))
+        out[-1][1].update(speculative=i % 4 != 1, stream=i % 5 == 2)
+    return out
+
+
+def _malformed_requests(rng) -> list[tuple[str, bytes]]:
+    """Each mutation alone breaks a valid request; raw bodies break the transport layer."""
+    base = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+    fields = [
+        ("max_tokens", 0), ("max_tokens", -5), ("max_tokens", "7"), ("max_tokens", 1.5),
+        ("max_tokens", 10**9), ("max_tokens", True), ("temperature", "x"), ("temperature", -1),
+        ("temperature", [1]), ("steps", 0), ("steps", 10**4), ("topk", -1), ("topk", {}),
+        ("speculative", "yes"), ("stream", 1), ("stream_options", "x"), ("seed", 1.5),
+        ("ignore_eos", "no"), ("prompt", []), ("prompt", [10**9]), ("prompt", [-1]),
+        ("prompt", [1.5]), ("prompt", {"a": 1}), ("prompt", None), ("prompt", [[1, 2], [3]]),
+        ("prompt", "\ud800"), ("top_p", 0.1), ("n", 3), ("stop", ["x"]),
+        ("num_draft_tokens", 10**6),
+    ]  # fmt: skip
+    out = []
+    for field, value in fields:
+        body = dict(base, **{field: value})
+        if field == "num_draft_tokens":
+            body["topk"] = 2
+        out.append(("/v1/completions", json.dumps(body).encode()))
+    chat = [{"messages": []}, {"messages": "hi"}, {"messages": [{"role": 1, "content": "x"}]},
+            {"messages": [{"role": "user", "content": None}]}, {"messages": [["user", "x"]]}]  # fmt: skip
+    out += [("/v1/chat/completions", json.dumps(b).encode()) for b in chat]
+    raw = [b"", b"{", b"[]", b"null", b'"text"', b"\xff\xfe{}", b'{"prompt": "\xc3\x28"}',
+           b'{"prompt": [1], "max_tokens": NaN}', b'{"prompt": [1], "temperature": Infinity}',
+           b"[" * 50_000 + b"]" * 50_000]  # fmt: skip
+    out += [(rng.choice(["/v1/completions", "/v1/chat/completions"]), r) for r in raw]
+    return out
+
+
+def _send(url: str, path: str, body: dict | bytes) -> tuple[int, str]:
+    """(status, text or error message); a streamed answer is joined from its SSE deltas."""
+    with httpx.Client(base_url=url, timeout=60) as c:
+        if isinstance(body, bytes):
+            r = c.post(path, content=body, headers={"content-type": "application/json"})
+            return r.status_code, r.text
+        if not body.get("stream"):
+            r = c.post(path, json=body)
+            if r.status_code != 200:
+                return r.status_code, r.text
+            ch = r.json()["choices"][0]
+            return 200, ch["message"]["content"] if "message" in ch else ch["text"]
+        text = ""
+        with c.stream("POST", path, json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    ev = json.loads(line[6:])
+                    if "error" in ev:
+                        return 500, ev["error"]["message"]
+                    for ch in ev["choices"]:
+                        text += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+        return r.status_code, text
+
+
+def _hang_up(url: str) -> tuple[int, str]:
+    """A fault: a client that drops a stream after its first event."""
+    with httpx.Client(base_url=url, timeout=60) as c:
+        body = {"prompt": [9, 9, 9], "max_tokens": 40, "ignore_eos": True, "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            next(r.iter_lines())
+    return -1, ""
+
+
+def test_fuzz_and_faults_never_hurt_valid_requests(endpoint):
+    """Interleaved valid and malformed requests (and dropped streams) at concurrency 8 against
+    the real server on 127.0.0.1: no 5xx, every malformed one a 4xx naming its problem, every
+    valid one answered exactly as when sent alone in sequence, and the server healthy after.
+    Bounded: 57 requests, FUZZ_BUDGET_S seconds."""
+    import random
+
+    assert endpoint.url.startswith("http://127.0.0.1:")
+    rng = random.Random(FUZZ_SEED)
+    valid = _valid_requests()
+    alone = [_send(endpoint.url, path, body) for path, body in valid]  # sequential reference
+    assert all(code == 200 and text for code, text in alone), alone
+    bad = _malformed_requests(rng)
+    jobs = [("valid", i) for i in range(len(valid))] + [("bad", i) for i in range(len(bad))]
+    jobs += [("hangup", 0), ("hangup", 1)]
+    rng.shuffle(jobs)
+
+    def run(job: tuple[str, int]) -> tuple[int, str]:
+        kind, i = job
+        if kind == "hangup":
+            return _hang_up(endpoint.url)
+        return _send(endpoint.url, *(valid[i] if kind == "valid" else bad[i]))
+
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(FUZZ_CONCURRENCY) as pool:
+        results = dict(zip(jobs, pool.map(run, jobs), strict=True))
+    assert time.monotonic() - t0 < FUZZ_BUDGET_S
+    server_errors = {j: r for j, r in results.items() if r[0] >= 500}
+    assert not server_errors
+    for i, (path, raw) in enumerate(bad):
+        code, text = results[("bad", i)]
+        assert 400 <= code < 500 and json.loads(text)["error"]["message"], (path, raw[:80], text)
+    for i, want in enumerate(alone):
+        assert results[("valid", i)] == want, (valid[i], results[("valid", i)], want)
+    with httpx.Client(base_url=endpoint.url, timeout=60) as c:
+        assert c.get("/health").json() == {"status": "ok"}
+    assert [_send(endpoint.url, *v) for v in valid[:3]] == alone[:3]

@@ -234,7 +234,7 @@ def test_two_workers_learn_survive_a_crash_and_export(ray_local, target_and_data
     exported = drafter_from_state(cfg, state, embed)
     ckpt = sorted((out / "ray").glob("*/step-*/train_state.pt"))[-1]
     assert ckpt.parent.name == "step-0000032"
-    trained = torch.load(ckpt, weights_only=False)["model"]
+    trained = torch.load(ckpt, weights_only=True)["model"]
     trained = {k.removeprefix("drafter."): v for k, v in trained.items()}
     fp32 = drafter_from_state(cfg, trained, embed)
     rounded = drafter_from_state(

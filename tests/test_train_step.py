@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from actors.shards import Sample, iter_samples, read_shard, write_shard
 from eagle3.config import Eagle3Config
 from eagle3.train_step import (
+    STATE_FILE,
     Batch,
     ShardSet,
     SoftTargets,
@@ -296,3 +298,22 @@ def test_target_dtype_auto_follows_the_hardware():
     assert target_dtype("auto", "cpu") == want
     assert target_dtype("auto", "cuda") == torch.bfloat16
     assert target_dtype("float32", "cuda") == torch.float32
+
+
+class _Payload:
+    """Stands for any pickled object a tampered checkpoint could carry (code runs on load)."""
+
+    def __reduce__(self):
+        return (print, ("unpickled code ran",))
+
+
+def test_training_state_loads_tensors_only(tmp_path):
+    """torch.load(weights_only=True): a checkpoint carrying an arbitrary object is refused
+    instead of executed (main loaded with weights_only=False)."""
+    *_, module, opt, sched, _ = _setup()
+    save_training_state(tmp_path, module, opt, sched, step=1)
+    payload = torch.load(tmp_path / STATE_FILE, weights_only=True)  # what it writes is plain
+    payload["extra"] = _Payload()
+    torch.save(payload, tmp_path / STATE_FILE)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        load_training_state(tmp_path, module, opt, sched)

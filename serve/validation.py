@@ -1,0 +1,218 @@
+"""Request validation of the OpenAI endpoints: the one gate between a client's JSON and a batch.
+
+`parse_body` turns raw request bytes into a dict (invalid UTF-8 or JSON is the client's error);
+`check_request` checks every field the server reads (type, range, token ids against the
+vocabulary, UTF-8 of every string, prompt + max_tokens against the context) and returns the
+settled values, or raises BadRequest naming every bad field at once. Nothing that failed here
+ever joins a batch, so a malformed request cannot fail the valid requests batched with it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from serve.engine import GenParams, tree_problem
+
+DEFAULT_MAX_TOKENS = 256
+MAX_STEPS = 16
+MAX_TOPK = 16
+
+
+class BadRequest(ValueError):
+    """A request the server cannot serve; answered with HTTP 400."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the served model allows: token ids in [0, vocab_size), prompt + completion within
+    max_context (0 = unknown), and the engine's default drafting shape (for the tree check)."""
+
+    vocab_size: int
+    max_context: int
+    steps: int
+    topk: int
+    num_draft_tokens: int | None
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    prompt: list[int]
+    params: GenParams
+    speculative: bool
+    stream: bool
+    include_usage: bool
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object; BadRequest for anything else."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"body: not valid UTF-8 (byte {e.start}); send UTF-8 JSON") from None
+    try:
+        body = json.loads(text)
+    except ValueError as e:
+        raise BadRequest(f"body: not valid JSON ({e})") from None
+    except RecursionError:
+        raise BadRequest("body: JSON nested too deeply") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body: must be a JSON object")
+    return body
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _utf8(v: str) -> bool:
+    try:
+        v.encode("utf-8")  # a lone surrogate (JSON "\ud800") cannot be encoded
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_request(
+    body: dict[str, Any],
+    chat: bool,
+    limits: Limits,
+    encode: Callable[[str], list[int]],
+    apply_template: Callable[[list[dict[str, Any]]], list[int]],
+) -> CheckedRequest:
+    """Every field the server reads, checked; BadRequest lists each problem as `field: why`."""
+    problems: list[str] = []
+    prompt = _prompt(body, chat, encode, apply_template, problems)
+    bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
+    if bad:
+        field = "messages" if chat else "prompt"
+        problems.append(
+            f"{field}: token id(s) {bad[:5]} outside the vocabulary [0, {limits.vocab_size})"
+        )
+
+    def opt_int(name: str, lo: int, hi: int | None = None) -> int | None:
+        v = body.get(name)
+        if v is None:
+            return None
+        if not _is_int(v) or v < lo or (hi is not None and v > hi):
+            rng = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+            problems.append(f"{name}: {v!r} must be an integer {rng}")
+            return None
+        return v
+
+    def opt_bool(name: str, default: bool) -> bool:
+        v = body.get(name)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            problems.append(f"{name}: {v!r} must be true or false")
+            return default
+        return v
+
+    max_tokens = opt_int("max_tokens", 1)
+    if chat and body.get("max_completion_tokens") is not None:
+        max_tokens = opt_int("max_completion_tokens", 1)
+    if max_tokens is None and not any(
+        body.get(k) is not None for k in ("max_tokens", "max_completion_tokens")
+    ):
+        room = limits.max_context - len(prompt) if limits.max_context else DEFAULT_MAX_TOKENS
+        max_tokens = max(1, min(DEFAULT_MAX_TOKENS, room))  # absent: the default, within context
+    max_tokens = max_tokens or 1  # a bad value, already reported
+    temperature = body.get("temperature")
+    if temperature is None:
+        temperature = 1.0  # OpenAI's default
+    elif (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, int | float)
+        or not math.isfinite(temperature)
+        or not 0 <= temperature <= 2
+    ):
+        problems.append(f"temperature: {temperature!r} must be a number in [0, 2]")
+        temperature = 0.0
+    top_p = body.get("top_p")
+    if top_p is not None and (isinstance(top_p, bool) or top_p != 1):
+        problems.append(f"top_p: {top_p!r}; only 1.0 is supported, leave it out")
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        problems.append(f"n: {n!r}; only 1 completion per request is supported")
+    if body.get("stop"):
+        problems.append("stop: stop strings are not supported; leave it out")
+    seed = opt_int("seed", -(2**63), 2**63 - 1)
+    steps = opt_int("steps", 1, MAX_STEPS)
+    topk = opt_int("topk", 1, MAX_TOPK)
+    n_tokens = opt_int("num_draft_tokens", 2, 1 + MAX_TOPK + (MAX_STEPS - 1) * MAX_TOPK**2)
+    tree = tree_problem(
+        steps or limits.steps, topk or limits.topk, n_tokens or limits.num_draft_tokens
+    )
+    if tree:
+        problems.append(f"steps/topk/num_draft_tokens: {tree}")
+    speculative = opt_bool("speculative", True)
+    ignore_eos = opt_bool("ignore_eos", False)
+    stream = opt_bool("stream", False)
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
+            problems.append(f"stream_options: {opts!r} must be {{'include_usage': true|false}}")
+        else:
+            include_usage = opts.get("include_usage", False)
+    if prompt and limits.max_context and len(prompt) + max_tokens > limits.max_context:
+        problems.append(
+            f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the "
+            f"context of {limits.max_context}; shorten the prompt or lower max_tokens"
+        )
+    if problems:
+        raise BadRequest("; ".join(problems))
+    params = GenParams(
+        max_tokens=max_tokens,
+        temperature=float(temperature),
+        steps=steps,
+        seed=seed,
+        ignore_eos=ignore_eos,
+        topk=topk,
+        num_draft_tokens=n_tokens,
+    )
+    return CheckedRequest(prompt, params, speculative, stream, include_usage)
+
+
+def _prompt(
+    body: dict[str, Any],
+    chat: bool,
+    encode: Callable[[str], list[int]],
+    apply_template: Callable[[list[dict[str, Any]]], list[int]],
+    problems: list[str],
+) -> list[int]:
+    """The prompt's token ids ([] after recording a problem)."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            problems.append("messages: a non-empty list of {role, content} is required")
+            return []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                problems.append(f"messages[{i}]: must be an object with a string role")
+                return []
+            content = m.get("content")
+            if not isinstance(content, str) or not _utf8(content) or not _utf8(m["role"]):
+                problems.append(f"messages[{i}].content: must be a valid UTF-8 string")
+                return []
+        try:
+            return list(apply_template(messages))
+        except Exception as e:  # noqa: BLE001 - template errors are the client's
+            problems.append(f"messages: cannot apply the chat template ({e})")
+            return []
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        if not _utf8(prompt):
+            problems.append("prompt: not a valid UTF-8 string")
+            return []
+        return list(encode(prompt))
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return list(prompt)
+    problems.append("prompt: a non-empty string or list of token ids is required (one prompt)")
+    return []

@@ -1,0 +1,49 @@
+"""The default MLflow store lives in the run directory, so re-running from another working
+directory finds the same runs; a state.json naming runs the store does not have is an error that
+says what to do, never a silent new parent (real MLflow on sqlite, the real driver)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+for _dep in ("mlflow", "pydantic"):  # bare GPU host (torch only): skip
+    pytest.importorskip(_dep)
+from mlflow.tracking import MlflowClient
+
+from pipeline.config import parse_config
+from pipeline.loop import run_loop
+from pipeline.state import RunState
+from pipeline.tracking import UnknownRuns
+
+
+def test_default_store_is_the_run_dirs_and_unknown_runs_are_an_error(
+    tiny_target, tmp_path, monkeypatch
+):
+    cfg = parse_config({"name": "st", "target": {"model": str(tiny_target)},
+                        "data": {"prompts_per_round": 4, "heldout_prompts": 2}})  # fmt: skip
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    RunState(config_digest=cfg.digest(), stopped_because="budget: 1 rounds").save(run_dir)
+    for cwd in ("a", "b"):  # a finished run, re-run from two working directories
+        (tmp_path / cwd).mkdir()
+        monkeypatch.chdir(tmp_path / cwd)
+        run_loop(cfg, run_dir)
+        assert not list((tmp_path / cwd).iterdir())  # no mlflow.db, no mlruns/ here
+    state = json.loads((run_dir / "state.json").read_text())
+    client = MlflowClient(f"sqlite:///{run_dir}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("eagle-loop").experiment_id])
+    assert [r.info.run_id for r in runs] == [state["parent_run_id"]]  # one parent, reused
+    assert runs[0].info.artifact_uri.startswith((run_dir / "mlartifacts").as_uri())
+    assert state["tracking_uri"] == f"sqlite:///{run_dir}/mlflow.db"
+
+    other = cfg.model_copy(
+        update={"tracking": cfg.tracking.model_copy(update={"tracking_uri": f"sqlite:///{tmp_path}/x.db"})}
+    )  # fmt: skip
+    with pytest.raises(UnknownRuns) as e:
+        run_loop(other, run_dir)
+    msg = str(e.value)
+    assert f"parent {state['parent_run_id']}" in msg and "tracking.tracking_uri" in msg
+    assert f"it was made with sqlite:///{run_dir}/mlflow.db" in msg
+    assert json.loads((run_dir / "state.json").read_text()) == state  # untouched

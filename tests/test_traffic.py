@@ -1,0 +1,132 @@
+"""The traffic log: written only when recording is on, fsynced per request, rotated, redacted,
+read back tolerantly, and kept across a killed replica; the selection a round learns from."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from eagle3.checkpoint import save_drafter
+from serve.engine import random_drafter
+from serve.traffic import TrafficLog, load_redactor, read_traffic, select_traffic
+
+
+def _rec(i: int, accept: float | None = 2.0, **kw) -> dict:
+    return {"id": f"r{i}", "time": float(i), "messages": [{"role": "user", "content": f"q{i}"}],
+            "prompt_ids": [1, 2, 3], "completion_ids": [4, 5], "accept_len": accept, **kw}  # fmt: skip
+
+
+def drop_secret(rec: dict) -> dict | None:
+    """A redaction hook for the test: masks contents, drops records that say 'secret'."""
+    if any("secret" in m["content"] for m in rec.get("messages") or []):
+        return None
+    return {**rec, "messages": [{**m, "content": "<redacted>"} for m in rec["messages"]]}
+
+
+def test_log_rotates_redacts_and_skips_torn_lines(tmp_path):
+    log = TrafficLog(tmp_path, "7", max_bytes=400, max_files=2, redact=drop_secret)
+    for i in range(8):
+        log.append(_rec(i))
+    log.append({**_rec(99), "messages": [{"role": "user", "content": "my secret"}]})
+    log.close()
+    files = sorted(tmp_path.glob("traffic-7-*.jsonl"))
+    assert len(files) == 2  # rotated, the oldest deleted
+    with files[-1].open("a") as fh:
+        fh.write('{"v": 1, "id": "torn", "prompt_ids": [1')  # a crash mid-line
+    got = list(read_traffic(tmp_path))
+    assert got and all(r["messages"][0]["content"] == "<redacted>" for r in got)
+    assert "r99" not in {r["id"] for r in got} and "torn" not in {r["id"] for r in got}
+    assert [r["id"] for r in got] == sorted((r["id"] for r in got), key=lambda x: int(x[1:]))
+    assert (
+        load_redactor("tests.test_traffic:drop_secret")(_rec(1))["messages"][0]["content"]
+        == "<redacted>"
+    )
+    with pytest.raises(ValueError, match="serve.traffic_redact"):
+        load_redactor("no_colon")
+
+
+def test_selection_hardest_first_unused_not_heldout():
+    recs = [_rec(0, 3.0), _rec(1, 1.2), _rec(2, None), _rec(3, 1.2), _rec(4, 2.0)]
+    recs.append({**_rec(5, 1.0), "messages": [{"role": "user", "content": "held"}]})
+    recs.append({**_rec(6, 1.0), "prompt_ids": list(range(64))})  # no room under max_length
+    got = select_traffic(recs, 4, used={"r3"}, exclude_keys={"user: held"}, max_length=32)
+    # r2 was served without a drafter: counts as 1.0, the hardest; then r1 (1.2), r4, r0
+    assert [r["id"] for r in got] == ["r2", "r1", "r4", "r0"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, content: str, **extra) -> dict:
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 6,
+            "temperature": 0, **extra}  # fmt: skip
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_served_requests_are_logged_and_survive_a_killed_replica(ray_local, tiny_target, tmp_path):
+    import ray
+    from ray import serve
+
+    from pipeline.config import ServeConfig, TargetConfig
+    from serve.deployment import deploy_endpoint
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    d = random_drafter(target, draft_vocab_size=4000, seed=1, aux_layer_ids=[0, 1, 2]).model
+    ckpt = save_drafter(d.state_dict(), d.cfg, tmp_path / "drafter")
+    traffic = tmp_path / "traffic"
+    off = deploy_endpoint(ServeConfig(port=_free_port(), steps=2), TargetConfig(model=str(tiny_target)),
+                          ckpt, tmp_path, app_name="traffic-off", traffic_dir=traffic)  # fmt: skip
+    _post(off.url, "nothing is recorded")
+    off.shutdown()
+    assert not traffic.exists()  # recording off: nothing opened, nothing written
+    serve.shutdown()
+
+    cfg = ServeConfig(port=_free_port(), steps=2, record_traffic=True)
+    ep = deploy_endpoint(cfg, TargetConfig(model=str(tiny_target)), ckpt, tmp_path,
+                         app_name="traffic-on", traffic_dir=traffic)  # fmt: skip
+    try:
+        answers = [_post(ep.url, f"question {i}") for i in range(3)]
+        _post(ep.url, "a benchmark prompt", record=False)  # the benchmark's requests: never
+        recs = list(read_traffic(traffic))
+        assert [r["messages"][0]["content"] for r in recs] == [f"question {i}" for i in range(3)]
+        for rec, ans in zip(recs, answers, strict=True):
+            assert rec["completion_tokens"] == ans["usage"]["completion_tokens"]
+            assert len(rec["completion_ids"]) == rec["completion_tokens"] and rec["prompt_ids"]
+            assert rec["accept_len"] == ans["usage"]["spec_accept_len"] and rec["verify_ct"] > 0
+            assert rec["temperature"] == 0 and rec["drafter"] == str(ckpt)
+
+        replica = next(
+            a for a in ray.util.list_named_actors(all_namespaces=True)
+            if "traffic-on" in a["name"] and "SpecServer" in a["name"]
+        )  # fmt: skip
+        ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=False)
+        deadline = time.monotonic() + 180
+        while True:  # Serve replaces the dead replica; requests fail until it is up
+            try:
+                _post(ep.url, "after the crash")
+                break
+            except (AssertionError, httpx.HTTPError):
+                assert time.monotonic() < deadline, "the replica never came back"
+                time.sleep(2)
+        recs = list(read_traffic(traffic))
+        assert [r["messages"][0]["content"] for r in recs][:3] == [
+            f"question {i}" for i in range(3)
+        ]
+        assert recs[-1]["messages"][0]["content"] == "after the crash"
+        assert len({r["replica"] for r in recs}) == 2  # the new replica writes its own file
+        for path in traffic.glob("traffic-*.jsonl"):
+            assert all(json.loads(line) for line in path.read_text().splitlines())
+    finally:
+        ep.shutdown()
+        serve.shutdown()

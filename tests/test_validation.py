@@ -1,0 +1,155 @@
+"""Request validation (serve/validation.py) field by field, and failure isolation inside a batch
+(serve/deployment.py `run_isolated`) on a real engine: a request that breaks the engine fails
+alone, and the requests batched with it get exactly their sequential greedy output."""
+
+from __future__ import annotations
+
+import pytest
+
+for _dep in ("fastapi", "ray"):  # bare GPU host (torch only): skip
+    pytest.importorskip(_dep)
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from actors.chat import prompt_ids
+from serve.deployment import _Job, run_isolated
+from serve.engine import GenParams, SpecEngine, random_drafter
+from serve.validation import BadRequest, Limits, check_request, parse_body
+
+LIMITS = Limits(vocab_size=1000, max_context=64, steps=3, topk=1, num_draft_tokens=None)
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_target):
+    return AutoTokenizer.from_pretrained(tiny_target)
+
+
+def check(body, chat=False, limits=LIMITS):
+    return check_request(
+        body,
+        chat,
+        limits,
+        encode=lambda text: [min(t, 999) for t in range(1, len(text) + 1)],
+        apply_template=lambda messages: [1, 2, 3],
+    )
+
+
+def problem(body, chat=False) -> str:
+    with pytest.raises(BadRequest) as e:
+        check(body, chat)
+    return str(e.value)
+
+
+def test_valid_requests_are_settled():
+    r = check({"prompt": [1, 2, 3], "max_tokens": 5, "temperature": 0, "stream": True})
+    assert (r.prompt, r.params.max_tokens, r.params.temperature, r.stream) == (
+        [1, 2, 3],
+        5,
+        0,
+        True,
+    )
+    r = check({"messages": MSG, "max_completion_tokens": 7, "max_tokens": 3}, chat=True)
+    assert r.params.max_tokens == 7 and r.params.temperature == 1.0 and r.speculative
+    assert check({"prompt": "abc"}).params.max_tokens == 61  # absent: what the context leaves
+    roomy = Limits(1000, 4096, 3, 1, None)
+    assert check({"prompt": "abc"}, limits=roomy).params.max_tokens == 256  # or the default
+    assert check({"prompt": ["abc"]}).prompt == [1, 2, 3]  # a batch of one
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"prompt": [1], "max_tokens": 0}, "max_tokens: 0"),  # was served as 256 tokens
+        ({"prompt": [1], "max_tokens": -1}, "max_tokens: -1"),
+        ({"prompt": [1], "max_tokens": "5"}, "max_tokens: '5'"),
+        ({"prompt": [1], "max_tokens": 2.5}, "max_tokens: 2.5"),
+        ({"prompt": [1], "max_tokens": True}, "max_tokens: True"),
+        ({"prompt": [1], "temperature": "hot"}, "temperature: 'hot'"),
+        ({"prompt": [1], "temperature": float("nan")}, "temperature: nan"),
+        ({"prompt": [1], "temperature": -0.1}, "temperature: -0.1"),
+        ({"prompt": [1], "steps": 0}, "steps: 0"),
+        ({"prompt": [1], "steps": 99}, "steps: 99"),
+        ({"prompt": [1], "topk": "2"}, "topk: '2'"),
+        ({"prompt": [1], "seed": "x"}, "seed: 'x'"),
+        ({"prompt": [1], "speculative": "no"}, "speculative: 'no'"),
+        ({"prompt": [1], "ignore_eos": 1}, "ignore_eos: 1"),
+        ({"prompt": [1], "stream": "yes"}, "stream: 'yes'"),
+        ({"prompt": [1], "stream_options": []}, "stream_options"),
+        ({"prompt": [1], "top_p": 0.5}, "top_p"),
+        ({"prompt": [1], "n": 2}, "n: 2"),
+        ({"prompt": [1], "stop": ["\n"]}, "stop"),
+        ({"prompt": [1], "topk": 2, "num_draft_tokens": 40}, "num_draft_tokens=40"),
+        ({"prompt": [1, 5000]}, "prompt: token id(s) [5000] outside the vocabulary [0, 1000)"),
+        ({"prompt": [-1]}, "prompt: token id(s) [-1]"),
+        ({"prompt": [1, True]}, "prompt: a non-empty string or list of token ids"),
+        ({"prompt": []}, "prompt: a non-empty"),
+        ({"prompt": 5}, "prompt: a non-empty"),
+        ({"prompt": "\ud800"}, "prompt: not a valid UTF-8 string"),
+        ({"prompt": [1] * 60, "max_tokens": 10}, "exceeds the context of 64"),
+    ],
+)
+def test_each_bad_field_is_named(body, field):
+    assert field in problem(body)
+
+
+def test_chat_fields_and_all_problems_at_once():
+    assert "messages: a non-empty list" in problem({"messages": []}, chat=True)
+    assert "messages[0]" in problem({"messages": ["hi"]}, chat=True)
+    assert "messages[0].content" in problem({"messages": [{"role": "user"}]}, chat=True)
+    bad_utf8 = [{"role": "user", "content": "a\udcff"}]
+    assert "messages[0].content" in problem({"messages": bad_utf8}, chat=True)
+    msg = problem({"prompt": [1], "max_tokens": 0, "steps": 0, "top_p": 0.3})
+    assert all(f in msg for f in ("max_tokens", "steps", "top_p"))
+
+
+def test_body_must_be_utf8_json_object():
+    assert parse_body(b'{"prompt": "hi"}') == {"prompt": "hi"}
+    for raw, words in (
+        (b'{"prompt": "\xff\xfe"}', "body: not valid UTF-8"),
+        (b"{not json", "body: not valid JSON"),
+        (b"[1, 2]", "body: must be a JSON object"),
+    ):
+        with pytest.raises(BadRequest, match=words):
+            parse_body(raw)
+
+
+def test_real_tokenizer_and_template(tok):
+    limits = Limits(len(tok), 1024, 3, 1, None)
+    r = check_request(
+        {"messages": MSG, "max_tokens": 4},
+        True,
+        limits,
+        encode=lambda t: tok(t)["input_ids"],
+        apply_template=lambda m: prompt_ids(tok, m),
+    )
+    assert r.prompt == prompt_ids(tok, MSG)
+
+
+def test_a_failing_request_is_retried_alone_and_others_are_unhurt(tiny_target):
+    torch.set_num_threads(1)
+    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    engine = SpecEngine(
+        target, random_drafter(target, draft_vocab_size=2000, aux_layer_ids=[0, 1, 2]), steps=3
+    )
+    params = GenParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7], [10**6, 1], [8, 9, 10, 11], [12, 13]]  # 10**6: not in the vocabulary
+    calls: list[int] = []
+
+    def run(sub: list[_Job]):
+        calls.append(len(sub))
+        return engine.generate([j.prompt for j in sub], params)
+
+    jobs = [_Job(p, params, speculative=True) for p in prompts]
+    out = run_isolated(run, jobs)
+    assert calls == [4, 1, 1, 1, 1]  # the batch, then each alone
+    assert isinstance(out[1], Exception)
+    for p, g in zip(prompts, out, strict=True):
+        if p[0] != 10**6:
+            alone = engine.generate([p], params)[0]
+            assert g.token_ids == alone.token_ids and len(g.token_ids) == 6
+
+
+def test_deeply_nested_json_is_a_bad_request():
+    with pytest.raises(BadRequest, match="nested too deeply"):
+        parse_body(b"[" * 100_000 + b"]" * 100_000)
