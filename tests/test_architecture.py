@@ -119,6 +119,8 @@ def test_one_of_each_shared_helper():
         "use actors.cluster.start_ray"
     )
     assert [c.split(":")[0] for c in _classes(files, "TargetInfo")] == ["eagle3/target_weights.py"]
+    own_set = [f"{f.relative_to(ROOT)}" for f in files if '"--set"' in f.read_text()]
+    assert own_set == ["actors/config.py"], f"use actors.config.add_set_argument: {own_set}"
     rule = [
         f"{f.relative_to(ROOT)}"
         for f in files
