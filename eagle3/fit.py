@@ -1,8 +1,8 @@
 """What fits a target, written once: the aux-layer-id rule and the drafter-fits-target check.
 
 Preflight (against the target's config.json, before Ray starts), the data stage (both target
-backends), training, the engine, the SGLang deployment and the compatibility report call these, so a drafter or an id list that one of
-them accepts is accepted by all of them.
+backends), training, the engine, the SGLang deployment and the compatibility report call these,
+so a drafter or an id list that one of them accepts is accepted by all of them.
 
 Aux layer ids follow SGLang's `eagle_aux_hidden_state_layer_ids`: id k is the output of decoder
 layer k (0-based) = HF `hidden_states[k+1]`, which SGLang captures at the input of layer k+1. So
