@@ -149,51 +149,9 @@ class DataConfig(Strict):
         return self
 
 
-def local_num_layers(target: TargetConfig) -> int | None:
-    """The target's decoder layer count from a config.json readable without the network (a local
-    folder or the HF cache), else None. Reads no weights; GGUF targets give None."""
-    p = Path(target.model).expanduser()
-    if target.model == "smollm2" or target.gguf_file or p.suffix == ".gguf":
-        return None
-    f: Path | None = p / "config.json" if p.is_dir() else None
-    if f is None:
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            hit = try_to_load_from_cache(target.model, "config.json", revision=target.revision)
-            f = Path(hit) if isinstance(hit, str) else None
-        except Exception:  # not a repo id, or no hub client: nothing to check against
-            return None
-    try:
-        d = json.loads(f.read_text()) if f is not None and f.is_file() else None
-    except (OSError, json.JSONDecodeError):
-        return None
-    if not isinstance(d, dict):
-        return None
-    from eagle3.target_weights import target_info_from_dict  # only here: it imports torch
-
-    try:
-        return target_info_from_dict(d, source=str(f)).num_layers
-    except ValueError:
-        return None
-
-
-def aux_layer_ids_problem(target: TargetConfig) -> str | None:
-    """`target.aux_layer_ids` against eagle3.fit's one rule, before any model loads: the count
-    always, each id against the layer count when the target's config.json is on this machine
-    (otherwise the data stage checks them once the target is loaded)."""
-    if target.aux_layer_ids is None:
-        return None
-    from eagle3.fit import aux_layer_error
-
-    return aux_layer_error("target.aux_layer_ids", target.aux_layer_ids, local_num_layers(target))
-
-
 def data_stage_problems(target: TargetConfig, data: DataConfig) -> list[str]:
     """Cross-field problems of the two sections, one line each (path, value, fix)."""
     errs = []
-    if (aux := aux_layer_ids_problem(target)) is not None:
-        errs.append(aux)
     for name in ("jsonl", "hf"):
         if name in data.sources() and not data.path:
             errs.append(f"data.path: required when data.source={data.source!r}; set a path")

@@ -25,7 +25,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from eagle3.fit import resolve_aux_layer_ids  # noqa: F401  (the one rule; re-exported)
+from eagle3.fit import (  # noqa: F401  (resolve_aux_layer_ids re-exported: the drafter's rule)
+    resolve_aux_layer_ids,
+    resolve_capture_layers,
+)
 from eagle3.target_weights import TargetInfo, resolve_target, target_info_from_dict
 from eagle3.train_step import target_dtype
 
@@ -227,7 +230,7 @@ class HFTarget:
         The states are those of batched, left-padded, KV-cached decoding rather than of one clean
         forward per sequence: equal up to kernel rounding (tests/test_generate.py), and closer
         to what the drafter sees when serving, where states come from cached verify passes."""
-        ids = resolve_aux_layer_ids(layer_ids, self.num_layers)
+        ids = resolve_capture_layers(layer_ids, self.num_layers)
         base = _base_model(self.model)
         if base is None or not hasattr(base, "norm"):
             raise ValueError(
@@ -349,7 +352,7 @@ class HFTarget:
         it, back to back (a shard's worth: the data stage sizes slots to `data.shard_max_bytes`).
         Its results release nothing: the caller gives the slot back once their shard is written.
         Many short sequences then share one slot instead of needing a slot each."""
-        ids = resolve_aux_layer_ids(layer_ids, self.num_layers)
+        ids = resolve_capture_layers(layer_ids, self.num_layers)
         if pool is not None:
             pool.check(sequences, (len(ids) + 1) * self.hidden_size, shared=slot is not None)
         elif slot is not None:

@@ -6,7 +6,7 @@ Builds a random-weight target of a real shape on the GPU (no download) and, in o
   (HF forward of prompt + ids, no cache) and with the bf16 HF forward of the same tokens
   (`parity` lines: ||a - ref|| / ||ref||, share of rows whose argmax equals the fp32 one);
 - the anchor: plain HF eager forwards over a DynamicCache of `--ctx` tokens;
-- `StaticTargetRunner` (serve/engine.py) in four variants: CUDA graphs over the torch.compile'd
+- `StaticTargetRunner` (serve/engine/static.py) in four variants: CUDA graphs over the torch.compile'd
   step functions with the split (flash-decoding) attention kernel (the default on CUDA), the same
   with cuBLAS batched products for attention, graphs over the functions uncompiled, and no
   graphs (eager); for graphs also the replay alone timed with CUDA events, and for the default

@@ -1,8 +1,8 @@
 """What fits a target, written once: the aux-layer-id rule and the drafter-fits-target check.
 
-Config validation, the data stage (both target backends), training, the engine, the SGLang
-deployment and the compatibility report all call these, so a drafter or an id list that one of
-them accepts is accepted by all of them.
+Preflight (against the target's config.json, before Ray starts), the data stage (both target
+backends), training, the engine, the SGLang deployment and the compatibility report call these,
+so a drafter or an id list that one of them accepts is accepted by all of them.
 
 Aux layer ids follow SGLang's `eagle_aux_hidden_state_layer_ids`: id k is the output of decoder
 layer k (0-based) = HF `hidden_states[k+1]`, which SGLang captures at the input of layer k+1. So
@@ -62,6 +62,23 @@ def resolve_aux_layer_ids(
     err = aux_layer_error(field, out, num_layers)
     if err:
         raise ValueError(err)
+    return out
+
+
+def resolve_capture_layers(
+    ids: Sequence[int] | None, num_layers: int, field: str = "target.aux_layer_ids"
+) -> list[int]:
+    """Layers a runner or backend captures: `ids` (SGLang's default when None), each naming a
+    captured layer. Any number of layers may be captured; the three-id rule is the drafter's
+    (`resolve_aux_layer_ids`, applied where the data stage and the engine pick the ids)."""
+    out = default_aux_layer_ids(num_layers) if ids is None else list(ids)
+    bad = bad_aux_ids(out, num_layers)
+    if bad or not out:
+        raise ValueError(
+            f"{field}: {out} invalid for a {num_layers}-layer target: ids {bad} outside "
+            f"0..{num_layers - 2} (id k is the output of decoder layer k, captured at the input "
+            "of layer k+1)"
+        )
     return out
 
 

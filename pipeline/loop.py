@@ -15,6 +15,7 @@ from typing import Any
 
 from actors.shards import ShardError
 from pipeline.config import Config, dump_config
+from pipeline.layout import RunDir, round_tag
 from pipeline.preflight import preflight
 from pipeline.rules import (
     AcceptanceCollapsed,
@@ -33,18 +34,18 @@ log = logging.getLogger("eagle_loop")
 def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
     preflight(cfg)  # seconds, before any MLflow run or GPU time (run.py: before Ray starts too)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.resolved.yaml").write_text(dump_config(cfg))
+    RunDir(run_dir).config.write_text(dump_config(cfg))
     log.info("resolved config:\n%s", dump_config(cfg))
     state = RunState.load_or_new(run_dir, cfg.digest())
     tracker = Tracker(cfg.tracking, run_dir)  # default store: <run_dir>/mlflow.db
-    tracker.check_known(state.run_ids(), str(run_dir / "state.json"), state.tracking_uri)
+    tracker.check_known(state.run_ids(), str(RunDir(run_dir).state), state.tracking_uri)
     if not state.parent_run_id:
         state.parent_run_id = tracker.start_run(cfg.name, params=cfg.model_dump(mode="json"))
         state.tracking_uri = tracker.uri
         state.save(run_dir)
     elif not state.stopped_because:
         tracker.reopen(state.parent_run_id)  # a failed earlier attempt resumes
-    tracker.log_artifact(state.parent_run_id, run_dir / "config.resolved.yaml")
+    tracker.log_artifact(state.parent_run_id, RunDir(run_dir).config)
     if state.stopped_because:
         log.info("run already finished: %s", state.stopped_because)
         return _write_summary(state, run_dir)
@@ -154,7 +155,7 @@ def _generate_round(cfg: Config, run_dir: Path, state: RunState, r: int, plan, e
     from actors.generate import run_generate
     from actors.prompts import mixed_round
 
-    out = run_dir / "data" / f"round-{r:03d}"
+    out = RunDir(run_dir).data(r)
     records = _traffic_for_round(cfg, run_dir, state, r, out, evalset)
     drawn: dict[str, int] = {}
     for i in range(r):
@@ -209,7 +210,7 @@ def _traffic_for_round(
         return [json.loads(x) for x in chosen.read_text().splitlines() if x.strip()]
     used = {i for rs in state.rounds[:r] for i in (rs.done.get("generate") or {}).get("traffic_ids", [])}  # fmt: skip
     recs = select_traffic(
-        list(read_traffic(run_dir / "traffic")),
+        list(read_traffic(RunDir(run_dir).traffic)),
         round(cfg.data.prompts_for_round(r) * share),
         used,
         {prompt_key(c) for c in evalset[0]},
@@ -237,16 +238,16 @@ def _train(
 ) -> dict:
     from pipeline.train import run_train
 
-    data_dirs = [Path(state.rounds[i].done["generate"]["manifest"]).parent for i in range(r + 1)]
+    data_dirs = [state.rounds[i].manifest.parent for i in range(r + 1)]
     init = cfg.drafter.init
     if r > 0:  # keep learning from the drafter that serves (the last one the gate promoted)
-        init = _serving_drafter(state) or state.rounds[r - 1].done["train"]["drafter_dir"]
+        init = _serving_drafter(state) or state.rounds[r - 1].drafter_dir
     res = run_train(
         cfg=cfg.model_copy(update={"train": cfg.train.for_round(r)}),
         data_dirs=data_dirs,
         init=init,
-        out_dir=run_dir / "train" / f"round-{r:03d}",
-        run_name=f"{cfg.name}-round-{r:03d}",
+        out_dir=RunDir(run_dir).train(r),
+        run_name=f"{cfg.name}-{round_tag(r)}",
     )
     rec = _record(res)
     for step, metrics in _read_metrics(Path(rec["metrics_file"])):
@@ -265,7 +266,11 @@ def _serve(cfg: Config, run_dir: Path, drafter: str | None, server):
 
     if server is None:
         return deploy_endpoint(
-            cfg.serve, cfg.target, drafter, run_dir / "serve", traffic_dir=run_dir / "traffic"
+            cfg.serve,
+            cfg.target,
+            drafter,
+            RunDir(run_dir).serve,
+            traffic_dir=RunDir(run_dir).traffic,
         )
     if drafter and server.info().get("path") != drafter:
         server.swap_drafter(drafter)
@@ -286,15 +291,15 @@ def _bench(
 ) -> dict:
     from serve.bench import bench_endpoint
 
-    out = run_dir / "bench" / f"round-{r:03d}"
+    out = RunDir(run_dir).bench(r)
     prompts, domains = evalset
     res = bench_endpoint(
         server,
         prompts,
         cfg.bench,
         out,
-        baseline_cache=run_dir / "baseline.json",
-        tag=f"round-{r:03d}",
+        baseline_cache=RunDir(run_dir).baseline,
+        tag=round_tag(r),
         domains=domains,
     )
     rec = _record(res)
@@ -391,7 +396,7 @@ def _finish(cfg: Config, state: RunState, run_dir: Path, tracker: Tracker) -> No
                 },
                 step=row["round"],
             )
-    tracker.log_artifact(state.parent_run_id, run_dir / "summary.json")
+    tracker.log_artifact(state.parent_run_id, RunDir(run_dir).summary)
     tracker.finish(state.parent_run_id)
     log.info("stopped because %s\n%s", summary["stopped_because"], format_table(rows))
 
@@ -439,7 +444,7 @@ def _rows(state: RunState) -> list[dict[str, Any]]:
 def _write_summary(state: RunState, run_dir: Path) -> dict[str, Any]:
     summary = {"rounds": _rows(state), "stopped_because": state.stopped_because, "champion": state.champion,
                "elapsed_s": round(state.elapsed_s, 1)}  # fmt: skip
-    write_json_atomic(run_dir / "summary.json", summary)
+    write_json_atomic(RunDir(run_dir).summary, summary)
     return summary
 
 
@@ -455,7 +460,7 @@ def _plots(state: RunState, run_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     rows = _rows(state)
-    out = run_dir / "plots"
+    out = RunDir(run_dir).plots
     out.mkdir(exist_ok=True)
     paths = []
     fig, ax = plt.subplots(figsize=(5, 3.2))

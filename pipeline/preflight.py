@@ -18,6 +18,7 @@ import re
 import sys
 from pathlib import Path
 
+from actors.config import add_set_argument
 from pipeline.config import Config, ConfigError, load_config
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -111,7 +112,7 @@ def _prompt_problems(cfg: Config) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True)
-    ap.add_argument("--set", action="append", default=[], metavar="a.b=v")
+    add_set_argument(ap)
     args = ap.parse_args(argv)
     try:
         preflight(load_config(args.config, args.set))

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.files import atomic_write
+from pipeline.layout import RunDir
 
 STAGES = ("generate", "train", "bench", "gate", "traffic")
 
@@ -34,6 +35,18 @@ class RoundState:
     def is_done(self, stage: str) -> bool:
         return stage in self.done
 
+    # Typed reads of the records later stages need (the records are the stages' result dataclasses,
+    # saved as JSON by `loop._record`).
+    @property
+    def manifest(self) -> Path:
+        """The generate stage's manifest.json (DataResult.manifest)."""
+        return Path(self.done["generate"]["manifest"])
+
+    @property
+    def drafter_dir(self) -> str:
+        """The train stage's exported drafter (TrainResult.drafter_dir)."""
+        return self.done["train"]["drafter_dir"]
+
 
 @dataclass
 class RunState:
@@ -53,7 +66,7 @@ class RunState:
 
     @classmethod
     def load_or_new(cls, run_dir: Path, digest: str) -> RunState:
-        path = run_dir / "state.json"
+        path = RunDir(run_dir).state
         if not path.exists():
             return cls(config_digest=digest)
         raw = json.loads(path.read_text())
@@ -66,7 +79,7 @@ class RunState:
         return cls(**raw, rounds=rounds)
 
     def save(self, run_dir: Path) -> None:
-        write_json_atomic(run_dir / "state.json", asdict(self))
+        write_json_atomic(RunDir(run_dir).state, asdict(self))
 
     def round(self, i: int) -> RoundState:
         while len(self.rounds) <= i:

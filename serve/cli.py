@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 import threading
@@ -81,8 +80,7 @@ def cmd_swap(args: argparse.Namespace) -> int:
     from serve.sglang_server import DrafterRejected
 
     info = httpx.get(f"{args.url.rstrip('/')}/drafter", timeout=60).json()
-    os.environ["RAY_ADDRESS"] = info["ray_address"]  # join the server's own Ray
-    start_ray()
+    start_ray(address=info["ray_address"])  # join the server's own Ray
     adopt_app(info["app"])
     try:
         out = swap_drafter(Path(args.drafter).resolve(), info["app"])

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("pydantic")  # bare GPU host (torch only): skip
+
 from pipeline.config import Config, ConfigError, load_config, parse_config
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))

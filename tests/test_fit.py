@@ -13,14 +13,21 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("pydantic")  # bare GPU host (torch only): skip
+
 from actors.config import TargetConfig
 from actors.hf_backend import resolve_aux_layer_ids as hf_resolve
 from actors.hf_backend import resolve_model
 from actors.sglang_backend import resolve_layer_ids as sglang_resolve
 from eagle3.config import Eagle3Config
-from eagle3.fit import aux_layer_problem, bad_aux_ids, drafter_fit_problems
+from eagle3.fit import (
+    aux_layer_problem,
+    bad_aux_ids,
+    drafter_fit_problems,
+    resolve_capture_layers,
+)
 from eagle3.target_weights import resolve_target
-from pipeline.config import ConfigError, parse_config
+from pipeline.config import parse_config
 from serve.engine import _check_aux_ids, check_drafter_for_target
 
 N = 30  # SmolLM2-135M's depth: valid ids 0..28
@@ -62,8 +69,9 @@ def test_every_stage_applies_the_same_aux_rule(ids):
         ),
     }
     assert verdicts == dict.fromkeys(verdicts, ok), ids
-    # The runners capture any layer list (the count is the drafter's rule): the same range.
+    # Runners and backends capture any layer list (the count is the drafter's rule), same range.
     assert _accepts(_check_aux_ids, ids, N) == (not bad_aux_ids(ids, N))
+    assert _accepts(resolve_capture_layers, ids, N) == (not bad_aux_ids(ids, N))
 
 
 def test_engine_refuses_a_drafter_of_another_width():
@@ -74,7 +82,7 @@ def test_engine_refuses_a_drafter_of_another_width():
 
 
 def _local_target(tmp_path: Path, layers: int) -> Path:
-    """A target folder with only a config.json: validation must not need weights."""
+    """A target folder with only a config.json: the check must not need weights."""
     d = tmp_path / f"t{layers}"
     d.mkdir()
     cfg = {"num_hidden_layers": layers, "hidden_size": 64, "vocab_size": 1000}
@@ -82,17 +90,16 @@ def _local_target(tmp_path: Path, layers: int) -> Path:
     return d
 
 
-def test_bad_aux_ids_refused_when_the_config_is_validated(tmp_path):
-    target = _local_target(tmp_path, 4)
-    ok = parse_config({"target": {"model": str(target), "aux_layer_ids": [0, 1, 2]}})
-    assert ok.target.aux_layer_ids == [0, 1, 2]
-    with pytest.raises(ConfigError, match=r"target.aux_layer_ids: \[0, 1, 3\] invalid for a 4-la"):
-        parse_config({"target": {"model": str(target), "aux_layer_ids": [0, 1, 3]}})
-    # The count needs no target at all: refused even where config.json is not readable here.
-    with pytest.raises(ConfigError, match=r"target.aux_layer_ids: \[1, 5\] invalid"):
-        parse_config({"target": {"model": "no-org/no-model", "aux_layer_ids": [1, 5]}})
-    # Unknown target, three ids: left to the data stage (it knows the layer count once loaded).
-    parse_config({"target": {"model": "no-org/no-model", "aux_layer_ids": [1, 5, 99]}})
+def test_bad_aux_ids_refused_before_any_model_loads(tmp_path):
+    """Preflight (what run.py and the loop call before Ray starts) applies the same rule against
+    the layer count in the target's config.json; the folder has no weights to load."""
+    from pipeline.preflight import PreflightError, preflight
+
+    target = str(_local_target(tmp_path, 4))
+    preflight(parse_config({"target": {"model": target, "aux_layer_ids": [0, 1, 2]}}))
+    for ids, words in (([0, 1, 3], r"\[0, 1, 3\] invalid for a 4-layer"), ([1, 2], "2 given")):
+        with pytest.raises(PreflightError, match=rf"target.aux_layer_ids: .*{words}"):
+            preflight(parse_config({"target": {"model": target, "aux_layer_ids": ids}}))
 
 
 def test_one_resolver_for_a_gguf_path(tmp_path):

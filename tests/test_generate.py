@@ -10,6 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+for _dep in ("pydantic", "ray"):  # bare GPU host (torch only): skip
+    pytest.importorskip(_dep)
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -9,6 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
+
+for _dep in ("mlflow", "pydantic"):  # bare GPU host (torch only): skip
+    pytest.importorskip(_dep)
 import yaml
 from mlflow.tracking import MlflowClient
 

@@ -7,6 +7,8 @@ import itertools
 import json
 
 import pytest
+
+pytest.importorskip("pydantic")  # bare GPU host (torch only): skip
 from transformers import AutoTokenizer
 
 from actors.chat import encode_conversation, prompt_ids, user_turn_prefix

@@ -4,6 +4,11 @@ log) and by MLflow params (real MLflow on sqlite)."""
 
 from __future__ import annotations
 
+import pytest
+
+for _dep in ("mlflow", "pydantic"):  # bare GPU host (torch only): skip
+    pytest.importorskip(_dep)
+
 from mlflow.tracking import MlflowClient
 
 from pipeline.config import TrackingConfig, dump_config, parse_config

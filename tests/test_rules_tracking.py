@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-import mlflow
 import pytest
+
+for _dep in ("mlflow", "pydantic"):  # bare GPU host (torch only): skip
+    pytest.importorskip(_dep)
+
+import mlflow  # noqa: E402
 
 from pipeline.config import StopConfig, TrackingConfig
 from pipeline.rules import stop_reason

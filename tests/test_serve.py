@@ -11,6 +11,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+for _dep in ("fastapi", "ray", "pydantic"):  # bare GPU host (torch only): skip
+    pytest.importorskip(_dep)
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -194,7 +197,7 @@ def test_hot_swap_and_bad_checkpoint_refused(endpoint, drafters):
     _run_app(APP, drafters["good2"])  # leave the app on a valid config
 
 
-def test_endpoint_swaps_and_refuses_through_one_interface(endpoint, drafters):
+def test_endpoint_swaps_and_refuses_through_one_interface(endpoint, drafters, tmp_path):
     info = endpoint.info()
     assert (info["engine"], info["url"], info["app"]) == ("embedded", endpoint.url, APP)
     pid = info["pid"]
@@ -203,7 +206,11 @@ def test_endpoint_swaps_and_refuses_through_one_interface(endpoint, drafters):
     with pytest.raises(DrafterRejected, match="target_hidden_size"):
         endpoint.swap_drafter(drafters["wrong"])
     assert endpoint.info()["path"] == drafters["good1"]
-    assert endpoint.baseline(lambda url: {}, "unused.json", "k") is None  # per request instead
+    # The baseline is per request (`speculative: false`): nothing measured, nothing cached.
+    measured: list[str] = []
+    cache = tmp_path / "baseline.json"
+    assert endpoint.baseline(lambda url: measured.append(url) or {}, cache, "k") is None
+    assert measured == [] and not cache.exists()
 
 
 def _restart_replica(app: str, old_pid: int) -> dict:

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+for _dep in ("fastapi", "ray", "pydantic"):  # bare GPU host (torch only): skip
+    pytest.importorskip(_dep)
 from conftest import free_port
 
 from pipeline.config import ServeConfig, TargetConfig

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+for _dep in ("pydantic", "ray"):  # bare GPU host (torch only): skip
+    pytest.importorskip(_dep)
+
 from actors.sglang_backend import (
     SGLANG_VERSION,
     drafter_layout_for,

@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+
+for _dep in ("mlflow", "pydantic"):  # bare GPU host (torch only): skip
+    pytest.importorskip(_dep)
 from mlflow.tracking import MlflowClient
 
 from pipeline.config import parse_config

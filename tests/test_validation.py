@@ -5,6 +5,9 @@ alone, and the requests batched with it get exactly their sequential greedy outp
 from __future__ import annotations
 
 import pytest
+
+for _dep in ("fastapi", "ray"):  # bare GPU host (torch only): skip
+    pytest.importorskip(_dep)
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -7,7 +7,7 @@ from typing import Protocol
 
 from torch import Tensor
 
-from eagle3.fit import bad_aux_ids
+from eagle3.fit import resolve_capture_layers
 
 
 class Runner(Protocol):
@@ -60,9 +60,4 @@ class Runner(Protocol):
 def _check_aux_ids(ids: list[int], num_layers: int) -> None:
     """Shared by both target runners: each id names a captured layer (eagle3.fit's range; the
     count is the drafter's rule, checked with the drafter)."""
-    bad = bad_aux_ids(ids, num_layers)
-    if bad:
-        raise ValueError(
-            f"aux layer ids {bad} out of range for a {num_layers}-layer target "
-            "(id k is the output of decoder layer k, captured at the input of layer k+1)"
-        )
+    resolve_capture_layers(ids, num_layers, field="aux layer ids")
