@@ -404,7 +404,8 @@ def _finish(cfg: Config, state: RunState, run_dir: Path, tracker: Tracker) -> No
 def _mark_failed(tracker: Tracker, state: RunState, err: BaseException) -> None:
     """The parent and every unfinished round's run end FAILED (KILLED on Ctrl-C), not RUNNING
     forever; a re-run reopens them and resumes."""
-    status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
+    # Ctrl-C, or a signal Ray's driver turns into sys.exit (seen: SIGINT -> SystemExit(1))
+    status = "KILLED" if isinstance(err, KeyboardInterrupt | SystemExit) else "FAILED"
     ids = [state.parent_run_id] + [
         rs.mlflow_run_id for rs in state.rounds if not rs.is_done("gate")
     ]

@@ -64,8 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     start_ray(cfg.runtime_env, num_cpus=local_num_cpus(cfg), join_with_runtime_env=False)
 
     from pipeline.loop import run_loop
+    from pipeline.tracking import UnknownRuns
 
-    summary = run_loop(cfg, run_dir)
+    try:
+        summary = run_loop(cfg, run_dir)
+    except UnknownRuns as err:  # says what to do; a traceback would bury it
+        print(err, file=sys.stderr)
+        return 2
     print(format_table(summary["rounds"]))
     print(f"stopped because: {summary['stopped_because']}")
     print(json.dumps({"run_dir": str(run_dir), "champion": summary["champion"]}))

@@ -109,9 +109,12 @@ def run_train(
     (out / "train_config.yaml").write_text(dump_config(cfg))
     tc = cfg.train
     resources = {"CPU": tc.cpus_per_worker}  # use_gpu adds one GPU per worker
+    from pipeline.rendezvous import LoopbackTorchConfig
+
     trainer = TorchTrainer(
         train_worker,
         train_loop_config={"job": asdict(job)},
+        torch_config=LoopbackTorchConfig(),  # rendezvous on 127.0.0.1 when Ray is on loopback
         scaling_config=ScalingConfig(
             num_workers=tc.num_workers, use_gpu=tc.use_gpu, resources_per_worker=resources
         ),

@@ -73,6 +73,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_swap(args: argparse.Namespace) -> int:
+    # `serve`'s local Ray has token auth on (Ray 2.60's default for a new local cluster, token in
+    # ~/.ray/auth_token); a driver joining it must send the token too. Read when Ray is imported.
+    if "ray" not in sys.modules:
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     import httpx
 
     from actors.cluster import start_ray
