@@ -31,7 +31,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from serve.deployment import deploy
-    from serve.startup import ServeStartupError
+    from serve.startup import ServeStartupError, init_ray
 
     serve_cfg = {
         "host": args.host,
@@ -46,7 +46,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if os.environ.get("RAY_ADDRESS"):
             ray.init()
         else:
-            ray.init(_node_ip_address="127.0.0.1", include_dashboard=False)
+            # "local": a new Ray, never one that `ray start` left on this machine
+            init_ray(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)
         ep = deploy(
             serve_cfg,
             target_cfg,

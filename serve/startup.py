@@ -16,15 +16,17 @@ works when joining a cluster someone else started), not through this process's e
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import socket
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
+import psutil
 import ray
 from ray import serve
 from ray.serve.schema import ProxyStatus
@@ -80,6 +82,33 @@ def port_problem(host: str, port: int) -> str | None:
                 return None  # not an address of this machine: the proxy's node decides
             return f"serve.port {port} on {host} is taken ({e}); pick a free port"
     return None
+
+
+def init_ray(attempts: int = START_ATTEMPTS, **kwargs: Any) -> None:
+    """ray.init(**kwargs), retried when it starts a local Ray: Ray 2.60 gives a new raylet a
+    hard-coded 30 s to register with its GCS (`_private/node.py`), which a busy 2-core machine
+    misses ("The current node timed out during startup"). The processes a failed attempt left
+    (this process's new children) are killed before the next one."""
+    me = psutil.Process()
+    for attempt in range(1, attempts + 1):
+        before = {p.pid for p in me.children(recursive=True)}
+        try:
+            ray.init(**kwargs)
+            return
+        except (ValueError, TypeError):
+            raise  # bad arguments, not the machine
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for the timeout
+            if kwargs.get("address") not in (None, "local") or attempt == attempts:
+                raise ServeStartupError(
+                    f"ray.init failed ({attempt} attempt(s)), last: {_short(e)}\n{HINTS}"
+                ) from e
+            log.warning("ray.init attempt %d/%d failed: %s; retrying", attempt, attempts, _short(e))
+        ray.shutdown()
+        for p in me.children(recursive=True):
+            if p.pid not in before:
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+        time.sleep(2.0 * attempt)
 
 
 def start_serve(
