@@ -3,8 +3,55 @@ local Ray bound to loopback (no dashboard), unless this process is already conne
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import time
 from typing import Any
+
+log = logging.getLogger(__name__)
+
+START_ATTEMPTS = 3
+
+
+class RayStartError(RuntimeError):
+    """Ray did not start after the bounded retries; the message says why and what to try."""
+
+
+def _short(e: BaseException) -> str:
+    lines = [x for x in str(e).strip().splitlines() if x.strip()]
+    return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
+
+
+def init_ray(attempts: int = START_ATTEMPTS, **kwargs: Any) -> None:
+    """ray.init(**kwargs), retried when it starts a local Ray: Ray 2.60 gives a new raylet a
+    hard-coded 30 s to register with its GCS (`_private/node.py`), which a busy 2-core machine
+    misses ("The current node timed out during startup"). The processes a failed attempt left
+    (this process's new children) are killed before the next one. The only ray.init call."""
+    import psutil
+    import ray
+
+    me = psutil.Process()
+    for attempt in range(1, attempts + 1):
+        before = {p.pid for p in me.children(recursive=True)}
+        try:
+            ray.init(**kwargs)
+            return
+        except (ValueError, TypeError):
+            raise  # bad arguments, not the machine
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for the timeout
+            if kwargs.get("address") not in (None, "local") or attempt == attempts:
+                raise RayStartError(
+                    f"ray.init failed ({attempt} attempt(s)), last: {_short(e)}; what to try: "
+                    "fewer jobs on this machine, or the logs under /tmp/ray/session_latest/logs"
+                ) from e
+            log.warning("ray.init attempt %d/%d failed: %s; retrying", attempt, attempts, _short(e))
+        ray.shutdown()
+        for p in me.children(recursive=True):
+            if p.pid not in before:
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+        time.sleep(2.0 * attempt)
 
 
 def start_ray(
@@ -25,9 +72,10 @@ def start_ray(
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if address or os.environ.get("RAY_ADDRESS"):
         env = (runtime_env or None) if join_with_runtime_env else None
-        ray.init(address=address, runtime_env=env)
-    else:
-        ray.init(
+        init_ray(address=address, runtime_env=env)
+    else:  # "local": a new Ray, never one that `ray start` left on this machine
+        init_ray(
+            address="local",
             _node_ip_address="127.0.0.1",
             include_dashboard=False,
             num_cpus=num_cpus,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -34,7 +35,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from actors.cluster import start_ray
+    from actors.cluster import RayStartError, start_ray
     from serve.deployment import deploy
     from serve.startup import ServeStartupError
 
@@ -58,7 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             torch_threads=args.threads,
             max_batch_size=args.max_batch_size,
         )
-    except (ServeStartupError, ConnectionError) as e:
+    except (ServeStartupError, RayStartError, ConnectionError) as e:
         print(f"serve: the server did not start: {e}", file=sys.stderr, flush=True)
         ray.shutdown()
         return 2

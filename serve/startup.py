@@ -29,6 +29,8 @@ import ray
 from ray import serve
 from ray.serve.schema import ProxyStatus
 
+from actors.cluster import RayStartError, init_ray  # noqa: F401  (re-exported)
+
 log = logging.getLogger("ray.serve")
 
 T = TypeVar("T")
@@ -39,7 +41,7 @@ SERVE_ENV_DEFAULTS: dict[str, str] = {
     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",  # a starved proxy is not killed in 30 s
 }
 START_ATTEMPTS = 3  # fresh Serve starts before giving up
-READY_TIMEOUT_S = 200.0  # per attempt: the proxy's 3 x 60 s readiness checks, plus margin
+READY_TIMEOUT_S = 200.0  # per attempt, after serve.start: the proxy's 3 x 60 s checks + margin
 HTTP_READY_TIMEOUT_S = 120.0  # after serve.run: until the proxy routes to the new app
 _RETRYABLE = (ray.exceptions.RayError, TimeoutError, ConnectionError)
 HINTS = (
@@ -49,7 +51,7 @@ HINTS = (
 )
 
 
-class ServeStartupError(RuntimeError):
+class ServeStartupError(RayStartError):
     """Serve or the app did not come up after the bounded retries; the message says why."""
 
 
@@ -90,9 +92,9 @@ def start_serve(
     ready_timeout_s: float = READY_TIMEOUT_S,
 ) -> None:
     """Start Serve on host:port (or join the running one) and return once every proxy is
-    HEALTHY. An attempt that fails or stays unready for `ready_timeout_s` shuts down the Serve it
-    started and tries again, `attempts` times; then ServeStartupError says what failed. A Serve
-    already running on the cluster is only waited on, once."""
+    HEALTHY. An attempt that fails, or stays unready `ready_timeout_s` after serve.start, shuts
+    down the Serve it started and tries again, `attempts` times; then ServeStartupError says
+    what failed. A Serve already running on the cluster is only waited on, once."""
     ours = not serve_running()
     if not ours:
         attempts = 1  # someone else's Serve (and apps): wait on it, never shut it down
@@ -100,7 +102,6 @@ def start_serve(
         raise ServeStartupError(f"Ray Serve not started: {problem}.\n{HINTS}")
     failures: list[str] = []
     for attempt in range(1, attempts + 1):
-        t0 = time.monotonic()
         try:
             serve.start(
                 http_options={"host": host, "port": port},
@@ -109,8 +110,8 @@ def start_serve(
         except _RETRYABLE as e:  # the proxy was slow or killed; the controller starts another
             log.warning("serve.start attempt %d: %s; waiting for the proxy", attempt, _short(e))
             failures.append(f"attempt {attempt}: serve.start: {_short(e)}")
-        try:
-            _wait_proxies_healthy(t0 + ready_timeout_s)
+        try:  # counted from here: creating the controller took ~2 min at load average 30
+            _wait_proxies_healthy(time.monotonic() + ready_timeout_s)
             _check_same_http(host, port)
             if failures:
                 log.warning("Serve is up after: %s", "; ".join(failures))

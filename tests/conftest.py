@@ -79,7 +79,9 @@ def ray_local():
     placement-group cleaner, which then leaks the finished run's CPUs."""
     import ray
 
-    ray.init(
+    from actors.cluster import init_ray
+
+    init_ray(  # retried: a busy machine can miss Ray's 30 s raylet start-up window
         address="local",
         num_cpus=4,
         include_dashboard=False,

@@ -22,17 +22,15 @@ from serve.deployment import deploy_endpoint
 from serve.startup import ServeStartupError, serve_running, start_serve
 
 REPO = Path(__file__).resolve().parent.parent
-BUSY_S = 300  # the load ends by itself even if the test process dies
+BUSY_S = 1800  # the test timeout; the load ends by itself even if the test process dies
 BUSY = f"import time\nend = time.monotonic() + {BUSY_S}\nwhile time.monotonic() < end: pass\n"
 
 
 @pytest.fixture
 def cpu_load():
-    """One busy-looping process per core (at most 2), as when a second test run or a training
-    job shares the machine; same niceness as the test, so Ray's processes compete with it."""
-    procs = [
-        subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(min(2, os.cpu_count() or 1))
-    ]
+    """A busy-looping process, a core's worth of competing load, as when a second test run or a
+    training job shares the machine; same niceness as the test, so Ray competes with it."""
+    procs = [subprocess.Popen([sys.executable, "-c", BUSY])]
     yield procs
     for p in procs:
         p.kill()
@@ -49,6 +47,7 @@ def _controller_env() -> dict[str, str]:
     return dict(x.split("=", 1) for x in raw.split("\0") if "=" in x)
 
 
+@pytest.mark.timeout(1800)  # the load is the point: at load average 30 this took ~15 min
 def test_server_starts_under_cpu_load_and_answers_health(
     ray_local, cpu_load, tiny_target, tmp_path, monkeypatch
 ):
