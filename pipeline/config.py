@@ -28,8 +28,9 @@ class TargetConfig(_Strict):
     """GGUF file inside `model` to load through transformers (set automatically for `smollm2`)."""
     revision: str | None = None
     """Revision (commit or tag) of an HF repo id; recorded in shard manifests."""
-    backend: Literal["hf", "sglang"] = "hf"
-    """`hf`: transformers in a Ray actor (CPU or GPU). `sglang`: SGLang engine owning `tp_size` GPUs."""
+    backend: Literal["hf", "sglang", "vllm"] = "hf"
+    """`hf`: transformers in a Ray actor (CPU or GPU). `sglang`: SGLang engine owning `tp_size` GPUs.
+    `vllm`: regeneration by a vLLM server, hidden states by the HF forward (docs/vllm.md)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     """Compute dtype of the target (data stage and embedded serving). `auto` = bfloat16 on GPUs and
     on CPUs with native bf16 matmuls (AVX512-BF16 / AMX), float32 on other CPUs; SGLang gets
@@ -146,8 +147,9 @@ class TrainConfig(_Strict):
 
 
 class ServeConfig(_Strict):
-    engine: Literal["embedded", "sglang"] = "embedded"
-    """`embedded`: PyTorch engine on Ray Serve. `sglang`: a deployment owning sglang.launch_server."""
+    engine: Literal["embedded", "sglang", "vllm"] = "embedded"
+    """`embedded`: PyTorch engine on Ray Serve. `sglang`: a deployment owning sglang.launch_server.
+    `vllm`: a deployment owning vLLM's OpenAI server (its own Python: docs/vllm.md); chains only."""
     host: str = "127.0.0.1"
     """Bind address of HTTP servers."""
     port: int = Field(8000, ge=1, le=65535)
@@ -231,6 +233,11 @@ class Config(_Strict):
             errs.append(
                 f"serve.num_draft_tokens: {self.serve.num_draft_tokens} with topk 1 must be "
                 f"steps+1 = {self.serve.steps + 1}; remove it or set topk > 1"
+            )
+        if self.serve.engine == "vllm" and self.serve.topk != 1:
+            errs.append(
+                f"serve.topk: {self.serve.topk} -- serve.engine=vllm drafts chains; set "
+                "serve.topk=1 and serve.num_draft_tokens=null"
             )
         if self.target.backend == "sglang" and self.data.capture == "decode":
             errs.append(

@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 
 from serve.sglang_server import has_meta_info, spec_stats_from_sglang
+from serve.vllm_server import spec_stats_from_vllm
 
 Prompt = list[dict[str, str]] | str
 # (prompt, max_tokens, speculative, steps) -> (path, JSON body); the seam for other servers
@@ -67,6 +68,16 @@ def extract_stats(body: dict[str, Any], latency_s: float) -> RequestStats:
     """Per-request statistics from one response: SGLang's `meta_info` (top level in native
     `/generate`, under `choices[i]` in chat completions sent with `return_meta_info`), else this
     engine's `usage` fields. The only place that knows response formats."""
+    if (vl := spec_stats_from_vllm(body)) is not None:
+        return RequestStats(
+            completion_tokens=vl["completion_tokens"],
+            latency_s=latency_s,
+            verify_ct=vl["spec_verify_ct"] or None,
+            accepted_drafts=vl["spec_accepted_tokens"],
+            accept_hist=tuple(vl["spec_accept_hist"]) or None,
+            draft_ms=0.0,  # as for SGLang: the whole request time counts as verify
+            verify_ms=latency_s * 1000.0,
+        )
     if has_meta_info(body):
         st = spec_stats_from_sglang(body)
         if st["completion_tokens"] is None:
@@ -248,6 +259,7 @@ def run_bench(
     baseline_url: str | None = None,
     baseline: dict[str, Any] | None = None,
     fixed_steps: int | None = None,
+    counters: Callable[[], Any] | None = None,
 ) -> BenchResult:
     """Benchmark `url` on `prompts` (held-out conversations or strings) with `bench_cfg` (a
     BenchConfig or a dict with num_prompts, max_tokens, concurrency, warmup, steps_sweep).
@@ -255,7 +267,9 @@ def run_bench(
     Baseline: `baseline` (figures from `measure_baseline_levels`, e.g. cached), else measured on
     `baseline_url` (a server without a drafter), else `speculative: false` requests to `url`.
     `fixed_steps`: the server drafts this many steps whatever a request asks (SGLang's
-    --speculative-num-steps): the sweep is skipped and the levels are labelled with it."""
+    --speculative-num-steps): the sweep is skipped and the levels are labelled with it.
+    `counters`: reads the server's speculative counters (vLLM: `VLLMServer.spec_counters`);
+    the speculative levels' accept figures then come from their change over each level."""
     n, max_tokens = _get(bench_cfg, "num_prompts"), _get(bench_cfg, "max_tokens")
     levels_c, warmup = list(_get(bench_cfg, "concurrency")), _get(bench_cfg, "warmup")
     build = _builder(bench_cfg, build)
@@ -286,10 +300,25 @@ def run_bench(
             stats, wall = _run_requests(client, prompts, build, max_tokens, True, s, c0)
             sweep.append(_level(stats, c0, True, s, wall))
         best = fixed_steps or (max(sweep, key=lambda lv: lv.tok_per_s).steps if sweep else None)
-        levels = []
+        levels, counted = [], []
         for c in levels_c:  # speculative and baseline back to back: drifting load hits both
+            before = counters() if counters else None
             stats, wall = _run_requests(client, prompts, build, max_tokens, True, best, c)
-            levels.append(_level(stats, c, True, best, wall))
+            level = _level(stats, c, True, best, wall)
+            if counters:
+                from serve.vllm_server import level_from_counters
+
+                delta = counters() - before
+                level = level_from_counters(level, stats, delta)
+                counted.append(
+                    {
+                        "concurrency": c,
+                        "drafts": delta.drafts,
+                        "accept_len": delta.accept_len,
+                        "acceptance_per_position": list(delta.acceptance_per_position),
+                    }
+                )
+            levels.append(level)
             if baseline is not None:
                 levels.append(_baseline_level(baseline, c))
             else:
@@ -306,7 +335,7 @@ def run_bench(
         "fixed_steps": fixed_steps,
         "baseline": source,
     }
-    return _summarize(levels, sweep, out, tag, settings)
+    return _summarize(levels, sweep, out, tag, settings, counted)
 
 
 def measure_baseline_levels(
@@ -388,6 +417,7 @@ def bench_endpoint(
         timeout_s=timeout_s,
         baseline=baseline,
         fixed_steps=endpoint.fixed_steps,
+        counters=getattr(endpoint, "spec_counters", None),
     )
     result.extra["baseline_cached"] = cached
     Path(result.json_path).write_text(json.dumps(asdict(result), indent=2) + "\n")
@@ -400,6 +430,7 @@ def _summarize(
     out: Path,
     tag: str,
     settings: dict[str, Any],
+    counters: list[dict[str, Any]] | None = None,
 ) -> BenchResult:
     c0 = levels[0].concurrency
     spec = next(lv for lv in levels if lv.speculative and lv.concurrency == c0)
@@ -435,7 +466,8 @@ def _summarize(
         sweep=tuple(sweep),
         json_path=str(out / f"{tag}.json"),
         plot_path=str(out / f"{tag}.png"),
-        extra={"settings": settings, "baseline_verify_ms": base.verify_ms},
+        extra={"settings": settings, "baseline_verify_ms": base.verify_ms}
+        | ({"server_counters": counters} if counters else {}),
     )
     Path(result.json_path).write_text(json.dumps(asdict(result), indent=2) + "\n")
     plot(result)
