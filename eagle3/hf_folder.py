@@ -84,13 +84,18 @@ def tiny_llama(
     heads: int = 4,
     kv_heads: int = 2,
     lm_head_scale: float = 1.0,
+    layer_scales: tuple[float, ...] | None = None,
     seed: int = 0,
     gguf_file: str | None = None,
 ) -> Path:
     """A random-init Llama (untied head, fp32) saved like a hub checkpoint with `tokenizer`'s
     files (a folder, or `smollm2` for SmolLM2's tokenizer and chat template). `lm_head_scale`
     sharpens its next-token distributions like a trained LM's (same greedy tokens and hidden
-    states): a random model's are near uniform, which leaves a drafter nothing to learn."""
+    states): a random model's are near uniform, which leaves a drafter nothing to learn.
+    `layer_scales[i]` multiplies layer i's output projections (o_proj, down_proj): at init each
+    layer adds little to the residual stream, so neighbouring layers' states are nearly equal and
+    a drafter fed the wrong layers would hardly notice; scaled up, each layer's state is its own,
+    and a last layer scaled down leaves the next token readable from the layer before it."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from eagle3.target_weights import resolve_target
@@ -115,6 +120,9 @@ def tiny_llama(
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(lm_head_scale)
+        for layer, scale in zip(model.model.layers, layer_scales or (), strict=False):
+            layer.self_attn.o_proj.weight.mul_(scale)
+            layer.mlp.down_proj.weight.mul_(scale)
     out = Path(out)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)

@@ -239,10 +239,10 @@ class Config(_Strict):
                 f"serve.topk: {self.serve.topk} -- serve.engine=vllm drafts chains; set "
                 "serve.topk=1 and serve.num_draft_tokens=null"
             )
-        if self.target.backend == "sglang" and self.data.capture == "decode":
+        if self.target.backend != "hf" and self.data.capture == "decode":
             errs.append(
-                "data.capture: 'decode' needs target.backend=hf (SGLang generates and captures in "
-                "separate phases); set data.capture to auto or forward"
+                f"data.capture: 'decode' needs target.backend=hf ({self.target.backend} generates "
+                "and captures in separate steps); set data.capture to auto or forward"
             )
         if errs:
             raise ValueError("; ".join(errs))
