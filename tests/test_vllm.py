@@ -213,3 +213,25 @@ def test_vllm_serves_the_exported_drafter(trained, tmp_path):
             {"vllm_accept_len": theirs, "embedded_accept_len": ours, "shifted": off, **timings}
         )
     )
+
+
+def test_vllm_regenerates_like_hf(trained, tmp_path):
+    """target.backend: vllm -- vLLM's greedy answers (fp32, token ids) are the HF backend's;
+    capture is HFTarget's own forward (inherited), so it needs no test of its own here."""
+    from actors.hf_backend import HFTarget
+    from actors.vllm_backend import VLLMTarget
+    from pipeline.config import TargetConfig
+
+    target, _ = trained
+    cfg = TargetConfig(model=str(target), dtype="float32", backend="vllm", aux_layer_ids=AUX)
+    hf = HFTarget(cfg.model_copy(update={"backend": "hf"}), num_threads=1)
+    vt = VLLMTarget(cfg, num_threads=1, log_dir=tmp_path, extra_args=["--enforce-eager", "--max-model-len", "1024"])  # fmt: skip
+    from actors.chat import prompt_ids
+
+    ids = [prompt_ids(hf.tokenizer, m) for m in chat_prompts(6, seed=2)]
+    try:
+        got = vt.generate(ids, 24, 0.0, 0)
+    finally:
+        vt.close()
+    want = hf.generate(ids, 24, 0.0, 0)
+    assert got == want
