@@ -1,5 +1,6 @@
 """Benchmark client: scores a drafter on any OpenAI-compatible endpoint that reports speculative
-statistics (this project's engine in `usage`, SGLang in `meta_info`).
+statistics (this project's engine in `usage`, SGLang in `meta_info`, vLLM in
+`metrics.speculative_decoding` plus its Prometheus counters per level: docs/vllm.md).
 
 One run, at temperature 0 on held-out prompts, each answered up to `max_tokens` or its end of
 sequence (`ignore_eos: true` forces exactly `max_tokens`: the tokens after EOS are text no user
