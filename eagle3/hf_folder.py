@@ -16,6 +16,7 @@ object, only a folder.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from pathlib import Path
 
@@ -50,13 +51,18 @@ def gguf_to_hf(
     if not src.is_file():
         raise FileNotFoundError(f"{src}: no such GGUF file; check target.gguf_file")
     out = Path(out)
-    stamp = {"source": str(src.resolve()), "bytes": src.stat().st_size, "dtype": dtype}
+    stamp = {"source": str(src.resolve()), "bytes": src.stat().st_size, "dtype": dtype, "v": 2}
     stamp["mtime"] = int(src.stat().st_mtime)
     if (out / STAMP).is_file() and json.loads((out / STAMP).read_text()) == stamp:
         return out
     dt = _dtype(dtype)
     loaded = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf, dtype=dt)
-    fresh = AutoModelForCausalLM.from_config(loaded.config, dtype=dt)
+    config = copy.deepcopy(loaded.config)
+    # the GGUF load leaves {"quant_method": "gguf"} behind; vLLM refuses that folder
+    # ("Unknown quantization method: gguf") and the weights are plain tensors now
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    fresh = AutoModelForCausalLM.from_config(config, dtype=dt)
     missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
     # a tied head has no tensor of its own: it is the embedding after tie_weights
     missing = [

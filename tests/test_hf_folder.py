@@ -26,6 +26,9 @@ def test_smollm2_gguf_converts_bit_for_bit(tmp_path):
     for k in a:
         assert torch.equal(a[k], b[k]), k
     assert got.config.tie_word_embeddings and got.config.num_hidden_layers == 30
+    assert "quantization_config" not in json.loads(
+        (out / "config.json").read_text()
+    )  # vLLM refuses gguf
 
     tok_ref = AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF)
     tok = AutoTokenizer.from_pretrained(out)
