@@ -95,7 +95,9 @@ class VLLMTarget(HFTarget):
                 body["seed"] = seed + i
             r = client.post("/v1/completions", json=body)
             if r.status_code != 200:
-                raise RuntimeError(f"{server.url}/v1/completions answered {r.status_code}: {r.text[:300]}")
+                raise RuntimeError(
+                    f"{server.url}/v1/completions answered {r.status_code}: {r.text[:300]}"
+                )
             return list(r.json()["choices"][0]["token_ids"])
 
         limits = httpx.Limits(max_connections=MAX_PARALLEL)
