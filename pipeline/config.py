@@ -154,6 +154,11 @@ class Config(_Strict):
                 "data.source: traffic alone leaves no held-out prompts to judge rounds on; add "
                 "bench.eval_files or mix traffic with another source"
             )
+        if self.serve.engine == "vllm" and self.serve.topk != 1:
+            errs.append(
+                f"serve.topk: {self.serve.topk} -- serve.engine=vllm drafts chains; set "
+                "serve.topk=1 and serve.num_draft_tokens=null"
+            )
         if self.serve.record_traffic and self.serve.engine != "embedded":
             errs.append(
                 f"serve.record_traffic: only the embedded engine records requests (clients reach "

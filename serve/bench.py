@@ -1,5 +1,6 @@
 """Benchmark client: scores a drafter on any OpenAI-compatible endpoint that reports speculative
-statistics (this project's engine in `usage`, SGLang in `meta_info`).
+statistics (this project's engine in `usage`, SGLang in `meta_info`, vLLM in
+`metrics.speculative_decoding` plus its Prometheus counters per level: docs/vllm.md).
 
 One run, at temperature 0 on held-out prompts, each answered up to `max_tokens` or its end of
 sequence (`ignore_eos: true` forces exactly `max_tokens`: the tokens after EOS are text no user
@@ -36,6 +37,7 @@ from typing import Any
 import httpx
 
 from serve.sglang_server import has_meta_info, spec_stats_from_sglang
+from serve.vllm_server import spec_stats_from_vllm
 
 Prompt = list[dict[str, str]] | str
 # (prompt, max_tokens, speculative, steps) -> (path, JSON body); the seam for other servers
@@ -67,6 +69,16 @@ def extract_stats(body: dict[str, Any], latency_s: float) -> RequestStats:
     """Per-request statistics from one response: SGLang's `meta_info` (top level in native
     `/generate`, under `choices[i]` in chat completions sent with `return_meta_info`), else this
     engine's `usage` fields. The only place that knows response formats."""
+    if (vl := spec_stats_from_vllm(body)) is not None:
+        return RequestStats(
+            completion_tokens=vl["completion_tokens"],
+            latency_s=latency_s,
+            verify_ct=vl["spec_verify_ct"] or None,
+            accepted_drafts=vl["spec_accepted_tokens"],
+            accept_hist=tuple(vl["spec_accept_hist"]) or None,
+            draft_ms=0.0,  # as for SGLang: the whole request time counts as verify
+            verify_ms=latency_s * 1000.0,
+        )
     if has_meta_info(body):
         st = spec_stats_from_sglang(body)
         if st["completion_tokens"] is None:
@@ -280,6 +292,7 @@ def run_bench(
     baseline: dict[str, Any] | None = None,
     fixed_steps: int | None = None,
     domains: list[str] | None = None,
+    counters: Callable[[], Any] | None = None,
 ) -> BenchResult:
     """Benchmark `url` on `prompts` (held-out conversations or strings) with `bench_cfg` (a
     BenchConfig or a dict with num_prompts, max_tokens, concurrency, warmup, steps_sweep).
@@ -289,7 +302,9 @@ def run_bench(
     Baseline: `baseline` (figures from `measure_baseline_levels`, e.g. cached), else measured on
     `baseline_url` (a server without a drafter), else `speculative: false` requests to `url`.
     `fixed_steps`: the server drafts this many steps whatever a request asks (SGLang's
-    --speculative-num-steps): the sweep is skipped and the levels are labelled with it."""
+    --speculative-num-steps): the sweep is skipped and the levels are labelled with it.
+    `counters`: reads the server's speculative counters (vLLM: `VLLMServer.spec_counters`);
+    the speculative levels' accept figures then come from their change over each level."""
     n, max_tokens = _get(bench_cfg, "num_prompts"), _get(bench_cfg, "max_tokens")
     levels_c, warmup = list(_get(bench_cfg, "concurrency")), _get(bench_cfg, "warmup")
     build = _builder(bench_cfg, build)
@@ -322,10 +337,25 @@ def run_bench(
             stats, wall = _run_requests(client, prompts, build, max_tokens, True, s, c0)
             sweep.append(_level(stats, c0, True, s, wall))
         best = fixed_steps or (max(sweep, key=lambda lv: lv.tok_per_s).steps if sweep else None)
-        levels, first = [], None
+        levels, first, counted = [], None, []
         for c in levels_c:  # speculative and baseline back to back: drifting load hits both
+            before = counters() if counters else None
             stats, wall = _run_requests(client, prompts, build, max_tokens, True, best, c)
-            levels.append(_level(stats, c, True, best, wall))
+            level = _level(stats, c, True, best, wall)
+            if counters:
+                from serve.vllm_server import level_from_counters
+
+                delta = counters() - before
+                level = level_from_counters(level, stats, delta)
+                counted.append(
+                    {
+                        "concurrency": c,
+                        "drafts": delta.drafts,
+                        "accept_len": delta.accept_len,
+                        "acceptance_per_position": list(delta.acceptance_per_position),
+                    }
+                )
+            levels.append(level)
             if baseline is not None:
                 levels.append(_baseline_level(baseline, c))
                 base_stats = stats  # no per-request baseline: per-domain speedup stays overall
@@ -348,7 +378,7 @@ def run_bench(
     if baseline is not None:
         for d in per_domain.values():
             d["baseline_tok_per_s"] = d["speedup"] = None
-    return _summarize(levels, sweep, out, tag, settings, per_domain)
+    return _summarize(levels, sweep, out, tag, settings, counted, per_domain)
 
 
 def measure_baseline_levels(
@@ -442,6 +472,7 @@ def bench_endpoint(
         baseline=baseline,
         fixed_steps=endpoint.fixed_steps,
         domains=domains,
+        counters=getattr(endpoint, "spec_counters", None),
     )
     if reuse and not cached:
         levels = [asdict(lv) for lv in result.levels if not lv.speculative]
@@ -458,6 +489,7 @@ def _summarize(
     out: Path,
     tag: str,
     settings: dict[str, Any],
+    counters: list[dict[str, Any]] | None = None,
     domains: dict[str, dict[str, Any]] | None = None,
 ) -> BenchResult:
     c0 = levels[0].concurrency
@@ -494,7 +526,8 @@ def _summarize(
         sweep=tuple(sweep),
         json_path=str(out / f"{tag}.json"),
         plot_path=str(out / f"{tag}.png"),
-        extra={"settings": settings, "baseline_verify_ms": base.verify_ms},
+        extra={"settings": settings, "baseline_verify_ms": base.verify_ms}
+        | ({"server_counters": counters} if counters else {}),
         domains=domains or {},
     )
     Path(result.json_path).write_text(json.dumps(asdict(result), indent=2) + "\n")

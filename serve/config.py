@@ -12,8 +12,9 @@ from actors.config import Strict
 
 
 class ServeConfig(Strict):
-    engine: Literal["embedded", "sglang"] = "embedded"
-    """`embedded`: PyTorch engine on Ray Serve. `sglang`: a deployment owning sglang.launch_server."""
+    engine: Literal["embedded", "sglang", "vllm"] = "embedded"
+    """`embedded`: PyTorch engine on Ray Serve. `sglang`: a deployment owning sglang.launch_server.
+    `vllm`: a deployment owning vLLM's OpenAI server (its own Python: docs/vllm.md); chains only."""
     host: str = "127.0.0.1"
     """Bind address of HTTP servers."""
     port: int = Field(8000, ge=1, le=65535)

@@ -15,7 +15,8 @@
 
 The driver calls one function for either engine: `deploy_endpoint(serve_cfg, target_cfg,
 drafter_dir, log_dir) -> ServingEndpoint` (`serve.engine: embedded` = this deployment,
-`sglang` = serve/sglang_server.py's `deploy_sglang`, whose drafter swap is a restart).
+`sglang` = serve/sglang_server.py's `deploy_sglang`, `vllm` = serve/vllm_server.py's
+`deploy_vllm`; both swap drafters by a restart).
 
 Everything binds 127.0.0.1 unless `serve.host` says otherwise.
 """
@@ -599,7 +600,7 @@ def shutdown(app_name: str = APP_NAME) -> None:
 class ServingEndpoint(Protocol):
     """A running server the benchmark can score: `SGLangServerHandle` or `EmbeddedEndpoint`."""
 
-    engine: str  # "embedded" | "sglang"
+    engine: str  # "embedded" | "sglang" | "vllm"
     url: str  # http://host:port, the OpenAI base without /v1
 
     @property
@@ -666,9 +667,14 @@ def deploy_endpoint(
     embedded: the Ray Serve app above, `serve.num_cpus` CPUs and as many torch threads;
     `log_dir` is unused (Serve logs under Ray's session dir). sglang: `sglang.launch_server` in
     an actor that owns max(serve.num_gpus, target.tp_size) GPUs, logging to `log_dir`; `launch`
-    replaces `python -m sglang.launch_server` (e.g. another venv's Python)."""
+    replaces `python -m sglang.launch_server` (e.g. another venv's Python). vllm: vLLM's OpenAI
+    server in an actor reserving serve.num_cpus / serve.num_gpus (serve/vllm_server.py)."""
     if serve_cfg.engine == "sglang":
         return deploy_sglang(serve_cfg, target_cfg, drafter_dir, log_dir, launch=launch)
+    if serve_cfg.engine == "vllm":
+        from serve.vllm_server import deploy_vllm
+
+        return deploy_vllm(serve_cfg, target_cfg, drafter_dir, log_dir, launch=launch)
     ep = deploy(
         serve_cfg,
         target_cfg,

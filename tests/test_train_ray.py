@@ -37,8 +37,11 @@ def sharpen(src: Path, dst: Path, scale: float) -> Path:
     return dst
 
 
-def capture_shards(target: Path, out: Path, n: int, new_tokens: int, seed: int = 0):
-    """Chat prompts -> greedy continuation by the target -> HF hidden states -> one shard."""
+def capture_shards(
+    target: Path, out: Path, n: int, new_tokens: int, seed: int = 0, aux: list[int] = AUX
+):
+    """Chat prompts -> greedy continuation by the target -> HF hidden states at the SGLang ids
+    `aux` -> one shard."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target)
@@ -55,10 +58,10 @@ def capture_shards(target: Path, out: Path, n: int, new_tokens: int, seed: int =
         with torch.no_grad():
             full = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
             hs = model(full, output_hidden_states=True).hidden_states  # hs[k+1] = output of layer k
-        aux = torch.cat([hs[k + 1][0] for k in AUX], -1)
+        states = torch.cat([hs[k + 1][0] for k in aux], -1)
         mask = [0] * ids.shape[1] + [1] * (full.shape[1] - ids.shape[1])
         samples.append(
-            Sample(full[0].tolist(), mask, aux.to(torch.bfloat16), hs[-1][0].to(torch.bfloat16))
+            Sample(full[0].tolist(), mask, states.to(torch.bfloat16), hs[-1][0].to(torch.bfloat16))
         )
     out.mkdir(parents=True)
     info = write_shard(out / shard_name(0, 0), samples)
@@ -67,7 +70,7 @@ def capture_shards(target: Path, out: Path, n: int, new_tokens: int, seed: int =
         model=str(target), revision=None, num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
         vocab_size=c.vocab_size, tokenizer_hash="test",
     )  # fmt: skip
-    return write_manifest(out, rec, AUX, "test", [info])
+    return write_manifest(out, rec, aux, "test", [info])
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,63 @@
+"""GGUF target -> HF folder (what vLLM loads): the folder holds the GGUF's dequantised weights bit
+for bit and the same tokenizer; the tiny random Llama of the vLLM tests loads with transformers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from eagle3.hf_folder import STAMP, gguf_to_hf, tiny_llama
+from eagle3.target_weights import SMOLLM2_GGUF, smollm2_dir
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_converts_bit_for_bit(tmp_path):
+    out = gguf_to_hf("smollm2", tmp_path / "hf", dtype="bfloat16")
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    ref = AutoModelForCausalLM.from_pretrained(
+        smollm2_dir(), gguf_file=SMOLLM2_GGUF, dtype=torch.bfloat16
+    )
+    got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    a, b = ref.state_dict(), got.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert got.config.tie_word_embeddings and got.config.num_hidden_layers == 30
+    assert "quantization_config" not in json.loads(
+        (out / "config.json").read_text()
+    )  # vLLM refuses gguf
+
+    tok_ref = AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF)
+    tok = AutoTokenizer.from_pretrained(out)
+    msgs = [{"role": "user", "content": "Name three rivers."}]
+    assert tok.apply_chat_template(msgs, add_generation_prompt=True) == (
+        tok_ref.apply_chat_template(msgs, add_generation_prompt=True)
+    )
+
+    # A second call with the same source and dtype reuses the folder; another dtype rewrites it.
+    mtime = (out / "model.safetensors").stat().st_mtime_ns
+    gguf_to_hf("smollm2", out, dtype="bfloat16")
+    assert (out / "model.safetensors").stat().st_mtime_ns == mtime
+    assert json.loads((out / STAMP).read_text())["dtype"] == "bfloat16"
+
+
+def test_non_gguf_target_and_bad_dtype_are_refused(tmp_path, tiny_target):
+    with pytest.raises(ValueError, match="not a GGUF target"):
+        gguf_to_hf(str(tiny_target), tmp_path / "x")
+    with pytest.raises(ValueError, match="dtype"):
+        gguf_to_hf("smollm2", tmp_path / "y", dtype="int8")
+
+
+def test_tiny_llama_has_vllm_cpu_head_size(tmp_path):
+    out = tiny_llama(tmp_path / "t", "smollm2", lm_head_scale=10.0)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["head_dim"] == 32 and cfg["vocab_size"] == 49152
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    plain = tiny_llama(tmp_path / "p", "smollm2")
+    scaled = model.lm_head.weight
+    base = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).lm_head.weight
+    torch.testing.assert_close(scaled, base * 10.0)
+    assert AutoTokenizer.from_pretrained(out).chat_template
