@@ -51,9 +51,20 @@ def tiny_llama_config(*, vocab_size: int = 49152, layers: int = 4, hidden: int =
 
 
 def build_tiny_llama(
-    out: Path, tokenizer_dir: Path, *, layers: int = 4, hidden: int = 64, seed: int = 0
+    out: Path,
+    tokenizer_dir: Path,
+    *,
+    layers: int = 4,
+    hidden: int = 64,
+    seed: int = 0,
+    two_tokens: tuple[int, int] | None = None,
 ) -> Path:
-    """A random-init Llama saved like a hub checkpoint (config, safetensors, tokenizer)."""
+    """A random-init Llama saved like a hub checkpoint (config, safetensors, tokenizer).
+
+    `two_tokens` (a, b): the target only ever answers a or b, by the sign of one feature of its
+    last hidden state. A random target's answers are a chaotic function of the context that a
+    drafter needs many steps to learn; this one's take a few, so loop tests can tell a trained
+    drafter from a broken one."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -61,6 +72,13 @@ def build_tiny_llama(
         layers=layers, hidden=hidden, max_position_embeddings=1024, rms_norm_eps=1e-5
     )
     model = LlamaForCausalLM(cfg).eval()
+    if two_tokens is not None:
+        with torch.no_grad():
+            model.model.norm.weight.zero_()
+            model.model.norm.weight[0] = 1.0  # the final hidden state is feature 0 alone
+            model.lm_head.weight.zero_()
+            model.lm_head.weight[two_tokens[0], 0] = 1.0
+            model.lm_head.weight[two_tokens[1], 0] = -1.0
     model.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
     return out
@@ -70,6 +88,17 @@ def build_tiny_llama(
 def tiny_target(tmp_path_factory, chat_tokenizer_dir) -> Path:
     """Path of a tiny random Llama target (4 layers, hidden 64, SmolLM2 tokenizer)."""
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_target"), chat_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def two_token_target(tmp_path_factory, chat_tokenizer_dir) -> Path:
+    """A tiny target that answers only " the" or " cat" (see build_tiny_llama): learnable."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(chat_tokenizer_dir)
+    a, b = (tok(w, add_special_tokens=False)["input_ids"][0] for w in (" the", " cat"))
+    out = tmp_path_factory.mktemp("two_token_target")
+    return build_tiny_llama(out, chat_tokenizer_dir, two_tokens=(a, b))
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ def _config(tmp: Path, tiny_target: Path) -> dict:
                  "heldout_prompts": 4, "user_prompts": 8, "max_new_tokens": 24, "batch_size": 6,
                  "num_actors": 2},
         "drafter": {"draft_vocab_size": 512},
-        "train": {"num_workers": 2, "first_round_epochs": 40, "epochs": 10, "lr": 0.01, "ttt_length": 2,
+        "train": {"num_workers": 2, "first_round_epochs": 8, "epochs": 2, "lr": 0.003, "ttt_length": 2,
                   "tokens_per_batch": 256, "checkpoint_every": 4},
         "serve": {"steps": 2, "port": _free_port(), "record_traffic": True, "simulate_users": 6,
                   "simulate_concurrency": 2},
@@ -48,9 +48,9 @@ def _config(tmp: Path, tiny_target: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def closed_run(tmp_path_factory, tiny_target) -> tuple[Path, dict]:
+def closed_run(tmp_path_factory, two_token_target) -> tuple[Path, dict]:
     tmp = tmp_path_factory.mktemp("closed")
-    cfg = _config(tmp, tiny_target)
+    cfg = _config(tmp, two_token_target)
     (tmp / "closed.yaml").write_text(yaml.safe_dump(cfg))
     run_dir = tmp / "run"
     done = subprocess.run(
@@ -154,7 +154,7 @@ def _candidate_round(cfg, state, drafter: str, predicted: float, tmp: Path, eval
     return rs, r, tracker, child
 
 
-def test_gate_keeps_the_serving_drafter_when_the_new_one_is_worse(live, tmp_path, tiny_target):
+def test_gate_keeps_the_serving_drafter_when_the_new_one_is_worse(live, tmp_path, two_token_target):
     from transformers import AutoModelForCausalLM
 
     from eagle3.checkpoint import save_drafter
@@ -163,7 +163,7 @@ def test_gate_keeps_the_serving_drafter_when_the_new_one_is_worse(live, tmp_path
 
     cfg, ep, state = live
     champion = state["champion"]
-    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    target = AutoModelForCausalLM.from_pretrained(two_token_target, dtype=torch.float32)
     bad = random_drafter(target, draft_vocab_size=512, seed=7, aux_layer_ids=[0, 1, 2]).model
     broken = str(save_drafter(bad.state_dict(), bad.cfg, tmp_path / "random", dtype=torch.float32))
     evalset = _eval_set(cfg, _prompts(cfg))
