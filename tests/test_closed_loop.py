@@ -182,12 +182,13 @@ def test_collapsed_acceptance_is_an_error_naming_the_drafter(live, tmp_path):
     cfg, ep, state = live
     champion = state["champion"]
     assert champion["accept_len"] > 1.2  # a trained drafter on this target accepts clearly more
-    # the champion's checkpoint with its draft-to-target vocab map lost (d2t all zero offsets:
-    # draft id i means target id i), as an export that drops the key leaves it
+    # the champion's checkpoint with its output rows shifted by one draft id: every structural
+    # check passes (a lost d2t is refused at load), yet each drafted token is the wrong one, as
+    # when an engine keeps other weights than the ones trained
     dropped = tmp_path / "dropped"
     shutil.copytree(champion["drafter_dir"], dropped)
     weights = load_file(dropped / "model.safetensors")
-    weights["d2t"] = torch.zeros_like(weights["d2t"])
+    weights["lm_head.weight"] = torch.roll(weights["lm_head.weight"], 1, dims=0)
     save_file(weights, dropped / "model.safetensors", metadata={"format": "pt"})
     predicted = state["rounds"][champion["round"]]["done"]["train"]["eval_metrics"][
         "sim_accept_len"
