@@ -82,13 +82,12 @@ def test_start_gives_up_after_bounded_retries_with_what_to_try(ray_local, monkey
     # failure the real 5 s default caused on a busy machine, made certain.
     monkeypatch.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "0.001")
     assert not serve_running()
-    t0 = time.monotonic()
     with pytest.raises(ServeStartupError, match=r"after 2 attempt\(s\)") as err:
         start_serve("127.0.0.1", free_port(), attempts=2, ready_timeout_s=15)
     msg = str(err.value)
     assert "attempt 1:" in msg and "attempt 2:" in msg and "not HEALTHY" in msg
     assert "what to try" in msg and "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S" in msg
-    assert time.monotonic() - t0 < 2 * 15 + 60  # bounded
+    assert "attempt 3" not in msg  # bounded: 2 attempts, then the message
     assert not serve_running()  # shut down, not left half-started
 
 
