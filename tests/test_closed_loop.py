@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,16 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import free_port
 from safetensors.torch import load_file, save_file
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(tmp: Path, tiny_target: Path) -> dict:
@@ -39,7 +33,7 @@ def _config(tmp: Path, tiny_target: Path) -> dict:
         "drafter": {"draft_vocab_size": 512},
         "train": {"num_workers": 2, "first_round_epochs": 8, "epochs": 2, "lr": 0.003, "ttt_length": 2,
                   "tokens_per_batch": 256, "checkpoint_every": 4},
-        "serve": {"steps": 2, "port": _free_port(), "record_traffic": True, "simulate_users": 6,
+        "serve": {"steps": 2, "port": free_port(), "record_traffic": True, "simulate_users": 6,
                   "simulate_concurrency": 2},
         "bench": {"num_prompts": 4, "max_tokens": 16, "warmup": 1, "collapse_predicted": 1.2},
         "stop": {"accept_len": 9.0, "max_rounds": 2},
@@ -127,7 +121,7 @@ def live(closed_run, ray_local):
 
     run_dir, _ = closed_run
     cfg = load_config(next(run_dir.parent.glob("closed.yaml")))
-    cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"port": _free_port(), "record_traffic": False})})  # fmt: skip
+    cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"port": free_port(), "record_traffic": False})})  # fmt: skip
     state = json.loads((run_dir / "state.json").read_text())
     ep = deploy_endpoint(cfg.serve, cfg.target, state["champion"]["drafter_dir"], run_dir / "serve")
     yield cfg, ep, state

@@ -4,12 +4,12 @@ read back tolerantly, and kept across a killed replica; the selection a round le
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import httpx
 import pytest
 import torch
+from conftest import free_port
 from transformers import AutoModelForCausalLM
 
 from eagle3.checkpoint import save_drafter
@@ -60,12 +60,6 @@ def test_selection_hardest_first_unused_not_heldout():
     assert [r["id"] for r in got] == ["r2", "r1", "r4", "r0"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, content: str, **extra) -> dict:
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": 6,
             "temperature": 0, **extra}  # fmt: skip
@@ -85,14 +79,14 @@ def test_served_requests_are_logged_and_survive_a_killed_replica(ray_local, tiny
     d = random_drafter(target, draft_vocab_size=4000, seed=1, aux_layer_ids=[0, 1, 2]).model
     ckpt = save_drafter(d.state_dict(), d.cfg, tmp_path / "drafter")
     traffic = tmp_path / "traffic"
-    off = deploy_endpoint(ServeConfig(port=_free_port(), steps=2), TargetConfig(model=str(tiny_target)),
+    off = deploy_endpoint(ServeConfig(port=free_port(), steps=2), TargetConfig(model=str(tiny_target)),
                           ckpt, tmp_path, app_name="traffic-off", traffic_dir=traffic)  # fmt: skip
     _post(off.url, "nothing is recorded")
     off.shutdown()
     assert not traffic.exists()  # recording off: nothing opened, nothing written
     serve.shutdown()
 
-    cfg = ServeConfig(port=_free_port(), steps=2, record_traffic=True)
+    cfg = ServeConfig(port=free_port(), steps=2, record_traffic=True)
     ep = deploy_endpoint(cfg, TargetConfig(model=str(tiny_target)), ckpt, tmp_path,
                          app_name="traffic-on", traffic_dir=traffic)  # fmt: skip
     try:
