@@ -83,6 +83,10 @@ class DataConfig(Strict):
     heldout_prompts: int = Field(64, ge=1)
     """Prompts of each source reserved for the benchmark (compared by text: training never sees
     them, nor their duplicates in other sources)."""
+    max_prompt_chars: int = Field(2000, ge=50)
+    """ShareGPT turns whose prompt (with the turns before it) is longer than this are left out.
+    Prefill cost grows with prompt length, which a CPU feels: at 2000 characters SmolLM2's prompts
+    average 181 tokens, at 500 they average 57 (14,368 prompts are left)."""
     user_prompts: int = Field(0, ge=0)
     """Prompts of the sources reserved for simulated users (`serve.simulate_users`), disjoint from
     training and from the benchmark; split across sources by weight."""

