@@ -51,20 +51,11 @@ class DrafterConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    @model_validator(mode="after")
-    def _epochs(self) -> TrainConfig:
-        if self.epochs == []:
-            raise ValueError("train.epochs: an empty list; give one number per round")
-        return self
-
     def for_round(self, r: int) -> TrainConfig:
-        """This section with round r's epochs as a plain int (what the workers run)."""
-        e = (
-            self.epochs
-            if isinstance(self.epochs, int)
-            else self.epochs[min(r, len(self.epochs) - 1)]
-        )
-        return self.model_copy(update={"epochs": e})
+        """This section with round r's epochs in `epochs` (what the workers run)."""
+        if r == 0 and self.first_round_epochs is not None:
+            return self.model_copy(update={"epochs": self.first_round_epochs})
+        return self
 
     num_workers: int = Field(2, ge=1)
     """Ray Train workers (DDP)."""

@@ -106,3 +106,12 @@ def test_the_data_stage_cli_reads_its_own_sections(tmp_path):
         load_data_stage_config(f, ["data.capture=decode"])
     with pytest.raises(ConfigError, match="data.lerning"):
         load_data_stage_config(f, ["data.lerning=1"])
+
+
+def test_round_0_has_its_own_size_and_epochs():
+    cfg = parse_config({"data": {"prompts_per_round": 192, "first_round_prompts": 1280},
+                        "train": {"epochs": 1, "first_round_epochs": 4}})  # fmt: skip
+    assert [cfg.data.prompts_for_round(r) for r in (0, 1, 5)] == [1280, 192, 192]
+    assert [cfg.train.for_round(r).epochs for r in (0, 1, 5)] == [4, 1, 1]
+    plain = parse_config({"train": {"epochs": 3}})
+    assert plain.train.for_round(0).epochs == 3 and plain.data.prompts_for_round(0) == 400
