@@ -121,15 +121,15 @@ def read_traffic(directory: str | Path) -> Iterator[dict[str, Any]]:
 
 
 def prompt_text_key(rec: dict[str, Any]) -> str | None:
-    """The record's prompt as `actors.prompts.prompt_key` spells a conversation (role: content
-    lines), so held-out prompts can be recognised in the log; None for raw-id prompts."""
+    """The record's prompt as `actors.prompts.prompt_key` spells a conversation, so held-out
+    prompts can be recognised in the log; None for raw-id prompts."""
+    from actors.prompts import prompt_key
+
     msgs = rec.get("messages")
-    if isinstance(msgs, list):
-        return "\n".join(
-            f"{m.get('role')}: {m.get('content')}" for m in msgs if isinstance(m, dict)
-        )
+    if isinstance(msgs, list) and all(isinstance(m, dict) for m in msgs):
+        return prompt_key([{"role": m.get("role"), "content": m.get("content")} for m in msgs])
     if isinstance(rec.get("prompt"), str):
-        return f"user: {rec['prompt']}"
+        return prompt_key([{"role": "user", "content": rec["prompt"]}])
     return None
 
 
