@@ -319,7 +319,10 @@ def ttt_attention(
             o = o + w[..., L + j : L + j + 1] * v[:, a:b].float()
         outs.append(o)
     if not outs:
-        return q.new_zeros(R, n_heads * d)
+        # No query left (a batch without one loss token): zeros that still reach q, k and v, so
+        # every parameter gets a gradient; DDP's reducer fails the next step on any that has none.
+        touch = q.sum() + sum(t.sum() for kv in keys for t in kv)
+        return q.new_zeros(R, n_heads * d) + 0.0 * touch
     out = torch.cat(outs, dim=1).to(q.dtype)  # [H, R, d]
     return out.transpose(0, 1).reshape(R, n_heads * d)
 

@@ -15,8 +15,17 @@ DASH_PORT=${DASH_PORT:-8265}
 mkdir -p "$RUN_DIR"
 t0=$(date +%s)
 
+# Refuse a taken port up front, naming the variable to change: a second MLflow server on the same
+# port would leave the driver logging to someone else's store (or hanging on a dead one).
+port_free() { python -c "import socket,sys; s=socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1])))" "$1" 2>/dev/null; }
+free_port() { python -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
+for var in MLFLOW_PORT DASH_PORT; do
+  port_free "${!var}" || { echo "port ${!var} is taken (another MLflow, Ray or demo?); run with $var=<free port>"; exit 2; }
+done
+
 cleanup() {
-  ray stop --force >/dev/null 2>&1 || true
+  # This head only (its process group), never `ray stop --force`, which kills every Ray here.
+  [ -n "${RAY_PID:-}" ] && { kill -TERM -- "-$RAY_PID" 2>/dev/null; wait "$RAY_PID" 2>/dev/null; } || true
   [ -n "${MLFLOW_PID:-}" ] && kill "$MLFLOW_PID" 2>/dev/null || true
 }
 trap cleanup EXIT
@@ -27,9 +36,15 @@ MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow server --workers 1 --host 127.0.
   >"$RUN_DIR/mlflow.log" 2>&1 &
 MLFLOW_PID=$!
 
-ray stop --force >/dev/null 2>&1 || true
-ray start --head --node-ip-address 127.0.0.1 --num-cpus 4 --dashboard-host 127.0.0.1 \
-  --dashboard-port "$DASH_PORT" --disable-usage-stats >"$RUN_DIR/ray-start.log" 2>&1
+# Every port of this head is a free one (Ray's fixed defaults clash with any other Ray here);
+# --block in its own session, so the cleanup above stops exactly these processes.
+RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 setsid ray start --head --block --node-ip-address 127.0.0.1 \
+  --port "$(free_port)" --ray-client-server-port "$(free_port)" \
+  --dashboard-agent-listen-port "$(free_port)" --num-cpus 4 --dashboard-host 127.0.0.1 \
+  --dashboard-port "$DASH_PORT" --disable-usage-stats >"$RUN_DIR/ray-start.log" 2>&1 &
+RAY_PID=$!
+for _ in $(seq 120); do grep -q "Ray runtime started" "$RUN_DIR/ray-start.log" && break
+  kill -0 "$RAY_PID" 2>/dev/null || { echo "Ray did not start: $RUN_DIR/ray-start.log"; exit 1; }; sleep 1; done
 
 for _ in $(seq 90); do curl -sf "http://127.0.0.1:$MLFLOW_PORT/health" >/dev/null && break; sleep 1; done
 curl -sf "http://127.0.0.1:$MLFLOW_PORT/health" >/dev/null || { echo "MLflow did not start: $RUN_DIR/mlflow.log"; exit 1; }

@@ -189,3 +189,54 @@ def test_vocab_map_and_soft_labels():
     p, inside = target_soft_labels(fh, lm, d2t, t2d)
     assert inside.tolist() == [True, False]
     assert p.shape == (2, 3) and p[0].argmax() == 1
+
+
+
+def _ddp_two_steps(rank: int, port: int, errors) -> None:
+    import torch.distributed as dist
+
+    from eagle3.train_step import TTTModule, wrap_ddp
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        cfg = tiny_cfg()
+        model = wrap_ddp(TTTModule(fixed_drafter(cfg)), torch.device("cpu"))
+        ids, aux, tp, valid, cu, pos = packed_batch(cfg, seed=rank)
+        if rank == 1:
+            valid[:] = False  # no loss token in this rank's batch (a short reply makes one)
+        for _ in range(2):  # DDP's reducer fails on the step after a parameter got no gradient
+            model(ids, aux, tp, valid, cu, pos, 3).loss.backward()
+            model.zero_grad()
+    except Exception as e:  # noqa: BLE001 - reported to the parent process
+        errors.put(f"rank {rank}: {e}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_batch_without_loss_tokens_trains_under_ddp():
+    """A rank whose batch has no loss token contributes zeros, yet every parameter receives a
+    gradient, so DDP's next step does not fail with "parameters that did not receive grad"."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    cfg = tiny_cfg()
+    model = fixed_drafter(cfg)
+    ids, aux, tp, valid, cu, pos = packed_batch(cfg)
+    valid[:] = False
+    out = model.ttt_forward(ids, aux, tp, valid, cu, pos, ttt_length=3)
+    out.loss.backward()
+    assert out.counted.tolist() == [0.0, 0.0, 0.0] and float(out.loss.detach()) == 0.0
+    assert [n for n, p in model.named_parameters() if p.grad is None] == []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    procs = [ctx.Process(target=_ddp_two_steps, args=(r, port, errors)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert errors.empty(), errors.get()
+    assert [p.exitcode for p in procs] == [0, 0]

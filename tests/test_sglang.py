@@ -353,7 +353,8 @@ _RAY_SCRIPT = textwrap.dedent(
     from actors.sglang_backend import SGLangTarget, reserve_target_gpus, target_actor_options
     from pipeline.config import TargetConfig
 
-    ray.init(num_cpus=3, num_gpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+    ray.init(address="local", num_cpus=3, num_gpus=2, include_dashboard=False,
+             _node_ip_address="127.0.0.1",
              runtime_env={"env_vars": {"JOB_LEVEL": "job", "NCCL_PROTO": "Simple",
                                         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
     cfg = TargetConfig(model=sys.argv[1], backend="sglang", tp_size=2, env={"NCCL_PROTO": "LL"})
@@ -521,7 +522,8 @@ _DATA_SCRIPT = textwrap.dedent(
     from pipeline.config import DataConfig, TargetConfig
 
     model, out, cpu = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "cpu"
-    ray.init(num_cpus=3, num_gpus=1, include_dashboard=False, _node_ip_address="127.0.0.1",
+    ray.init(address="local", num_cpus=3, num_gpus=1, include_dashboard=False,
+             _node_ip_address="127.0.0.1",
              runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
     # On a host without CUDA: SGLang's CPU engine with torch-native attention.
     env = {"SGLANG_USE_CPU_ENGINE": "1"} if cpu else {}
@@ -626,7 +628,8 @@ _SERVE_SCRIPT = textwrap.dedent(
 
     model, good, broken, port, logs, cpu = sys.argv[1:7]
     logs, cpu = Path(logs), cpu == "cpu"
-    ray.init(num_cpus=3, num_gpus=1, include_dashboard=False, _node_ip_address="127.0.0.1",
+    ray.init(address="local", num_cpus=3, num_gpus=1, include_dashboard=False,
+             _node_ip_address="127.0.0.1",
              runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
     extra = ["--mem-fraction-static", "0.1"]
     if cpu:  # SGLang's CPU engine with torch-native attention
