@@ -191,7 +191,6 @@ def test_vocab_map_and_soft_labels():
     assert p.shape == (2, 3) and p[0].argmax() == 1
 
 
-
 def _ddp_two_steps(rank: int, port: int, errors) -> None:
     import torch.distributed as dist
 
