@@ -87,6 +87,12 @@ class DataConfig(Strict):
     """ShareGPT turns whose prompt (with the turns before it) is longer than this are left out.
     Prefill cost grows with prompt length, which a CPU feels: at 2000 characters SmolLM2's prompts
     average 181 tokens, at 500 they average 57 (14,368 prompts are left)."""
+    dataset_replies: float = Field(0.0, ge=0, le=1)
+    """Share of a round's fresh prompts trained on their source's own reply (a ShareGPT turn's
+    assistant answer) instead of one the target regenerates: capture only, one forward pass, no
+    generation. The drafter still learns the target's distribution at every position (soft
+    labels); only the contexts are another model's text. 0 = regenerate all, the field's
+    standard for a new target. Prompts without a reply (HumanEval, lm_eval) are regenerated."""
     user_prompts: int = Field(0, ge=0)
     """Prompts of the sources reserved for simulated users (`serve.simulate_users`), disjoint from
     training and from the benchmark; split across sources by weight."""

@@ -34,6 +34,7 @@ from actors.prompts import (
     Answered,
     Batch,
     Conversation,
+    Replied,
     SelfWritten,
     prompt_key,
     self_written_batches,
@@ -60,6 +61,8 @@ class DataResult:
     capture_tok_per_s: float
     seconds: float
     switch_seconds: float = 0.0  # loading / switching SGLang's engine and capture runners
+    made: tuple[int, ...] = ()  # batch indices on disk for this round
+    left_out: int = 0  # batches a deadline left out
 
 
 def run_generate(
@@ -73,6 +76,9 @@ def run_generate(
     two_phase: bool | None = None,
     sglang_options: SGLangOptions | None = None,
     answered: list[Answered] | None = None,
+    replied: list[Replied] | None = None,
+    deadline: float | None = None,
+    only: set[int] | None = None,
 ) -> DataResult:
     """Generate, capture and write shards for ``prompts`` into ``out_dir``, then for
     ``data.self_prompts_per_round`` conversations whose user turns the target writes (drawn fresh
@@ -80,7 +86,12 @@ def run_generate(
 
     ``two_phase``: generate the whole round, then capture it (None = only for the SGLang backend).
     ``sglang_options``: knobs of the SGLang backend the config does not carry (tests, tuning).
-    ``answered``: batches of served requests (the traffic log): captured, not generated."""
+    ``answered``: batches of served requests (the traffic log): captured, not generated; they
+    run first (the cheapest data, and the most telling).
+    ``replied``: batches of prompts with their source's own replies: captured, not generated.
+    ``deadline`` (a ``time.time()``): no batch starts that would end after it, by the time the
+    batches so far took (``DataResult.made`` lists what was made; the rest is left out).
+    ``only``: make just these batch indices (what a cut stage made, when it is healed)."""
     start = time.perf_counter()
     two_phase = target.backend == "sglang" if two_phase is None else two_phase
     out_dir = Path(out_dir)
@@ -92,13 +103,16 @@ def run_generate(
     batches += self_written_batches(
         data.self_prompts_per_round, data.batch_size, data.seed, round_index
     )
+    batches += replied or []
     batches += answered or []
     keys = [batch_key(b, target, data) for b in batches]
     records: dict[int, dict[str, Any]] = {}
     for i, k in enumerate(keys):
         if (rec := finished_batch(out_dir, i, k)) is not None:
             records[i] = rec
-    todo = deque(i for i in range(len(batches)) if i not in records)
+    wanted = set(range(len(batches))) if only is None else set(only)
+    todo = deque(i for i in range(len(batches)) if i not in records and i in wanted)
+    records = {i: rec for i, rec in records.items() if i in wanted}
     print(
         f"[generate] {out_dir}: {len(batches)} batches, {len(records)} already done, {len(todo)} to do",
         flush=True,
@@ -112,7 +126,7 @@ def run_generate(
         n_actors = len(actors)
         try:
             done, generated, info, switch_s = _run_batches(
-                actors, batches, keys, list(todo), out_dir, data, two_phase
+                actors, batches, keys, list(todo), out_dir, data, two_phase, deadline
             )
         finally:
             _stop_actors(actors, reservations)
@@ -138,6 +152,8 @@ def run_generate(
         capture_tok_per_s=sum(r.capture_tokens for r in done) / cap_s if cap_s else 0.0,
         seconds=time.perf_counter() - start,
         switch_seconds=switch_s,
+        made=tuple(sorted(records)),
+        left_out=len(wanted) - len(records),
     )
 
 
@@ -160,6 +176,7 @@ def _run_batches(
     out_dir: Path,
     data: DataConfig,
     two_phase: bool,
+    deadline: float | None = None,
 ) -> tuple[list[BatchResult], list[BatchResult], dict[str, Any], float]:
     """Run the unfinished batches: (results with shards, results with generate figures, target
     info, seconds spent loading/switching backend phases)."""
@@ -171,6 +188,8 @@ def _run_batches(
     info = ray.get(actors[0].info.remote())
     print(f"[generate] {len(actors)} actor(s) ready in {time.perf_counter() - t0:.1f}s", flush=True)
     given = [p for i in todo if isinstance(b := batches[i], list) for p in b]
+    # a source's reply is at most max_new_tokens, as the estimate assumes for generated ones
+    given += [c for i in todo if isinstance(b := batches[i], Replied) for c in b.conversations]
     lengths = ray.get(actors[0].prompt_lengths.remote(given))
     # an answered request's length is known; the estimate adds max_new_tokens to it
     lengths += [
@@ -185,8 +204,12 @@ def _run_batches(
     )
     _check_storage(out_dir, info, lengths, data)
     out, sizes = str(out_dir), [b.count if isinstance(b, SelfWritten) else len(b) for b in batches]
+    # capture-only batches first: the cheapest samples (served requests before sources' replies)
+    rank = {Answered: 0, Replied: 1}
+    todo = sorted(todo, key=lambda i: (rank.get(type(batches[i]), 2), i))
     if not two_phase:
-        done = _dispatch(actors, "process", {i: (batches[i], out, i, keys[i]) for i in todo}, sizes)
+        jobs = {i: (batches[i], out, i, keys[i]) for i in todo}
+        done = _dispatch(actors, "process", jobs, sizes, deadline)
         generated = done
     else:
         gen_todo = [i for i in todo if not has_generated(out_dir, i, keys[i])]
@@ -195,9 +218,15 @@ def _run_batches(
             f"{len(todo) - len(gen_todo)} already generated",
             flush=True,
         )
+        # the deadline cuts generation only; capture is the cheap phase that makes the shards
         generated = _dispatch(
-            actors, "generate_batch", {i: (batches[i], out, i, keys[i]) for i in gen_todo}, sizes
+            actors,
+            "generate_batch",
+            {i: (batches[i], out, i, keys[i]) for i in gen_todo},
+            sizes,
+            deadline,
         )
+        todo = [i for i in todo if has_generated(out_dir, i, keys[i])]
         print(f"[generate] phase 2 (capture): {len(todo)} batch(es)", flush=True)
         done = _dispatch(actors, "capture_batch", {i: (out, i, keys[i]) for i in todo}, sizes)
     skipped = sum(r.skipped_prompts for r in done)
@@ -219,6 +248,8 @@ def batch_key(batch: Batch, target: TargetConfig, data: DataConfig) -> str:
     }  # fmt: skip
     if isinstance(batch, Answered):
         settings["answered"] = [list(p) + [-1] + list(c) for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True)]  # fmt: skip
+    elif isinstance(batch, Replied):
+        settings["replied"] = [[prompt_key(c), r] for c, r in zip(batch.conversations, batch.replies, strict=True)]  # fmt: skip
     elif isinstance(batch, SelfWritten):
         settings["self_written"] = {
             "count": batch.count,
@@ -288,25 +319,41 @@ def _stop_actors(actors: list[Any], reservations: list[Any]) -> None:
 
 
 def _dispatch(
-    actors: list[Any], method: str, jobs: dict[int, tuple], sizes: list[int]
+    actors: list[Any],
+    method: str,
+    jobs: dict[int, tuple],
+    sizes: list[int],
+    deadline: float | None = None,
 ) -> list[BatchResult]:
-    """Call `method(*jobs[i])` for every batch i, two in flight per actor (one computing, one
-    writing), until all are done."""
+    """Call `method(*jobs[i])` for every batch i (in the order of `jobs`), two in flight per
+    actor (one computing, one writing), until all are done, or until the next batch would end
+    after `deadline` (by the mean wall time of an actor's batches so far): the rest is left out."""
     import ray
 
-    todo = deque(sorted(jobs))
+    todo = deque(jobs)
     pending: dict[Any, Any] = {}
     results: list[BatchResult] = []
+    per_actor: list[float] = []  # seconds between an actor's finished batches
+
+    def fits() -> bool:
+        if deadline is None or not per_actor:
+            return True
+        # a batch handed out now queues behind the one its actor computes: it ends two means on
+        return time.time() + 2 * sum(per_actor) / len(per_actor) <= deadline
 
     def submit(actor: Any) -> None:
-        if todo:
+        if todo and fits():
             i = todo.popleft()
             pending[getattr(actor, method).remote(*jobs[i])] = actor
+        elif todo and deadline is not None:
+            print(f"[generate] deadline: {len(todo)} batch(es) left out", flush=True)
+            todo.clear()
 
     for a in actors:
         submit(a)
         submit(a)
     t0 = time.perf_counter()
+    last_done = {id(a): t0 for a in actors}
     total = sum(sizes[i] for i in jobs)
     with tqdm(total=total, unit="prompt", desc=method, file=sys.stdout, mininterval=2.0) as bar:
         while pending:
@@ -314,6 +361,9 @@ def _dispatch(
             actor = pending.pop(ref)
             r = ray.get(ref)
             results.append(r)
+            now = time.perf_counter()
+            per_actor.append(now - last_done[id(actor)])
+            last_done[id(actor)] = now
             submit(actor)
             dt = time.perf_counter() - t0
             bar.set_postfix(

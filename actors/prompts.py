@@ -23,7 +23,7 @@ import random
 import subprocess
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,21 @@ class Answered:
         return len(self.prompt_ids)
 
 
-Batch = list[Conversation] | SelfWritten | Answered
+@dataclass(frozen=True)
+class Replied:
+    """A batch of conversations with the reply their source gives (a ShareGPT turn's assistant
+    answer), trained on as written: capture only, no generation. The drafter still learns the
+    target's own next-token distribution at every position (soft labels from the target); the
+    reply only sets the contexts, which are another model's text, not the target's."""
+
+    conversations: tuple[Conversation, ...]
+    replies: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return len(self.conversations)
+
+
+Batch = list[Conversation] | SelfWritten | Answered | Replied
 
 
 def self_written_batches(
@@ -102,6 +116,7 @@ class Prompt:
     messages: Conversation
     domain: str
     source: str
+    reply: str | None = None  # the source's own answer to the last turn, where it has one
 
 
 @dataclass(frozen=True)
@@ -114,6 +129,7 @@ class PromptPlan:
     heldout: list[Prompt]
     users: list[Prompt]
     weights: dict[str, float]  # of the prompt sources (traffic excluded), summing to 1
+    replies: dict[str, str] = field(default_factory=dict)  # prompt_key -> the source's reply
 
 
 def load_prompts(data: DataConfig) -> list[Conversation]:
@@ -181,7 +197,13 @@ def plan_prompts(data: DataConfig, seed: int | None = None) -> PromptPlan:
         src: [p.messages for p in prompts if prompt_key(p.messages) not in taken]
         for src, prompts in shuffled.items()
     }
-    return PromptPlan(train, interleave(list(heldout_by.values())), users, weights)
+    replies = {
+        prompt_key(p.messages): p.reply
+        for prompts in shuffled.values()
+        for p in prompts
+        if p.reply and prompt_key(p.messages) not in taken
+    }
+    return PromptPlan(train, interleave(list(heldout_by.values())), users, weights, replies)
 
 
 def interleave(groups: list[list[Prompt]]) -> list[Prompt]:

@@ -73,8 +73,16 @@ def split_turns(turns: list[dict[str, Any]], max_chars: int = MAX_CONTEXT_CHARS)
     """One prompt per user turn of a ShareGPT conversation: the turn with the turns before it as
     context. Leading assistant turns are dropped, turns by unknown speakers end the conversation;
     prompts over `max_chars`, user turns mostly outside ASCII and very short ones are left out."""
+    return [conv for conv, _ in turns_with_replies(turns, max_chars)]
+
+
+def turns_with_replies(
+    turns: list[dict[str, Any]], max_chars: int = MAX_CONTEXT_CHARS
+) -> list[tuple[list, str | None]]:
+    """`split_turns`' prompts, each with the assistant turn that answered it (None when the
+    conversation ends there)."""
     conv: list[dict[str, str]] = []
-    out = []
+    out: list[tuple[list, str | None]] = []
     for t in turns:
         role = _SPEAKERS.get(str(t.get("from", "")).lower())
         value = t.get("value")
@@ -82,13 +90,15 @@ def split_turns(turns: list[dict[str, Any]], max_chars: int = MAX_CONTEXT_CHARS)
             break
         if not conv and role != "user":
             continue  # a chat template renders no assistant turn before the first user turn
+        if role == "assistant" and out and out[-1][0] == conv and out[-1][1] is None:
+            out[-1] = (out[-1][0], value.strip() or None)
         conv.append({"role": role, "content": value.strip()})
         if role != "user":
             continue
         text = conv[-1]["content"]
         size = sum(len(m["content"]) for m in conv)
         if len(text) >= MIN_TURN_CHARS and _english(text) and size <= max_chars:
-            out.append(list(conv))
+            out.append((list(conv), None))
     return out
 
 
@@ -98,11 +108,11 @@ def sharegpt_prompts(max_chars: int = MAX_CONTEXT_CHARS) -> list[Prompt]:
         encoding="utf-8", errors="replace"
     )
     convs = [
-        c
+        pair
         for rec in read_json_records(text)
-        for c in split_turns(rec.get("conversations") or [], max_chars)
+        for pair in turns_with_replies(rec.get("conversations") or [], max_chars)
     ]
-    return _dedupe(Prompt(c, "chat", "sharegpt") for c in convs)
+    return _dedupe(Prompt(c, "chat", "sharegpt", reply) for c, reply in convs)
 
 
 def humaneval_prompts() -> list[Prompt]:

@@ -40,7 +40,7 @@ from actors.chat import Conversation, encode_conversation, prompt_ids, user_turn
 from actors.config import DataConfig, TargetConfig
 from actors.files import atomic_write
 from actors.hf_backend import HFTarget, PinnedPool, load_tokenizer, resolve_aux_layer_ids
-from actors.prompts import Answered, Batch, SelfWritten, keep_written_turns
+from actors.prompts import Answered, Batch, Replied, SelfWritten, keep_written_turns
 from actors.sglang_backend import token_bounded_batches
 from actors.shards import (
     HEADER_RESERVE,
@@ -315,8 +315,9 @@ class TargetWorker:
 
         Loss mask: the response (EOS included) plus earlier assistant turns of the prompt.
         With ``data.capture`` decode (HF's default) the states come out of the generation itself."""
-        if isinstance(batch, Answered):  # served already: capture only
-            return self._capture_and_write(self._answered(batch), out_dir, batch_index, batch_key)
+        if isinstance(batch, Answered | Replied):  # answered already: capture only
+            gen = self._answered(*self._as_answered(batch))
+            return self._capture_and_write(gen, out_dir, batch_index, batch_key)
         convs, wrote = self._conversations(batch)
         if self.capture_in_decode:
             return wrote.add_to(self._generate_captured(convs, out_dir, batch_index, batch_key))
@@ -334,8 +335,8 @@ class TargetWorker:
     ) -> BatchResult:
         """Phase 1 of the two-phase round: generate and keep the ids in the batch's
         `.gen.jsonl` sidecar (no capture, no shards)."""
-        if isinstance(batch, Answered):
-            gen = self._answered(batch)
+        if isinstance(batch, Answered | Replied):
+            gen = self._answered(*self._as_answered(batch))
         else:
             convs, wrote = self._conversations(batch)
             # the sidecar carries the dropped turns, so the capture phase reports them too
@@ -366,16 +367,35 @@ class TargetWorker:
             with self._compute:
                 close()
 
-    def _answered(self, batch: Answered) -> Generated:
+    def _as_answered(self, batch: Answered | Replied) -> tuple[Answered, int]:
+        """A `Replied` batch in token ids: each prompt as the template renders it for generation,
+        the reply as the template renders the assistant turn (its end-of-turn token included),
+        cut at data.max_new_tokens like a generated reply. A template whose prompt is not a prefix
+        of the answered conversation leaves that one out. Returns (batch, left out)."""
+        if isinstance(batch, Answered):
+            return batch, 0
+        prompts, replies = [], []
+        for conv, reply in zip(batch.conversations, batch.replies, strict=True):
+            head = self._encode(conv)[0]
+            full = encode_conversation(
+                self.tokenizer, [*conv, {"role": "assistant", "content": reply}], 1 << 30
+            )[0]
+            if full[: len(head)] == head and len(full) > len(head):
+                prompts.append(tuple(head))
+                replies.append(tuple(full[len(head) :][: self.data.max_new_tokens]))
+        return Answered(tuple(prompts), tuple(replies)), len(batch) - len(prompts)
+
+    def _answered(self, batch: Answered, left_out: int = 0) -> Generated:
         """Served requests as sequences: the prompt ids as the server templated them, then the
-        completion (masked in), cut at max_length; prompts that leave no room are skipped."""
+        completion (masked in), cut at max_length; prompts that leave no room are skipped (and
+        `left_out` more were dropped before)."""
         n = self.data.max_length
         keep = [(p, c) for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True) if len(p) < n]  # fmt: skip
         return Generated(
             input_ids=[(list(p) + list(c))[:n] for p, c in keep],
             loss_mask=[([0] * len(p) + [1] * len(c))[:n] for p, c in keep],
-            num_prompts=len(batch),
-            skipped_prompts=len(batch) - len(keep),
+            num_prompts=len(batch) + left_out,
+            skipped_prompts=len(batch) - len(keep) + left_out,
             gen_tokens=0,
             gen_seconds=0.0,
         )

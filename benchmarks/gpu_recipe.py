@@ -36,6 +36,7 @@ from eagle3.config import Eagle3Config  # noqa: E402
 from eagle3.target_weights import load_target_tensors, read_target_info  # noqa: E402
 from eagle3.train_step import (  # noqa: E402
     ShardSet,
+    TTTModule,
     SoftTargets,
     eval_metrics,
     eval_step,
@@ -52,7 +53,7 @@ from eagle3.vocab import build_vocab_map  # noqa: E402
 from pipeline.config import DrafterConfig  # noqa: E402
 from pipeline.train import _scratch_config  # noqa: E402
 
-BATCH = 64
+BATCH = 128
 
 
 def read_jsonl(path: str) -> list[list[dict[str, str]]]:
@@ -73,8 +74,17 @@ def generate(worker: TargetWorker, prompts: list, out: Path, first: int) -> list
     return shards
 
 
-def train(dirs: list[Path], target: str, epochs: int, out: Path, device: torch.device) -> dict:
-    """The demo's recipe (ttt 3, 512-token batches, lr 1e-3, draft vocab 4096) on `dirs`."""
+RECIPE = {"lr": 1e-3, "ttt": 3, "bs": 512, "vocab": 4096, "path": "auto", "warmup": 0.015}
+
+
+def train(
+    dirs: list[Path], target: str, epochs: int, out: Path, device: torch.device, **over
+) -> dict:
+    """The demo's recipe (RECIPE: ttt 3, 512-token batches, lr 1e-3, draft vocab 4096) on
+    `dirs`, with `over` replacing any of its settings (path "reference" forces the reference
+    TTT forward on the GPU, to check the fast path's figures)."""
+    r = {**RECIPE, **over}
+    vocab, bs, ttt = int(r["vocab"]), int(r["bs"]), int(r["ttt"])
     paths, ids, aux = [], [], None
     for d in dirs:
         m = verify_manifest(d)
@@ -82,31 +92,34 @@ def train(dirs: list[Path], target: str, epochs: int, out: Path, device: torch.d
         ids += [s.sha256 for s in m.shards]
         aux = list(m.aux_layer_ids)
     info = read_target_info(target)
-    cfg = Eagle3Config(**_scratch_config(DrafterConfig(draft_vocab_size=4096), info, aux))
+    cfg = Eagle3Config(**_scratch_config(DrafterConfig(draft_vocab_size=vocab), info, aux))
     tens = load_target_tensors(target)
-    d2t, t2d = build_vocab_map(token_counts(paths, info.vocab_size), 4096)
+    d2t, t2d = build_vocab_map(token_counts(paths, info.vocab_size), vocab)
     drafter = scratch_drafter(cfg, tens["embed"], tens["lm_head"], tens["norm"], d2t, t2d, 0)
     drafter = drafter.to(device)
     module, autocast, dt = parallelize(drafter, device, "auto")
+    if r["path"] == "reference":  # the CPU path's numerics (bf16 autocast), on the GPU
+        module, autocast = TTTModule(drafter, "reference"), dt
     data = ShardSet(paths, ids)
     tr, held = split_eval(data.samples, 0.05)
-    bins = pack([r.length for r in tr], 512, 0)
-    opt = make_optimizer(module, 1e-3, 0.0)
-    sched = make_scheduler(opt, len(bins) * epochs, 0.015)
+    bins = pack([x.length for x in tr], bs, 0)
+    opt = make_optimizer(module, float(r["lr"]), 0.0)
+    sched = make_scheduler(opt, len(bins) * epochs, float(r["warmup"]))
     soft = SoftTargets(tens["lm_head"], drafter.d2t, drafter.t2d, dt or torch.float32, device)
     t0, evals = time.perf_counter(), []
     for epoch in range(epochs):
         order = list(range(len(bins)))
         random.Random(epoch).shuffle(order)
         for b in order:
-            batch = data.load([tr[j] for j in bins[b]], 512).to(device)
-            train_step(module, batch, soft, opt, sched, 3, 0.5, autocast)
-        sums = torch.zeros(9, dtype=torch.float64)
+            batch = data.load([tr[j] for j in bins[b]], bs).to(device)
+            train_step(module, batch, soft, opt, sched, ttt, 0.5, autocast)
+        sums = torch.zeros(3 * ttt, dtype=torch.float64)
         module.eval()
-        for b in pack([r.length for r in held], 2048, 0):
-            sums += eval_step(module, data.load([held[j] for j in b], 2048).to(device), soft, 3, autocast).cpu()  # fmt: skip
+        for b in pack([x.length for x in held], 2048, 0):
+            sums += eval_step(module, data.load([held[j] for j in b], 2048).to(device), soft, ttt, autocast).cpu()  # fmt: skip
         module.train()
-        evals.append(round(eval_metrics(sums, 3, 3)["sim_accept_len"], 3))
+        m = eval_metrics(sums, ttt, 3)
+        evals.append([round(m["sim_accept_len"], 3), [round(m[f"acc_{i}"], 3) for i in range(ttt)]])
     state = {k.removeprefix("drafter."): v.detach().cpu() for k, v in module.state_dict().items()}
     save_drafter(state, drafter.cfg, out)
     return {"train_s": round(time.perf_counter() - t0, 1), "samples": len(tr),
@@ -139,7 +152,10 @@ def main() -> None:
     ap.add_argument("--builtin", default=None)
     ap.add_argument("--eval", action="append", required=True)
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--run", action="append", required=True, help="name:N:epochs (bN = builtin)")
+    ap.add_argument(
+        "--run", action="append", required=True,
+        help="name:N:epochs[:key=value,...] (bN = builtin; keys of RECIPE)",
+    )  # fmt: skip
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--limit", type=int, default=24, help="first N prompts of each eval file")
     ap.add_argument("--device", default="cuda")
@@ -150,12 +166,14 @@ def main() -> None:
     pools = {"": read_jsonl(a.pool), "b": read_jsonl(a.builtin) if a.builtin else []}
     runs = []
     for spec in a.run:
-        name, n, epochs = spec.split(":")
+        name, n, epochs, *rest = spec.split(":")
+        over = dict(kv.split("=") for kv in rest[0].split(",")) if rest else {}
+        assert set(over) <= set(RECIPE), f"{spec}: keys are {sorted(RECIPE)}"
         kind, n = ("b", int(n[1:])) if n.startswith("b") else ("", int(n))
-        runs.append((name, kind, n, int(epochs)))
+        runs.append((name, kind, n, int(epochs), over))
     gen_s = {}
     for kind in ("", "b"):  # generate each pool's longest prefix once; runs share the shards
-        n = max([r[2] for r in runs if r[1] == kind], default=0)
+        n = max([x[2] for x in runs if x[1] == kind], default=0)
         if n:
             t0 = time.perf_counter()
             out = a.out / f"data{kind or 'real'}"
@@ -171,7 +189,7 @@ def main() -> None:
     del worker
     torch.cuda.empty_cache()
     results = {}
-    for name, kind, n, epochs in runs:
+    for name, kind, n, epochs, over in runs:
         data = a.out / f"data{kind or 'real'}"
         shards = [s for p in sorted(data.glob("b*.json")) if int(p.stem[1:]) < n // BATCH
                   for s in json.loads(p.read_text())["shards"]]  # fmt: skip
@@ -182,7 +200,7 @@ def main() -> None:
             (sub / s["file"]).symlink_to((data / s["file"]).resolve())
         write_manifest(sub, info["target"], info["aux_layer_ids"], name, [ShardInfo(**s) for s in shards])  # fmt: skip
         results[name] = {"run": name, "prompts": n, "epochs": epochs, "gen_s_pool": gen_s[kind],
-                         **train([sub], a.target, epochs, a.out / name, device)}  # fmt: skip
+                         "over": over, **train([sub], a.target, epochs, a.out / name, device, **over)}  # fmt: skip
         print(json.dumps(results[name]), flush=True)
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor

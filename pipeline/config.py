@@ -51,11 +51,15 @@ class DrafterConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    def for_round(self, r: int) -> TrainConfig:
-        """This section with round r's epochs in `epochs` (what the workers run)."""
+    def for_round(self, r: int, seconds: float | None = None) -> TrainConfig:
+        """This section with round r's epochs in `epochs` and the budget plan's time box (what
+        the workers run)."""
+        update: dict[str, Any] = {}
         if r == 0 and self.first_round_epochs is not None:
-            return self.model_copy(update={"epochs": self.first_round_epochs})
-        return self
+            update["epochs"] = self.first_round_epochs
+        if seconds is not None:
+            update["max_seconds"] = seconds
+        return self.model_copy(update=update) if update else self
 
     num_workers: int = Field(2, ge=1)
     """Ray Train workers (DDP)."""
@@ -95,6 +99,10 @@ class TrainConfig(_Strict):
     """Worker-group restarts Ray Train may do (resume from the last checkpoint)."""
     seed: int = 0
     """Seed of init and data order."""
+    max_seconds: float | None = Field(None, gt=0)
+    """Time box of a round's training: after its first steps the workers fix the step count
+    that fits (at most `epochs`), and the LR schedule decays over it. None = `epochs` decide.
+    `stop.max_wall_minutes` sets it per round from the budget plan (pipeline/budget.py)."""
 
 
 class StopConfig(_Strict):
@@ -109,7 +117,8 @@ class StopConfig(_Strict):
     max_rounds: int = Field(3, ge=1)
     """Budget: rounds."""
     max_wall_minutes: float | None = Field(None, gt=0)
-    """Budget: wall time of the loop."""
+    """Budget: wall time of the loop, as a plan (pipeline/budget.py): each round's data stage
+    and training are time-boxed to fit it, by what this machine measured."""
 
 
 class TrackingConfig(_Strict):

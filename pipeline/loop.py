@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from actors.shards import ShardError
+from pipeline.budget import MIN_STAGE_S, plan_round, plan_vs_actual
 from pipeline.config import Config, dump_config
 from pipeline.layout import RunDir, round_tag
 from pipeline.preflight import preflight
 from pipeline.rules import (
     AcceptanceCollapsed,
     collapse_problem,
+    costs,
     format_table,
     promote,
     round_row,
@@ -64,20 +66,24 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
             elif not rs.is_done("gate"):
                 tracker.reopen(rs.mlflow_run_id)
             child = rs.mlflow_run_id
+            if cfg.stop.max_wall_minutes and not rs.is_done("plan"):
+                rs.done["plan"] = _plan(cfg, state, r, clock, tracker, child)
+                _commit(state, clock, run_dir)
             if not rs.is_done("generate"):
                 t0 = clock.elapsed()
                 rs.done["generate"] = _generate(
-                    cfg, run_dir, state, r, plan, evalset, tracker, child
+                    cfg, run_dir, state, r, plan, evalset, tracker, child, _left(rs, "data", clock)
                 )
                 rs.done["generate"]["wall_s"] = clock.elapsed() - t0
                 _commit(state, clock, run_dir)
             if not rs.is_done("train"):
                 t0 = clock.elapsed()
+                box = _left(rs, "train", clock)
                 try:
-                    rs.done["train"] = _train(cfg, run_dir, state, r, tracker, child)
+                    rs.done["train"] = _train(cfg, run_dir, state, r, tracker, child, box)
                 except ShardError:  # a finished round's shards were damaged since: heal, retry
                     _heal_data(cfg, run_dir, state, r, plan, evalset)
-                    rs.done["train"] = _train(cfg, run_dir, state, r, tracker, child)
+                    rs.done["train"] = _train(cfg, run_dir, state, r, tracker, child, box)
                 rs.done["train"]["wall_s"] = clock.elapsed() - t0
                 _commit(state, clock, run_dir)
             if not rs.is_done("bench"):
@@ -102,6 +108,8 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 rs.done["traffic"] = _simulate(cfg, plan, r, server, tracker, child)
                 rs.done["traffic"]["wall_s"] = clock.elapsed() - t0
                 _commit(state, clock, run_dir)
+            if rs.is_done("plan"):
+                tracker.log(child, plan_vs_actual(rs.done["plan"], rs.done))
             if cfg.serve.num_gpus > 0:  # the next round's stages need those GPUs
                 server = _stop_serving(server)
             tracker.finish(child)
@@ -139,19 +147,64 @@ def _eval_set(cfg: Config, plan) -> tuple[list, list[str]]:
     return [p.messages for p in prompts], [p.domain for p in prompts]
 
 
+def _plan(cfg: Config, state: RunState, r: int, clock: Clock, tracker: Tracker, child: str) -> dict:
+    """Round r's seconds per stage, from the budget left and what the last round took."""
+    p = plan_round(
+        r,
+        cfg.stop.max_rounds,
+        cfg.stop.max_wall_minutes * 60 - clock.elapsed(),
+        state.rounds[r - 1].done if r else None,
+        cfg.bench.num_prompts,
+        cfg.serve.simulate_users,
+    )
+    rec = {**p.record(), "start_s": round(clock.elapsed(), 1)}
+    log.info("round %d plan (s): %s", r, rec)
+    tracker.log(child, {f"plan/{k}": v for k, v in rec.items() if k != "round"})
+    return rec
+
+
+def _left(rs, stage: str, clock: Clock) -> float | None:
+    """Seconds `stage` ("data" or "train") may still spend by the round's plan (None: no plan).
+    Time the data stage did not use goes to training."""
+    p = rs.done.get("plan")
+    if not p:
+        return None
+    end = p["start_s"] + p["data_s"] + (p["train_s"] if stage == "train" else 0.0)
+    return max(MIN_STAGE_S, end - clock.elapsed())
+
+
 def _generate(
-    cfg: Config, run_dir: Path, state: RunState, r: int, plan, evalset, tracker: Tracker, child: str
+    cfg: Config,
+    run_dir: Path,
+    state: RunState,
+    r: int,
+    plan,
+    evalset,
+    tracker: Tracker,
+    child: str,
+    seconds: float | None = None,
 ) -> dict:
-    rec = _generate_round(cfg, run_dir, state, r, plan, evalset)
+    rec = _generate_round(cfg, run_dir, state, r, plan, evalset, seconds)
     tracker.log(child, {f"data/{k}": v for k, v in rec.items()})
     return rec
 
 
-def _generate_round(cfg: Config, run_dir: Path, state: RunState, r: int, plan, evalset) -> dict:
+def _generate_round(
+    cfg: Config,
+    run_dir: Path,
+    state: RunState,
+    r: int,
+    plan,
+    evalset,
+    seconds: float | None = None,
+    only: list[int] | None = None,
+) -> dict:
     """Round r's data: served requests from the traffic log (their share of the round's prompts;
     capture only), then fresh prompts from the other sources for what the log does not cover
-    (generated and captured). Batches already on disk and intact are kept, the others (re)made;
-    the same call again (healing) makes the same batches."""
+    (generated and captured), within `seconds` when the budget plan gives it. Batches already on
+    disk and intact are kept, the others (re)made; healing passes the batches made (`only`)."""
+    import time
+
     from actors.generate import run_generate
     from actors.prompts import mixed_round
 
@@ -162,6 +215,7 @@ def _generate_round(cfg: Config, run_dir: Path, state: RunState, r: int, plan, e
         for src, k in (state.rounds[i].done["generate"].get("drawn") or {}).items():
             drawn[src] = drawn.get(src, 0) + k
     prompts, counts = mixed_round(plan, cfg.data.prompts_for_round(r) - len(records), drawn)
+    prompts, replied = _with_replies(prompts, plan.replies, cfg.data.dataset_replies)
     res = run_generate(
         cfg.target,
         cfg.data,
@@ -170,9 +224,36 @@ def _generate_round(cfg: Config, run_dir: Path, state: RunState, r: int, plan, e
         cfg.digest(),
         round_index=r,
         answered=_answered_batches(records, cfg.data.batch_size),
+        replied=_replied_batches(replied, plan.replies, cfg.data.batch_size),
+        deadline=None if seconds is None else time.time() + seconds,
+        only=None if only is None else set(only),
     )
     return {**_record(res), "drawn": counts, "traffic_records": len(records),
-            "fresh_prompts": len(prompts), "traffic_ids": [x["id"] for x in records]}  # fmt: skip
+            "fresh_prompts": len(prompts), "replied_prompts": len(replied),
+            "traffic_ids": [x["id"] for x in records]}  # fmt: skip
+
+
+def _with_replies(prompts: list, replies: dict[str, str], share: float) -> tuple[list, list]:
+    """(prompts to regenerate, prompts trained on their source's reply): `share` of all of them,
+    spread evenly through the round's order, among those that have a reply."""
+    from actors.prompts import prompt_key
+
+    regen, replied = [], []
+    for i, p in enumerate(prompts):
+        if len(replied) < share * (i + 1) and prompt_key(p) in replies:
+            replied.append(p)
+        else:
+            regen.append(p)
+    return regen, replied
+
+
+def _replied_batches(prompts: list, replies: dict[str, str], batch_size: int) -> list:
+    from actors.prompts import Replied, prompt_key
+
+    return [
+        Replied(tuple(b), tuple(replies[prompt_key(p)] for p in b))
+        for b in (prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size))
+    ]
 
 
 def _heal_data(cfg: Config, run_dir: Path, state: RunState, r: int, plan, evalset) -> list[int]:
@@ -187,7 +268,9 @@ def _heal_data(cfg: Config, run_dir: Path, state: RunState, r: int, plan, evalse
             verify_manifest(state.rounds[i].done["generate"]["manifest"])
         except ShardError as e:
             log.warning("round %d: damaged shards, regenerating them:\n%s", i, e)
-            verify_manifest(_generate_round(cfg, run_dir, state, i, plan, evalset)["manifest"])
+            made = state.rounds[i].done["generate"].get("made")
+            rec = _generate_round(cfg, run_dir, state, i, plan, evalset, only=made)
+            verify_manifest(rec["manifest"])
             healed.append(i)
     return healed
 
@@ -234,7 +317,13 @@ def _answered_batches(records: list[dict], batch_size: int) -> list:
 
 
 def _train(
-    cfg: Config, run_dir: Path, state: RunState, r: int, tracker: Tracker, child: str
+    cfg: Config,
+    run_dir: Path,
+    state: RunState,
+    r: int,
+    tracker: Tracker,
+    child: str,
+    seconds: float | None = None,
 ) -> dict:
     from pipeline.train import run_train
 
@@ -243,7 +332,7 @@ def _train(
     if r > 0:  # keep learning from the drafter that serves (the last one the gate promoted)
         init = _serving_drafter(state) or state.rounds[r - 1].drafter_dir
     res = run_train(
-        cfg=cfg.model_copy(update={"train": cfg.train.for_round(r)}),
+        cfg=cfg.model_copy(update={"train": cfg.train.for_round(r, seconds)}),
         data_dirs=data_dirs,
         init=init,
         out_dir=RunDir(run_dir).train(r),
@@ -443,10 +532,28 @@ def _rows(state: RunState) -> list[dict[str, Any]]:
 
 
 def _write_summary(state: RunState, run_dir: Path) -> dict[str, Any]:
-    summary = {"rounds": _rows(state), "stopped_because": state.stopped_because, "champion": state.champion,
-               "elapsed_s": round(state.elapsed_s, 1)}  # fmt: skip
+    rows = _rows(state)
+    summary = {"rounds": rows, "stopped_because": state.stopped_because, "champion": state.champion,
+               "elapsed_s": round(state.elapsed_s, 1), "costs": costs(rows, *_machine()),
+               "plans": [rs.done["plan"] for rs in state.rounds if rs.is_done("plan")]}  # fmt: skip
     write_json_atomic(RunDir(run_dir).summary, summary)
     return summary
+
+
+def _machine() -> tuple[int, int]:
+    """(CPUs this driver may run on, GPUs of the Ray cluster): the cost units of summary.json.
+    CPUs from the affinity mask, not Ray's logical count (`taskset -c 0 make demo` is 1 CPU)."""
+    import os
+
+    gpus = 0
+    try:
+        import ray
+
+        if ray.is_initialized():
+            gpus = int(ray.cluster_resources().get("GPU", 0))
+    except ImportError:
+        pass
+    return len(os.sched_getaffinity(0)), gpus
 
 
 def _commit(state: RunState, clock: Clock, run_dir: Path) -> None:

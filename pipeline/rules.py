@@ -27,7 +27,35 @@ def round_row(index: int, done: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "promoted": (done.get("gate") or {}).get("promoted", True),
         "champion_accept_len": (done.get("gate") or {}).get("champion_accept_len"),
         "traffic_records": (done.get("generate") or {}).get("traffic_records", 0),
+        "predicted_accept_len": (done.get("gate") or {}).get("predicted_accept_len"),
+        "stage_s": {k: round(v["wall_s"], 1) for k, v in done.items() if "wall_s" in v},
     }
+
+
+def costs(rows: list[dict[str, Any]], cpus: int, gpus: int) -> dict[str, Any]:
+    """What each round's gain cost, and how well the simulated acceptance (held-out training
+    samples) predicted the served one. A round's gain is over the round before (round 0: over
+    no drafter, 1.0); cost is its wall time times the machine's CPUs (or GPUs, when it has any)."""
+    per_round, prev = [], 1.0
+    for r in rows:
+        gain = r["accept_len"] - prev
+        minutes = r["wall_s"] / 60.0
+        item = {"round": r["round"], "gain": round(gain, 4), "wall_min": round(minutes, 2)}
+        if gpus:
+            item["gain_per_gpu_hour"] = (
+                round(gain / (minutes / 60.0 * gpus), 4) if minutes else None
+            )
+        else:
+            item["gain_per_cpu_minute"] = round(gain / (minutes * cpus), 5) if minutes else None
+        per_round.append(item)
+        prev = max(prev, r["accept_len"]) if r.get("promoted", True) else prev
+    pairs = [
+        (r["predicted_accept_len"], r["accept_len"]) for r in rows if r.get("predicted_accept_len")
+    ]
+    err = sum(abs(p - a) for p, a in pairs) / len(pairs) if pairs else None
+    return {"cpus": cpus, "gpus": gpus, "per_round": per_round,
+            "sim_accept_mean_abs_error": None if err is None else round(err, 4),
+            "sim_accept_pairs": [[round(p, 3), round(a, 3)] for p, a in pairs]}  # fmt: skip
 
 
 def required_accept_len(stop: StopConfig, bench: dict[str, Any]) -> float | None:

@@ -32,7 +32,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,20 +56,16 @@ log = logging.getLogger("pipeline.train")
 
 @dataclass(frozen=True)
 class TrainResult:
-    drafter_dir: str  # <out>/drafter, SGLang format
+    drafter_dir: str  # <out>/drafter, SGLang format: the best evaluated state (best_step)
     train_tokens: int  # tokens in the training split (one epoch)
     steps: int  # optimizer steps
     tok_per_s: float  # training tokens per second over all steps (all workers)
-    final_metrics: dict[
-        str, float
-    ]  # last step's metrics (loss, acc_i, lr, tok_per_s, sim_accept_len)
-    eval_metrics: dict[
-        str, float
-    ]  # last evaluation (loss, acc_i, sim_accept_len) or {} without eval data
+    final_metrics: dict[str, float]  # last step's (loss, acc_i, lr, tok_per_s, sim_accept_len)
+    eval_metrics: dict[str, float]  # the exported drafter's evaluation, {} without eval data
     metrics_file: str  # <out>/metrics.jsonl
-    resumed_from: tuple[
-        int, ...
-    ] = ()  # steps the run restarted from (worker failures, driver restarts)
+    resumed_from: tuple[int, ...] = ()  # steps the run restarted from (failures, restarts)
+    best_step: int = 0  # the step the exported drafter is from
+    last_eval_metrics: dict[str, float] = field(default_factory=dict)  # the last evaluation
 
 
 class TrainInputError(ValueError):

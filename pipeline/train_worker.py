@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -90,9 +91,13 @@ def train_worker(config: dict[str, Any]) -> None:
     tensors = load_target_tensors(t["model"], t["revision"], t["gguf_file"])
     module, drafter, autocast, dt = _build(job, tc, tensors, device)
     plan = Plan.make(job, tc, rank, world)
+    boxed = _boxed_total(Path(job.out_dir), device)  # fixed by an earlier attempt of this run
+    if boxed:
+        plan.total = min(plan.total, boxed)
     opt = make_optimizer(module, tc.lr, tc.weight_decay)
     sched = make_scheduler(opt, plan.total, tc.warmup_ratio)
     step = _resume(module, opt, sched)
+    start, first = time.perf_counter(), step
     # After the resume: soft labels use the vocab map the checkpoint restored.
     soft = SoftTargets(
         tensors.pop("lm_head"), drafter.d2t, drafter.t2d, dt or torch.float32, device
@@ -104,7 +109,13 @@ def train_worker(config: dict[str, Any]) -> None:
     if rank == 0:
         _say(plan.describe(tc, world, step, device, dt))
 
+    best = Best(Path(job.out_dir), rank == 0, device)
     while step < plan.total:
+        if tc.max_seconds and not boxed and step - first == PROBE_STEPS:
+            boxed = _fix_total(
+                plan, step, time.perf_counter() - start, tc, device, Path(job.out_dir)
+            )
+            sched = _rescheduled(opt, sched, plan.total, tc.warmup_ratio)
         epoch, i = divmod(step, plan.steps_per_epoch)
         batch = plan.batch(i, epoch).to(device)
         t0 = time.perf_counter()
@@ -119,13 +130,14 @@ def train_worker(config: dict[str, Any]) -> None:
             time.perf_counter() - t0,
             res.grad_norm,
         )
-        if i + 1 == plan.steps_per_epoch and plan.eval_refs:
-            mlog.eval(step, epoch, _evaluate(module, plan, soft, tc, autocast, device))
+        if plan.eval_refs and (i + 1 == plan.steps_per_epoch or step == plan.total):
+            m = mlog.eval(step, epoch, _evaluate(module, plan, soft, tc, autocast, device))
+            best.offer(step, m["sim_accept_len"], module, drafter)
         if step % tc.checkpoint_every == 0 or step == plan.total:
             _checkpoint(module, opt, sched, step, mlog.last)
         if job.crash_at_step == step and rank == world - 1:
             _crash_once(Path(job.out_dir), step)
-    _export(module, drafter, Path(job.out_dir), rank, mlog, plan.train_tokens, plan.total)
+    _export(module, drafter, Path(job.out_dir), rank, mlog, plan.train_tokens, plan.total, best)
 
 
 @dataclass
@@ -195,6 +207,81 @@ class Plan:
             f"{world} workers, {self.steps_per_epoch} steps/epoch x {tc.epochs} = {self.total} steps, start at {step}, "
             f"{device} {dt or torch.float32}{cut}"
         )
+
+
+PROBE_STEPS = 8  # steps timed before a time-boxed run fixes its step count
+BOXED = "boxed_total.json"
+
+
+def _boxed_total(out: Path, device) -> int:
+    """The step count an earlier attempt of this run fixed (0: none yet). Rank 0 reads it and
+    every rank takes its value, so workers on other nodes agree without the file."""
+    rank0 = torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True
+    n = json.loads((out / BOXED).read_text())["total"] if rank0 and (out / BOXED).exists() else 0
+    return int(_allreduce(torch.tensor([n], dtype=torch.float64), device)[0])
+
+
+def _fix_total(plan: Plan, step: int, secs: float, tc: TrainConfig, device, out: Path) -> int:
+    """Fix the step count a `train.max_seconds` box holds, from the slowest rank's time for the
+    steps so far (at most the epochs' count), and keep it for a resumed attempt."""
+    worst = secs
+    if torch.distributed.is_initialized():
+        t = torch.tensor([secs], dtype=torch.float64).to(device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        worst = float(t.cpu()[0])
+    per_step = worst / PROBE_STEPS
+    fits = step + int(max(0.0, tc.max_seconds - worst) / per_step)
+    plan.total = max(step + 1, min(plan.total, fits))
+    if torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True:
+        (out / BOXED).write_text(json.dumps({"total": plan.total, "s_per_step": per_step}))
+        _say(
+            f"[train] time box {tc.max_seconds:.0f}s at {per_step:.2f}s/step: {plan.total} steps "
+            f"({plan.total / plan.steps_per_epoch:.2f} epochs)"
+        )
+    return plan.total
+
+
+def _rescheduled(opt, sched, total: int, warmup_ratio: float):
+    """The LR schedule decaying over `total` steps, continuing where `sched` is."""
+    new = make_scheduler(opt, total, warmup_ratio)
+    new.load_state_dict(sched.state_dict())  # the step count; the lambda stays the new one
+    return new
+
+
+class Best:
+    """The drafter with the highest held-out simulated acceptance so far, kept on disk (rank 0)
+    as <out>/best/ with best.json, so a resumed run still knows it. Loss keeps falling after
+    acceptance peaks: the exported drafter is this one, not the last."""
+
+    def __init__(self, out: Path, enabled: bool, device):
+        self.dir, self.meta, self.enabled = out / "best", out / "best.json", enabled
+        rec = json.loads(self.meta.read_text()) if enabled and self.meta.exists() else {}
+        # rank 0's record reaches every rank: they must agree on when `offer` saves (a collective)
+        t = torch.tensor([1.0, rec["step"], rec["sim_accept_len"]] if rec else [0.0, 0.0, 0.0])
+        have, step, score = _allreduce(t.double(), device).tolist()
+        self.step, self.score = (int(step), score) if have else (0, float("-inf"))
+
+    def offer(self, step: int, score: float, module, drafter) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from eagle3.checkpoint import save_drafter
+
+        if score <= self.score:
+            return
+        self.step, self.score = step, score  # every rank: the eval sums are all-reduced
+        sd = get_model_state_dict(  # a collective under FSDP: every rank calls
+            module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if self.enabled:
+            state = {k.removeprefix("drafter."): v for k, v in sd.items()}
+            tmp = self.dir.with_name("best.tmp")
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            save_drafter(state, drafter.cfg, tmp)
+            if self.dir.exists():
+                shutil.rmtree(self.dir)
+            tmp.rename(self.dir)
+            self.meta.write_text(json.dumps({"step": step, "sim_accept_len": score}))
 
 
 def _build(job: TrainJob, tc: TrainConfig, tensors: dict, device: torch.device):
@@ -306,10 +393,18 @@ def _crash_once(out: Path, step: int) -> None:
 
 
 def _export(
-    module, drafter, out: Path, rank: int, mlog: MetricsLog, train_tokens: int, total: int
+    module,
+    drafter,
+    out: Path,
+    rank: int,
+    mlog: MetricsLog,
+    train_tokens: int,
+    total: int,
+    best: Best,
 ) -> None:
-    """Rank 0 writes the drafter (SGLang format) and result.json; the state is gathered on every
-    rank first (a collective under FSDP)."""
+    """Rank 0 writes the drafter (SGLang format) and result.json: the best one by held-out
+    simulated acceptance when evaluated, else the last; the last state is gathered on every rank
+    first (a collective under FSDP)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from eagle3.checkpoint import save_drafter
@@ -322,14 +417,16 @@ def _export(
     state = {k.removeprefix("drafter."): v for k, v in sd.items()}
     dest = out / "drafter"
     if dest.exists():
-        import shutil
-
         shutil.rmtree(dest)  # a re-run after completion rewrites the same weights
-    save_drafter(state, drafter.cfg, dest)
+    if best.dir.is_dir():
+        shutil.copytree(best.dir, dest)
+    else:
+        save_drafter(state, drafter.cfg, dest)
     train_lines = [m for m in mlog.read() if "loss" in m]
     secs = sum(m["step_s"] for m in train_lines)
     toks = sum(m["tokens"] for m in train_lines)
     evals = [m for m in mlog.read() if "eval_loss" in m]
+    chosen = [m for m in evals if m["step"] == best.step] or evals
     rec = {
         "drafter_dir": str(dest),
         "train_tokens": int(train_tokens),
@@ -341,6 +438,12 @@ def _export(
             if k not in ("step", "epoch")
         },
         "eval_metrics": {
+            k.removeprefix("eval_"): v
+            for k, v in (chosen[-1] if chosen else {}).items()
+            if k.startswith("eval_")
+        },
+        "best_step": best.step if best.dir.is_dir() else total,
+        "last_eval_metrics": {
             k.removeprefix("eval_"): v
             for k, v in (evals[-1] if evals else {}).items()
             if k.startswith("eval_")
@@ -404,7 +507,7 @@ class MetricsLog:
             _say(format_line(step, self.total, m, f" gnorm {grad_norm:.2f}"))
             self._write({"step": step, "epoch": epoch, **m})
 
-    def eval(self, step: int, epoch: int, sums: torch.Tensor) -> None:
+    def eval(self, step: int, epoch: int, sums: torch.Tensor) -> dict[str, float]:
         m = eval_metrics(sums, self.k, self.sim_steps)
         if self.enabled:
             accs = " ".join(f"{m[f'acc_{i}']:.3f}" for i in range(self.k))
@@ -412,3 +515,4 @@ class MetricsLog:
                 f"[eval] epoch {epoch} step {step} loss {m['loss']:.4f} acc [{accs}] sim_accept {m['sim_accept_len']:.2f}"
             )
             self._write({"step": step, "epoch": epoch, **{f"eval_{n}": v for n, v in m.items()}})
+        return m

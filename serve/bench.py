@@ -360,8 +360,11 @@ def run_bench(
                 levels.append(_baseline_level(baseline, c))
                 base_stats = stats  # no per-request baseline: per-domain speedup stays overall
             else:
-                base_stats, wall = _run_requests(client, prompts, build, max_tokens, False, None, c)
+                nb = _get(bench_cfg, "baseline_prompts", None) or len(prompts)
+                base_stats, wall = _run_requests(client, prompts[:nb], build, max_tokens, False, None, c)  # fmt: skip
                 levels.append(_level(base_stats, c, False, None, wall))
+                if nb < len(prompts):
+                    base_stats = stats  # per-domain speedups need every prompt's baseline
             first = first or (stats, base_stats)
     settings = {
         "url": url,
@@ -373,9 +376,11 @@ def run_bench(
         "steps_sweep": sweep_steps,
         "fixed_steps": fixed_steps,
         "baseline": source,
+        "baseline_prompts": _get(bench_cfg, "baseline_prompts", None) or n,
     }
     per_domain = domain_figures(first[0], first[1], domains)
-    if baseline is not None:
+    partial = (_get(bench_cfg, "baseline_prompts", None) or n) < n
+    if baseline is not None or partial:
         for d in per_domain.values():
             d["baseline_tok_per_s"] = d["speedup"] = None
     return _summarize(levels, sweep, out, tag, settings, counted, per_domain)
@@ -411,6 +416,7 @@ def bench_settings_key(prompts: list[Prompt], bench_cfg: Any) -> str:
     """Identity of what a baseline measured (prompts, lengths, levels): its cache key part."""
     n = _get(bench_cfg, "num_prompts")
     what = {k: _get(bench_cfg, k) for k in ("num_prompts", "max_tokens", "concurrency", "warmup")}
+    what["baseline_prompts"] = _get(bench_cfg, "baseline_prompts", None)
     what["ignore_eos"] = bool(_get(bench_cfg, "ignore_eos", False))
     blob = json.dumps({**what, "prompts": prompts[:n]}, sort_keys=True, default=str)
     return "bench-" + hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -67,6 +67,10 @@ class BenchConfig(Strict):
     """Requests sent first and excluded."""
     steps_sweep: list[int] = Field(default_factory=list)
     """Draft steps to try (best is kept); empty = only serve.steps."""
+    baseline_prompts: int | None = Field(None, ge=1)
+    """Embedded engine: time the no-drafter baseline on the first N prompts only (None = all).
+    The baseline is a speed figure, and a target's decode speed barely depends on the prompt,
+    so a few prompts give it at a fraction of the cost; per-domain speedups are then left out."""
     reuse_baseline: bool = False
     """Embedded engine: measure the no-drafter baseline in the first round only and reuse it for
     later rounds on the same prompts and settings (saves a baseline pass per round; the figures

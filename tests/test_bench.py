@@ -208,6 +208,18 @@ def test_bench_endpoint_on_the_embedded_engine(endpoint, tmp_path):
     assert json.loads(Path(r.json_path).read_text())["extra"]["baseline_cached"] is False
 
 
+def test_baseline_on_the_first_prompts_only(endpoint, tmp_path):
+    """`bench.baseline_prompts`: the no-drafter pass times only the first N prompts (a speed
+    figure), the drafter is still scored on all of them; per-domain speedups are left out."""
+    cfg = dict(SMALL, concurrency=[1], steps_sweep=[], baseline_prompts=2)
+    r = run_bench(endpoint.url, PROMPTS, cfg, tmp_path, tag="few", domains=["a", "b", "a"])
+    spec, base = r.levels
+    assert (spec.speculative, spec.requests) == (True, len(PROMPTS))
+    assert (base.speculative, base.requests) == (False, 2)
+    assert r.extra["settings"]["baseline_prompts"] == 2
+    assert all(d["speedup"] is None and d["accept_len"] for d in r.domains.values())
+
+
 def test_cli_benchmarks_a_whole_small_file_by_domain(endpoint, tmp_path, capsys):
     """A user's 10-prompt file is benchmarked whole (no held-out split to leave it short), one
     domain per file or per record, figures per domain in the printed JSON and the result file."""

@@ -447,3 +447,63 @@ def test_a_damaged_finished_round_heals_and_stale_temp_files_go(stage, tiny_targ
     after = {p.name: p.stat().st_mtime_ns for p in work.glob("*.safetensors")}
     assert after["b00001-00.safetensors"] == before["b00001-00.safetensors"]  # kept
     assert not stale.exists() and not list(work.glob(".*.tmp-*"))
+
+
+def test_a_deadline_cuts_the_stage_at_a_batch_and_healing_makes_the_same_batches(
+    stage, tiny_target, tmp_path
+):
+    """A data stage past its deadline hands out no more batches: what it made is a complete,
+    verified round (served requests first), and healing that round remakes exactly those."""
+    import time
+
+    from actors.prompts import Answered
+
+    target, data, _, _ = stage
+    data = data.model_copy(update={"batch_size": 1, "num_actors": 1})
+    prompts = builtin_prompts(1)[:12]
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    served = Answered((tuple(prompt_ids(tok, prompts[0])),), ((5, 6, 7),))
+    out = tmp_path / "cut"
+    # One actor, a deadline already passed: the two batches it is handed before any has been
+    # timed run, then nothing more fits. The served request (the last index) goes first.
+    res = run_generate(target, data, prompts[1:], out, "h", answered=[served], deadline=time.time())
+    assert res.made == (0, 11) and res.left_out == 10
+    m = verify_manifest(out)
+    assert m.num_samples == len(res.made)
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("*.safetensors")}
+    (out / shard_name(res.made[0], 0)).unlink()
+    healed = run_generate(
+        target, data, prompts[1:], out, "h", answered=[served], only=set(res.made)
+    )
+    assert healed.made == res.made and healed.left_out == 0
+    after = {p.name for p in out.glob("*.safetensors")}
+    assert after == set(before)
+    assert verify_manifest(out).shards == m.shards
+
+
+def test_a_replied_batch_trains_on_the_sources_reply_without_generating(stage, tiny_target, tmp_path):
+    """`Replied`: the prompt as templated for generation, then the source's reply as the template
+    renders an assistant turn (end-of-turn included), cut at max_new_tokens, masked in; no
+    generation time is spent."""
+    from actors.prompts import Replied
+
+    target, data, _, _ = stage
+    data = data.model_copy(update={"num_actors": 1, "max_new_tokens": 6})
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    convs = PROMPTS[:2]
+    replies = ("Sure.", "Here is a much longer answer that runs well past six tokens of reply.")
+    out = tmp_path / "replied"
+    res = run_generate(target, data, [], out, "h", replied=[Replied(tuple(convs), replies)])
+    assert res.gen_tok_per_s == 0.0 and res.num_samples == 2
+    _, samples = _samples(out)
+    for conv, reply, s in zip(convs, replies, samples, strict=True):
+        p = prompt_ids(tok, conv)
+        ids, mask = s["input_ids"].tolist(), s["loss_mask"].tolist()
+        rendered = tok.apply_chat_template(
+            [*conv, {"role": "assistant", "content": reply}], tokenize=False
+        )
+        want = tok(rendered, add_special_tokens=False)["input_ids"][len(p) :][:6]
+        assert ids == p + want and mask == [0] * len(p) + [1] * len(want)
+    assert tok.decode(samples[0]["input_ids"][len(prompt_ids(tok, convs[0])) :]).startswith("Sure.")
+    keys = {batch_key(Replied(tuple(convs), replies), target, data), batch_key(convs, target, data)}
+    assert len(keys) == 2  # a replied batch is not the regenerated one

@@ -267,3 +267,31 @@ def test_plan_splits_sources_disjointly_and_rounds_draw_by_weight(tmp_path):
     second, _ = mixed_round(plan, 20, counts)
     assert not {prompt_key(c) for c in first} & {prompt_key(c) for c in second}
     assert plan_prompts(data) == plan  # the seed alone decides
+
+
+def test_sharegpt_turns_carry_the_reply_that_answered_them():
+    from actors.sources import split_turns, turns_with_replies
+
+    turns = [
+        {"from": "gpt", "value": "leading assistant turn"},
+        {"from": "human", "value": "What is a prime number?"},
+        {"from": "gpt", "value": "A number with exactly two divisors."},
+        {"from": "human", "value": "Name the first three, please."},
+    ]
+    got = turns_with_replies(turns)
+    assert [len(c) for c, _ in got] == [1, 3]
+    assert [r for _, r in got] == ["A number with exactly two divisors.", None]
+    assert [c for c, _ in got] == split_turns(turns)
+
+
+def test_a_share_of_the_round_trains_on_replies_spread_through_its_order():
+    from actors.prompts import prompt_key
+    from pipeline.loop import _with_replies
+
+    prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(10)]
+    replies = {prompt_key(p): "answer" for p in prompts if p is not prompts[3]}  # 3 has none
+    regen, replied = _with_replies(prompts, replies, 0.5)
+    assert len(replied) == 5 and prompts[3] in regen
+    assert sorted(map(prompt_key, regen + replied)) == sorted(map(prompt_key, prompts))
+    assert _with_replies(prompts, replies, 0.0) == (prompts, [])
+    assert _with_replies(prompts, {}, 1.0) == (prompts, [])

@@ -210,7 +210,10 @@ def test_two_workers_learn_survive_a_crash_and_export(ray_local, target_and_data
     train = [m for m in lines if "loss" in m]
     evals = [m for m in lines if "eval_loss" in m]
     assert [m["step"] for m in train] == list(range(1, res.steps + 1)) and res.steps == 32
-    assert len(evals) == 8 and res.eval_metrics["loss"] == evals[-1]["eval_loss"]
+    assert len(evals) == 8 and res.last_eval_metrics["loss"] == evals[-1]["eval_loss"]
+    # The export is the best evaluated state by simulated acceptance (the first of equals).
+    best = max(evals, key=lambda m: m["eval_sim_accept_len"])
+    assert res.best_step == best["step"] and res.eval_metrics["loss"] == best["eval_loss"]
 
     # It learned: loss falls, step-0 accuracy rises.
     first, last = train[:4], train[-4:]
@@ -237,8 +240,11 @@ def test_two_workers_learn_survive_a_crash_and_export(ray_local, target_and_data
     exported = drafter_from_state(cfg, state, embed)
     ckpt = sorted((out / "ray").glob("*/step-*/train_state.pt"))[-1]
     assert ckpt.parent.name == "step-0000032"
-    trained = torch.load(ckpt, weights_only=True)["model"]
-    trained = {k.removeprefix("drafter."): v for k, v in trained.items()}
+    if res.best_step == 32:
+        trained = torch.load(ckpt, weights_only=True)["model"]
+        trained = {k.removeprefix("drafter."): v for k, v in trained.items()}
+    else:  # an earlier state was better: exported as kept then (pruned checkpoints are gone)
+        trained = load_drafter(out / "best")[1]
     fp32 = drafter_from_state(cfg, trained, embed)
     rounded = drafter_from_state(
         cfg, {k: v.bfloat16() if v.is_floating_point() else v for k, v in trained.items()}, embed
@@ -290,3 +296,26 @@ def test_fine_tuning_keeps_the_drafters_vocab_map(ray_local, target_and_data, tm
     )
     assert not torch.equal(after["fc.weight"], before["fc.weight"].bfloat16())  # it did train
     assert res.eval_metrics == {} and res.steps >= 1
+
+
+@pytest.mark.slow
+def test_a_time_box_fixes_the_steps_that_fit_and_decays_the_schedule_over_them(
+    ray_local, target_and_data, tmp_path
+):
+    """`train.max_seconds`: after its first steps the workers fix the step count that fits the
+    box (far fewer than 60 epochs), keep it for a resumed attempt, and the LR reaches its floor
+    at that step, as it would at the end of the epochs."""
+    import time
+
+    target, data = target_and_data
+    out = tmp_path / "boxed"
+    t0 = time.perf_counter()
+    res = run_train(config(target, epochs=60, max_seconds=8.0), [data], out)
+    took = time.perf_counter() - t0
+    boxed = json.loads((out / "boxed_total.json").read_text())
+    assert res.steps == boxed["total"] < 60 * 4
+    lines = [m for m in read_jsonl(Path(res.metrics_file)) if "loss" in m]
+    assert [m["step"] for m in lines] == list(range(1, res.steps + 1))
+    assert lines[-1]["lr"] < 0.2 * max(m["lr"] for m in lines)  # decayed over the box
+    # the box holds the training loop: start-up and export come on top of it
+    assert sum(m["step_s"] for m in lines) < 8.0 * 1.5 and took < 8.0 + 120
