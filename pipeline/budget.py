@@ -9,7 +9,7 @@ what each stage took are recorded side by side (summary.json, MLflow `plan/...`)
 
 Shares: round 0 weighs twice a later round (it trains from scratch; later rounds fine-tune on
 what is new). Within a round the benchmark and the simulated users take what they took last round (a first round
-reserves `FIRST_BENCH_S` and `FIRST_TRAFFIC_S` per prompt or request, measured on the embedded
+reserves FIRST_BENCH_S_PER_REQUEST and FIRST_TRAFFIC_S_PER_REQUEST per request, measured on the embedded
 default's 2-core machine); what is left of the round goes to data and training in the ratio of
 `DATA_SHARE`: generation is the expensive part of a round, and a drafter learns more from new
 samples than from another epoch over the same ones.
@@ -22,7 +22,7 @@ from typing import Any
 
 DATA_SHARE = 0.55  # of a round's data + training seconds
 FIRST_ROUND_WEIGHT = 2.0  # round 0 trains from scratch: twice a later round's share
-FIRST_BENCH_S_PER_PROMPT = 12.0  # baseline + drafter benchmark, per prompt of 96 tokens, 2 cores
+FIRST_BENCH_S_PER_REQUEST = 6.0  # one benchmark request of 96 tokens (drafter or baseline), 2 cores
 FIRST_TRAFFIC_S_PER_REQUEST = 3.5  # one simulated user's request, 2 cores
 MIN_STAGE_S = 30.0  # below this a stage's start-up dominates: refuse the plan instead
 
@@ -49,11 +49,12 @@ def plan_round(
     rounds: int,
     remaining_s: float,
     last: dict[str, dict] | None,
-    bench_prompts: int,
+    bench_requests: int,
     traffic_requests: int,
 ) -> RoundPlan:
     """Seconds for round `r` of `rounds` with `remaining_s` left. `last` is the previous round's
-    stage records (their `wall_s`), None in the first round. Round r gets its weight's share of
+    stage records (their `wall_s`), None in the first round; `bench_requests` counts the
+    drafter's and the baseline's benchmark requests. Round r gets its weight's share of
     what is left over the rounds still to run (the first round, which trains from scratch,
     weighs FIRST_ROUND_WEIGHT, later ones 1); its benchmark and simulated users are reserved
     first (the last round runs no simulated users: nothing would learn from them)."""
@@ -66,7 +67,7 @@ def plan_round(
         )
         traffic = float(last.get("traffic", {}).get("wall_s", 0.0))
     else:
-        bench = FIRST_BENCH_S_PER_PROMPT * bench_prompts
+        bench = FIRST_BENCH_S_PER_REQUEST * bench_requests
         traffic = FIRST_TRAFFIC_S_PER_REQUEST * traffic_requests
     if rounds_left == 1:
         traffic = 0.0

@@ -154,13 +154,23 @@ def _plan(cfg: Config, state: RunState, r: int, clock: Clock, tracker: Tracker, 
         cfg.stop.max_rounds,
         cfg.stop.max_wall_minutes * 60 - clock.elapsed(),
         state.rounds[r - 1].done if r else None,
-        cfg.bench.num_prompts,
+        _bench_requests(cfg, r),
         cfg.serve.simulate_users,
     )
     rec = {**p.record(), "start_s": round(clock.elapsed(), 1)}
     log.info("round %d plan (s): %s", r, rec)
     tracker.log(child, {f"plan/{k}": v for k, v in rec.items() if k != "round"})
     return rec
+
+
+def _bench_requests(cfg: Config, r: int) -> int:
+    """Requests a round's benchmark sends: warm-up, the drafter's, and the baseline's unless a
+    later round reuses it."""
+    b = cfg.bench
+    n = b.warmup + b.num_prompts
+    if not (r and b.reuse_baseline):
+        n += b.warmup + (b.baseline_prompts or b.num_prompts)
+    return n * len(b.concurrency)
 
 
 def _left(rs, stage: str, clock: Clock) -> float | None:

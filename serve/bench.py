@@ -266,10 +266,14 @@ def acceptance_per_position(hist: tuple[int, ...]) -> tuple[float, ...]:
     return tuple(sum(hist[i:]) / total for i in range(1, len(hist)))
 
 
-def _get(cfg: Any, name: str, default: Any = None) -> Any:
+_REQUIRED = object()
+
+
+def _get(cfg: Any, name: str, default: Any = _REQUIRED) -> Any:
+    """A bench setting from a BenchConfig or a plain dict; without a default it must be there."""
     if hasattr(cfg, name):
         return getattr(cfg, name)
-    return cfg[name] if default is None else cfg.get(name, default)
+    return cfg[name] if default is _REQUIRED else cfg.get(name, default)
 
 
 def _builder(bench_cfg: Any, build: RequestBuilder | None) -> RequestBuilder:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.budget import (
-    FIRST_BENCH_S_PER_PROMPT,
+    FIRST_BENCH_S_PER_REQUEST,
     BudgetError,
     plan_round,
     plan_vs_actual,
@@ -13,19 +13,19 @@ from pipeline.budget import (
 
 
 def test_round_zero_reserves_benchmark_and_users_and_splits_the_rest():
-    p = plan_round(0, 2, 900.0, None, bench_prompts=16, traffic_requests=24)
+    p = plan_round(0, 2, 900.0, None, bench_requests=32, traffic_requests=24)
     assert p.budget_s == 600.0  # two rounds to go, the first weighing two
-    assert p.bench_s == FIRST_BENCH_S_PER_PROMPT * 16
+    assert p.bench_s == FIRST_BENCH_S_PER_REQUEST * 32
     assert p.data_s + p.train_s + p.bench_s + p.traffic_s == pytest.approx(p.budget_s)
     assert p.data_s > p.train_s > 0
 
 
 def test_later_rounds_use_what_the_last_round_took_and_the_last_one_runs_no_users():
     last = {"bench": {"wall_s": 100.0}, "gate": {"wall_s": 5.0}, "traffic": {"wall_s": 60.0}}
-    p = plan_round(1, 2, 400.0, last, bench_prompts=24, traffic_requests=48)
+    p = plan_round(1, 2, 400.0, last, bench_requests=24, traffic_requests=48)
     assert (p.budget_s, p.bench_s, p.traffic_s) == (400.0, 105.0, 0.0)
     assert p.data_s + p.train_s == pytest.approx(295.0)
-    mid = plan_round(1, 3, 500.0, last, bench_prompts=24, traffic_requests=48)
+    mid = plan_round(1, 3, 500.0, last, bench_requests=24, traffic_requests=48)
     assert mid.budget_s == 250.0 and mid.traffic_s == 60.0
 
 
@@ -41,7 +41,7 @@ def test_a_slower_machine_gets_less_data_and_training_time_and_still_fits():
 
 def test_a_budget_that_cannot_hold_a_round_names_the_setting():
     with pytest.raises(BudgetError, match="stop.max_wall_minutes"):
-        plan_round(0, 2, 500.0, None, bench_prompts=24, traffic_requests=48)
+        plan_round(0, 2, 300.0, None, bench_requests=48, traffic_requests=48)
 
 
 def test_plan_against_actual_per_stage():

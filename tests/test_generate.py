@@ -481,7 +481,9 @@ def test_a_deadline_cuts_the_stage_at_a_batch_and_healing_makes_the_same_batches
     assert verify_manifest(out).shards == m.shards
 
 
-def test_a_replied_batch_trains_on_the_sources_reply_without_generating(stage, tiny_target, tmp_path):
+def test_a_replied_batch_trains_on_the_sources_reply_without_generating(
+    stage, tiny_target, tmp_path
+):
     """`Replied`: the prompt as templated for generation, then the source's reply as the template
     renders an assistant turn (end-of-turn included), cut at max_new_tokens, masked in; no
     generation time is spent."""
