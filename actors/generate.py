@@ -204,9 +204,7 @@ def _run_batches(
     )
     _check_storage(out_dir, info, lengths, data)
     out, sizes = str(out_dir), [b.count if isinstance(b, SelfWritten) else len(b) for b in batches]
-    # capture-only batches first: the cheapest samples (served requests before sources' replies)
-    rank = {Answered: 0, Replied: 1}
-    todo = sorted(todo, key=lambda i: (rank.get(type(batches[i]), 2), i))
+    todo = _dispatch_order(batches, todo)
     if not two_phase:
         jobs = {i: (batches[i], out, i, keys[i]) for i in todo}
         done = _dispatch(actors, "process", jobs, sizes, deadline)
@@ -238,6 +236,21 @@ def _run_batches(
         )
     calls = done if generated is done else generated + done
     return done, generated, info, sum(r.switch_seconds for r in calls)
+
+
+def _dispatch_order(batches: list[Batch], todo: list[int]) -> list[int]:
+    """Served requests first (capture only, and what users asked), then the other kinds
+    interleaved by how far into their kind each batch is, so a stage cut at its deadline keeps
+    the round's mix of regenerated prompts and sources' replies."""
+    kinds: dict[type, list[int]] = {}
+    for i in todo:
+        kinds.setdefault(type(batches[i]), []).append(i)
+
+    def key(i: int) -> tuple[int, float, int]:
+        mine = kinds[type(batches[i])]
+        return (not isinstance(batches[i], Answered), mine.index(i) / len(mine), i)
+
+    return sorted(todo, key=key)
 
 
 def batch_key(batch: Batch, target: TargetConfig, data: DataConfig) -> str:

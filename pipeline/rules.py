@@ -101,12 +101,18 @@ def stop_reason(
     if stop.max_wall_minutes is not None:
         if elapsed_s / 60 >= stop.max_wall_minutes:
             return f"budget: wall time {elapsed_s / 60:.1f} >= {stop.max_wall_minutes} min"
-        # Rounds grow (data accumulates): one at least as long as the last would not fit.
-        nxt = last.get("wall_s", 0.0)
+        # The budget plan sizes the next round's data and training to what is left; what it
+        # cannot shrink is the benchmark (as long as the last one) and a minimal data stage and
+        # training run. Less than that left: stop.
+        from pipeline.budget import MIN_STAGE_S
+
+        stages = last.get("stage_s") or {}
+        nxt = stages.get("bench", 0.0) + stages.get("gate", 0.0) + 2 * MIN_STAGE_S
         if (elapsed_s + nxt) / 60 > stop.max_wall_minutes:
             return (
-                f"budget: another round (>= {nxt / 60:.1f} min) would pass the wall time "
-                f"{stop.max_wall_minutes} min"
+                f"budget: the next round needs >= {nxt / 60:.1f} min, more than the "
+                f"{stop.max_wall_minutes - elapsed_s / 60:.1f} min left of "
+                f"{stop.max_wall_minutes}"
             )
     return None
 

@@ -43,6 +43,7 @@ RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 setsid ray start --head --block --node-i
   --dashboard-agent-listen-port "$(free_port)" --num-cpus 4 --dashboard-host 127.0.0.1 \
   --dashboard-port "$DASH_PORT" --disable-usage-stats >"$RUN_DIR/ray-start.log" 2>&1 &
 RAY_PID=$!
+: >>"$RUN_DIR/ray-start.log"
 for _ in $(seq 120); do grep -q "Ray runtime started" "$RUN_DIR/ray-start.log" && break
   kill -0 "$RAY_PID" 2>/dev/null || { echo "Ray did not start: $RUN_DIR/ray-start.log"; exit 1; }; sleep 1; done
 

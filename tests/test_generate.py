@@ -509,3 +509,16 @@ def test_a_replied_batch_trains_on_the_sources_reply_without_generating(
     assert tok.decode(samples[0]["input_ids"][len(prompt_ids(tok, convs[0])) :]).startswith("Sure.")
     keys = {batch_key(Replied(tuple(convs), replies), target, data), batch_key(convs, target, data)}
     assert len(keys) == 2  # a replied batch is not the regenerated one
+
+
+def test_a_cut_stage_keeps_the_rounds_mix():
+    """Served requests go first; regenerated prompts and sources' replies are interleaved by how
+    far into their kind each batch is, so any prefix a deadline keeps has the planned mix."""
+    from actors.generate import _dispatch_order
+    from actors.prompts import Answered, Replied
+
+    reply = Replied((PROMPTS[0],), ("ok",))
+    batches = [[PROMPTS[0]]] * 3 + [reply] * 6 + [Answered(((1,),), ((2,),))]
+    order = _dispatch_order(batches, list(range(10)))
+    assert order[0] == 9
+    assert order[1:] == [0, 3, 4, 1, 5, 6, 2, 7, 8]  # 1 regenerated : 2 replied all along
