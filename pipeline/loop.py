@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.shards import ShardError
-from pipeline.budget import MIN_STAGE_S, plan_round, plan_vs_actual
+from pipeline.budget import MIN_STAGE_S, TRAIN_START_S, plan_round, plan_vs_actual
 from pipeline.config import Config, dump_config
 from pipeline.layout import RunDir, round_tag
 from pipeline.preflight import preflight
@@ -180,7 +180,9 @@ def _left(rs, stage: str, clock: Clock) -> float | None:
     if not p:
         return None
     end = p["start_s"] + p["data_s"] + (p["train_s"] if stage == "train" else 0.0)
-    return max(MIN_STAGE_S, end - clock.elapsed())
+    # the box holds the training steps; Ray Train's start-up and the export come on top
+    overhead = TRAIN_START_S if stage == "train" else 0.0
+    return max(MIN_STAGE_S, end - clock.elapsed() - overhead)
 
 
 def _generate(
