@@ -36,8 +36,8 @@ from eagle3.config import Eagle3Config  # noqa: E402
 from eagle3.target_weights import load_target_tensors, read_target_info  # noqa: E402
 from eagle3.train_step import (  # noqa: E402
     ShardSet,
-    TTTModule,
     SoftTargets,
+    TTTModule,
     eval_metrics,
     eval_step,
     make_optimizer,
