@@ -23,7 +23,7 @@ from typing import Any
 DATA_SHARE = 0.55  # of a round's data + training seconds
 FIRST_ROUND_WEIGHT = 2.0  # round 0 trains from scratch: twice a later round's share
 FIRST_BENCH_S_PER_REQUEST = 7.0  # one benchmark request of 96 tokens (drafter or baseline), 2 cores
-FIRST_TRAFFIC_S_PER_REQUEST = 5.0  # one simulated user's request of 128 tokens, 2 cores (measured: 4.9)
+FIRST_TRAFFIC_S_PER_REQUEST = 5.0  # a simulated user's request, 128 tokens, 2 cores (measured 4.9)
 TRAIN_START_S = 25.0  # Ray Train's worker start-up and the export around the time box (2 cores)
 MIN_STAGE_S = 30.0  # below this a stage's start-up dominates: refuse the plan instead
 
