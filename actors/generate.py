@@ -245,12 +245,8 @@ def _dispatch_order(batches: list[Batch], todo: list[int]) -> list[int]:
     kinds: dict[type, list[int]] = {}
     for i in todo:
         kinds.setdefault(type(batches[i]), []).append(i)
-
-    def key(i: int) -> tuple[int, float, int]:
-        mine = kinds[type(batches[i])]
-        return (not isinstance(batches[i], Answered), mine.index(i) / len(mine), i)
-
-    return sorted(todo, key=key)
+    place = {i: k / len(mine) for mine in kinds.values() for k, i in enumerate(mine)}
+    return sorted(todo, key=lambda i: (not isinstance(batches[i], Answered), place[i], i))
 
 
 def batch_key(batch: Batch, target: TargetConfig, data: DataConfig) -> str:

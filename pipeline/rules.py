@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from pipeline.budget import MIN_STAGE_S
 from pipeline.config import StopConfig
 
 
@@ -104,8 +105,6 @@ def stop_reason(
         # The budget plan sizes the next round's data and training to what is left; what it
         # cannot shrink is the benchmark (as long as the last one) and a minimal data stage and
         # training run. Less than that left: stop.
-        from pipeline.budget import MIN_STAGE_S
-
         stages = last.get("stage_s") or {}
         nxt = stages.get("bench", 0.0) + stages.get("gate", 0.0) + 2 * MIN_STAGE_S
         if (elapsed_s + nxt) / 60 > stop.max_wall_minutes:

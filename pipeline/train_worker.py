@@ -272,15 +272,9 @@ class Best:
         sd = get_model_state_dict(  # a collective under FSDP: every rank calls
             module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-        if self.enabled:
+        if self.enabled:  # save_drafter replaces the previous best atomically
             state = {k.removeprefix("drafter."): v for k, v in sd.items()}
-            tmp = self.dir.with_name("best.tmp")
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            save_drafter(state, drafter.cfg, tmp)
-            if self.dir.exists():
-                shutil.rmtree(self.dir)
-            tmp.rename(self.dir)
+            save_drafter(state, drafter.cfg, self.dir)
             self.meta.write_text(json.dumps({"step": step, "sim_accept_len": score}))
 
 

@@ -320,6 +320,7 @@ def run_bench(
         )
     prompts = prompts[:n]
     domains = list(domains[:n]) if domains else ["all"] * n
+    n_base = min(n, _get(bench_cfg, "baseline_prompts", None) or n)  # the baseline's prompts
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     source = "same server, speculative: false"
@@ -364,10 +365,9 @@ def run_bench(
                 levels.append(_baseline_level(baseline, c))
                 base_stats = stats  # no per-request baseline: per-domain speedup stays overall
             else:
-                nb = _get(bench_cfg, "baseline_prompts", None) or len(prompts)
-                base_stats, wall = _run_requests(client, prompts[:nb], build, max_tokens, False, None, c)  # fmt: skip
+                base_stats, wall = _run_requests(client, prompts[:n_base], build, max_tokens, False, None, c)  # fmt: skip
                 levels.append(_level(base_stats, c, False, None, wall))
-                if nb < len(prompts):
+                if n_base < n:
                     base_stats = stats  # per-domain speedups need every prompt's baseline
             first = first or (stats, base_stats)
     settings = {
@@ -380,11 +380,10 @@ def run_bench(
         "steps_sweep": sweep_steps,
         "fixed_steps": fixed_steps,
         "baseline": source,
-        "baseline_prompts": _get(bench_cfg, "baseline_prompts", None) or n,
+        "baseline_prompts": n_base,
     }
     per_domain = domain_figures(first[0], first[1], domains)
-    partial = (_get(bench_cfg, "baseline_prompts", None) or n) < n
-    if baseline is not None or partial:
+    if baseline is not None or n_base < n:
         for d in per_domain.values():
             d["baseline_tok_per_s"] = d["speedup"] = None
     return _summarize(levels, sweep, out, tag, settings, counted, per_domain)
