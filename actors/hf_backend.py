@@ -16,6 +16,7 @@ HF's last entry ``hidden_states[N]`` is after the final norm, so ids stop at N-2
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import queue
 from dataclasses import dataclass
@@ -265,12 +266,13 @@ class HFTarget:
         eos = torch.tensor(self._info.eos_token_ids, device=self.device)
         new: list[list[int]] = [[] for _ in batch]
         rows = list(range(len(batch)))  # batch row of each live slot
+        kw = cache_kwarg(self.model)
 
         def feed(tok: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor):
             """One decode step of the live rows: (mask, last logits, next positions)."""
             mask = torch.cat([mask, mask.new_ones(len(tok), 1)], dim=1)
             out = self.model(
-                input_ids=tok[:, None], attention_mask=mask, position_ids=pos, cache=cache
+                input_ids=tok[:, None], attention_mask=mask, position_ids=pos, **{kw: cache}
             )
             return mask, out.logits[:, -1, :], pos + 1
 
@@ -279,7 +281,7 @@ class HFTarget:
                 input_ids=ids,
                 attention_mask=mask,
                 position_ids=positions,
-                cache=cache,
+                **{kw: cache},
                 logits_to_keep=1,
             )
             if log is not None:
@@ -575,6 +577,13 @@ class PendingCapture:
             self.wait()
             self.pool.give(self.slot)
         self.pool = self.slot = None
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The name the model's forward takes its KV cache by: `cache` from transformers 5.2x on,
+    `past_key_values` before. A wrong name is swallowed by `**kwargs` and every decode step then
+    runs without its context: on transformers 5.17 each reply came out as one repeated token."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _base_model(model: torch.nn.Module) -> torch.nn.Module | None:

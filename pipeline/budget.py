@@ -7,16 +7,18 @@ its step count from its first steps' speed (pipeline/train_worker.py). So a mach
 makes half the data and half the steps, and still ends on time. The plan and, after the round,
 what each stage took are recorded side by side (summary.json, MLflow `plan/...`).
 
-Shares: round 0 weighs twice a later round (it trains from scratch; later rounds fine-tune on
-what is new). Within a round the benchmark and the simulated users take what they took last round (a first round
-reserves FIRST_BENCH_S_PER_REQUEST and FIRST_TRAFFIC_S_PER_REQUEST per request, measured on the embedded
-default's 2-core machine); what is left of the round goes to data and training in the ratio of
-`DATA_SHARE`: generation is the expensive part of a round, and a drafter learns more from new
-samples than from another epoch over the same ones.
+Shares: the benchmark and the simulated users of every round still to run are reserved first,
+at the seconds per request the last round measured (a first round uses FIRST_BENCH_S_PER_REQUEST
+and FIRST_TRAFFIC_S_PER_REQUEST, measured on the embedded default's 2-core machine). What is left
+is data and training time, shared by weight: round 0 weighs twice a later round (it trains from
+scratch; later rounds fine-tune on what is new). A round's share goes to data and training in
+the ratio of `DATA_SHARE`: generation is the expensive part of a round, and a drafter learns more
+from new samples than from another epoch over the same ones.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -33,6 +35,25 @@ class BudgetError(ValueError):
 
 
 @dataclass(frozen=True)
+class Rates:
+    """Seconds per benchmark request and per simulated user's request: what the last round
+    measured, else the first-round figures of the embedded default's machine."""
+
+    bench_s: float = FIRST_BENCH_S_PER_REQUEST
+    traffic_s: float = FIRST_TRAFFIC_S_PER_REQUEST
+
+    def measured(self, done: dict[str, dict], bench_requests: int, traffic_requests: int) -> Rates:
+        """These rates updated by a round's stage records (`wall_s`); a stage it did not run
+        (yet) keeps its rate."""
+        bench = sum(float(done.get(k, {}).get("wall_s", 0.0)) for k in ("bench", "gate"))
+        traffic = float(done.get("traffic", {}).get("wall_s", 0.0))
+        return Rates(
+            bench / bench_requests if bench and bench_requests else self.bench_s,
+            traffic / traffic_requests if traffic and traffic_requests else self.traffic_s,
+        )
+
+
+@dataclass(frozen=True)
 class RoundPlan:
     round: int
     budget_s: float  # what this round may spend
@@ -40,47 +61,64 @@ class RoundPlan:
     train_s: float
     bench_s: float
     traffic_s: float
+    bench_s_per_request: float
+    traffic_s_per_request: float
 
     def record(self) -> dict[str, Any]:
-        return {k: round(v, 1) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        return {k: round(v, 2) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
 def plan_round(
     r: int,
     rounds: int,
     remaining_s: float,
-    last: dict[str, dict] | None,
-    bench_requests: int,
+    rates: Rates,
+    bench_requests: Sequence[int],
     traffic_requests: int,
 ) -> RoundPlan:
-    """Seconds for round `r` of `rounds` with `remaining_s` left. `last` is the previous round's
-    stage records (their `wall_s`), None in the first round; `bench_requests` counts the
-    drafter's and the baseline's benchmark requests. Round r gets its weight's share of
-    what is left over the rounds still to run (the first round, which trains from scratch,
-    weighs FIRST_ROUND_WEIGHT, later ones 1); its benchmark and simulated users are reserved
-    first (the last round runs no simulated users: nothing would learn from them)."""
-    rounds_left = max(1, rounds - r)
-    weights = [FIRST_ROUND_WEIGHT if i == 0 else 1.0 for i in range(r, r + rounds_left)]
-    budget = remaining_s * weights[0] / sum(weights)
-    if last:
-        bench = float(last.get("bench", {}).get("wall_s", 0.0)) + float(
-            last.get("gate", {}).get("wall_s", 0.0)
-        )
-        traffic = float(last.get("traffic", {}).get("wall_s", 0.0))
-    else:
-        bench = FIRST_BENCH_S_PER_REQUEST * bench_requests
-        traffic = FIRST_TRAFFIC_S_PER_REQUEST * traffic_requests
-    if rounds_left == 1:
-        traffic = 0.0
-    work = budget - bench - traffic
+    """Seconds for round `r` of `rounds` with `remaining_s` left. `bench_requests[i]` counts
+    the benchmark requests (drafter and baseline) of round r+i, for every round still to run.
+
+    Every round still to run first gets its benchmark and, unless it is the last, its simulated
+    users, at `rates`; what is left is the data and training time of those rounds, shared by
+    weight (the first round, which trains from scratch, weighs FIRST_ROUND_WEIGHT, later ones
+    1). So round 0 leaves room for round 1's benchmark, and the stop rule, which asks this same
+    function about the next round (`refusal`), agrees with it."""
+    n = max(1, rounds - r)
+    if len(bench_requests) < n:
+        raise ValueError(f"plan_round: {n} rounds to run, {len(bench_requests)} request counts")
+    bench = [rates.bench_s * bench_requests[i] for i in range(n)]
+    users = [rates.traffic_s * traffic_requests if r + i < rounds - 1 else 0.0 for i in range(n)]
+    weights = [FIRST_ROUND_WEIGHT if r + i == 0 else 1.0 for i in range(n)]
+    work = (remaining_s - sum(bench) - sum(users)) * weights[0] / sum(weights)
     if work < 2 * MIN_STAGE_S:
         raise BudgetError(
-            f"stop.max_wall_minutes: round {r} has {budget:.0f} s, of which the benchmark "
-            f"({bench:.0f} s) and simulated users ({traffic:.0f} s) leave {work:.0f} s for data "
-            f"and training (needs {2 * MIN_STAGE_S:.0f}); raise the budget, lower "
-            "stop.max_rounds, bench.num_prompts or serve.simulate_users"
+            f"stop.max_wall_minutes: {remaining_s:.0f} s left for {n} round(s), of which the "
+            f"benchmarks ({sum(bench):.0f} s) and simulated users ({sum(users):.0f} s) leave round "
+            f"{r} {work:.0f} s for data and training (needs {2 * MIN_STAGE_S:.0f}); raise the "
+            "budget, lower stop.max_rounds, bench.num_prompts or serve.simulate_users"
         )
-    return RoundPlan(r, budget, DATA_SHARE * work, (1 - DATA_SHARE) * work, bench, traffic)
+    return RoundPlan(
+        r, bench[0] + users[0] + work, DATA_SHARE * work, (1 - DATA_SHARE) * work, bench[0],
+        users[0], rates.bench_s, rates.traffic_s,
+    )  # fmt: skip
+
+
+def refusal(
+    r: int,
+    rounds: int,
+    remaining_s: float,
+    rates: Rates,
+    bench_requests: Sequence[int],
+    traffic_requests: int,
+) -> str | None:
+    """Why round `r` cannot be planned in `remaining_s` (plan_round's error), None if it can:
+    the stop rule's budget question."""
+    try:
+        plan_round(r, rounds, remaining_s, rates, bench_requests, traffic_requests)
+    except BudgetError as e:
+        return str(e)
+    return None
 
 
 def plan_vs_actual(plan: dict[str, Any], done: dict[str, dict]) -> dict[str, float]:

@@ -99,6 +99,12 @@ class TrainConfig(_Strict):
     """Worker-group restarts Ray Train may do (resume from the last checkpoint)."""
     seed: int = 0
     """Seed of init and data order."""
+    eval_every: int | None = Field(None, ge=1)
+    """Optimizer steps between held-out evaluations, besides the one at each epoch's end and at
+    the last step; None = only those."""
+    patience: int | None = Field(None, ge=1)
+    """Stop a round's training after this many held-out evaluations in a row without a new best
+    simulated acceptance (loss keeps falling after acceptance peaks); None = never early."""
     max_seconds: float | None = Field(None, gt=0)
     """Time box of a round's training: after its first steps the workers fix the step count
     that fits (at most `epochs`), and the LR schedule decays over it. None = `epochs` decide.

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.shards import ShardError
-from pipeline.budget import MIN_STAGE_S, TRAIN_START_S, plan_round, plan_vs_actual
+from pipeline.budget import MIN_STAGE_S, TRAIN_START_S, Rates, plan_round, plan_vs_actual, refusal
 from pipeline.config import Config, dump_config
 from pipeline.layout import RunDir, round_tag
 from pipeline.preflight import preflight
@@ -96,7 +96,10 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 server = _serve(cfg, run_dir, rs.done["train"]["drafter_dir"], server)
                 rs.done["gate"] = _gate(cfg, state, r, server, tracker, child)
                 _commit(state, clock, run_dir)
-            reason = stop_reason(cfg.stop, _rows(state)[: r + 1], rs.done["bench"], clock.elapsed())
+            reason = stop_reason(
+                cfg.stop, _rows(state)[: r + 1], rs.done["bench"], clock.elapsed(),
+                _next_round_refusal(cfg, state, r, clock),
+            )  # fmt: skip
             _write_summary(state, run_dir)
             if reason:
                 state.stopped_because = reason
@@ -153,14 +156,47 @@ def _plan(cfg: Config, state: RunState, r: int, clock: Clock, tracker: Tracker, 
         r,
         cfg.stop.max_rounds,
         cfg.stop.max_wall_minutes * 60 - clock.elapsed(),
-        state.rounds[r - 1].done if r else None,
-        _bench_requests(cfg, r),
+        _rates(cfg, state, r),
+        [_bench_requests(cfg, i) for i in range(r, cfg.stop.max_rounds)],
         cfg.serve.simulate_users,
     )
     rec = {**p.record(), "start_s": round(clock.elapsed(), 1)}
     log.info("round %d plan (s): %s", r, rec)
     tracker.log(child, {f"plan/{k}": v for k, v in rec.items() if k != "round"})
     return rec
+
+
+def _rates(cfg: Config, state: RunState, r: int) -> Rates:
+    """Seconds per benchmark and per simulated user's request for planning round r: what round
+    r-1 measured, its own plan's rates for a stage it has not run (yet)."""
+    if r == 0:
+        return Rates()
+    done = state.rounds[r - 1].done
+    plan = done.get("plan") or {}
+    base = Rates(
+        plan.get("bench_s_per_request", Rates.bench_s),
+        plan.get("traffic_s_per_request", Rates.traffic_s),
+    )
+    return base.measured(done, _bench_requests(cfg, r - 1), cfg.serve.simulate_users)
+
+
+def _next_round_refusal(cfg: Config, state: RunState, r: int, clock: Clock) -> str | None:
+    """The budget planner's refusal of round r+1 (None: it fits), asked after round r's gate,
+    with the simulated users that still run before round r+1 counted as planned."""
+    if not cfg.stop.max_wall_minutes or r + 1 >= cfg.stop.max_rounds:
+        return None
+    rs = state.rounds[r]
+    pending = 0.0
+    if cfg.serve.simulate_users and not rs.is_done("traffic"):
+        pending = float((rs.done.get("plan") or {}).get("traffic_s", 0.0))
+    return refusal(
+        r + 1,
+        cfg.stop.max_rounds,
+        cfg.stop.max_wall_minutes * 60 - clock.elapsed() - pending,
+        _rates(cfg, state, r + 1),
+        [_bench_requests(cfg, i) for i in range(r + 1, cfg.stop.max_rounds)],
+        cfg.serve.simulate_users,
+    )
 
 
 def _bench_requests(cfg: Config, r: int) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from pipeline.budget import MIN_STAGE_S
 from pipeline.config import StopConfig
 
 
@@ -76,10 +75,16 @@ def required_accept_len(stop: StopConfig, bench: dict[str, Any]) -> float | None
 
 
 def stop_reason(
-    stop: StopConfig, rows: list[dict[str, Any]], last_bench: dict[str, Any], elapsed_s: float
+    stop: StopConfig,
+    rows: list[dict[str, Any]],
+    last_bench: dict[str, Any],
+    elapsed_s: float,
+    next_round_refused: str | None = None,
 ) -> str | None:
     """Why the loop stops after the last recorded round, or None to go on. First match wins, in
-    the order: goal reached, plateau, budget."""
+    the order: goal reached, plateau, budget. `next_round_refused`: the budget planner's reason
+    the next round cannot be planned in what is left (pipeline/budget.refusal), so the loop
+    stops exactly where the planner would refuse."""
     if not rows:
         return None
     last = rows[-1]
@@ -102,17 +107,8 @@ def stop_reason(
     if stop.max_wall_minutes is not None:
         if elapsed_s / 60 >= stop.max_wall_minutes:
             return f"budget: wall time {elapsed_s / 60:.1f} >= {stop.max_wall_minutes} min"
-        # The budget plan sizes the next round's data and training to what is left; what it
-        # cannot shrink is the benchmark (as long as the last one) and a minimal data stage and
-        # training run. Less than that left: stop.
-        stages = last.get("stage_s") or {}
-        nxt = stages.get("bench", 0.0) + stages.get("gate", 0.0) + 2 * MIN_STAGE_S
-        if (elapsed_s + nxt) / 60 > stop.max_wall_minutes:
-            return (
-                f"budget: the next round needs >= {nxt / 60:.1f} min, more than the "
-                f"{stop.max_wall_minutes - elapsed_s / 60:.1f} min left of "
-                f"{stop.max_wall_minutes}"
-            )
+        if next_round_refused:
+            return f"budget: the next round does not fit: {next_round_refused}"
     return None
 
 

@@ -110,6 +110,7 @@ def train_worker(config: dict[str, Any]) -> None:
         _say(plan.describe(tc, world, step, device, dt))
 
     best = Best(Path(job.out_dir), rank == 0, device)
+    stale = 0  # evaluations since the last new best (a resumed attempt starts counting afresh)
     while step < plan.total:
         if tc.max_seconds and not boxed and step - first == PROBE_STEPS:
             boxed = _fix_total(
@@ -130,9 +131,11 @@ def train_worker(config: dict[str, Any]) -> None:
             time.perf_counter() - t0,
             res.grad_norm,
         )
-        if plan.eval_refs and (i + 1 == plan.steps_per_epoch or step == plan.total):
+        if plan.eval_refs and _eval_due(step, i, plan, tc):
             m = mlog.eval(step, epoch, _evaluate(module, plan, soft, tc, autocast, device))
-            best.offer(step, m["sim_accept_len"], module, drafter)
+            stale = 0 if best.offer(step, m["sim_accept_len"], module, drafter) else stale + 1
+            if tc.patience and stale >= tc.patience and step < plan.total:
+                plan.total = _stop_early(step, stale, best, Path(job.out_dir), rank)
         if step % tc.checkpoint_every == 0 or step == plan.total:
             _checkpoint(module, opt, sched, step, mlog.last)
         if job.crash_at_step == step and rank == world - 1:
@@ -241,6 +244,24 @@ def _fix_total(plan: Plan, step: int, secs: float, tc: TrainConfig, device, out:
     return plan.total
 
 
+def _eval_due(step: int, i: int, plan: Plan, tc: TrainConfig) -> bool:
+    """Evaluate at each epoch's end, at the last step, and every `train.eval_every` steps."""
+    every = tc.eval_every and step % tc.eval_every == 0
+    return bool(i + 1 == plan.steps_per_epoch or step == plan.total or every)
+
+
+def _stop_early(step: int, stale: int, best: Best, out: Path, rank: int) -> int:
+    """`train.patience` ran out: this step becomes the last one, kept in BOXED like a time box so a
+    resumed attempt stops here too. Every rank decides alike (the eval sums are all-reduced)."""
+    if rank == 0:
+        (out / BOXED).write_text(json.dumps({"total": step, "early_stop": True}))
+        _say(
+            f"[train] early stop at step {step}: {stale} evaluations without a new best "
+            f"(best {best.score:.3f} at step {best.step})"
+        )
+    return step
+
+
 def _rescheduled(opt, sched, total: int, warmup_ratio: float):
     """The LR schedule decaying over `total` steps, continuing where `sched` is."""
     new = make_scheduler(opt, total, warmup_ratio)
@@ -261,13 +282,14 @@ class Best:
         have, step, score = _allreduce(t.double(), device).tolist()
         self.step, self.score = (int(step), score) if have else (0, float("-inf"))
 
-    def offer(self, step: int, score: float, module, drafter) -> None:
+    def offer(self, step: int, score: float, module, drafter) -> bool:
+        """Keep this drafter if it scores better than the best so far; True if it did."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         from eagle3.checkpoint import save_drafter
 
         if score <= self.score:
-            return
+            return False
         self.step, self.score = step, score  # every rank: the eval sums are all-reduced
         sd = get_model_state_dict(  # a collective under FSDP: every rank calls
             module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -276,6 +298,7 @@ class Best:
             state = {k.removeprefix("drafter."): v for k, v in sd.items()}
             save_drafter(state, drafter.cfg, self.dir)
             self.meta.write_text(json.dumps({"step": step, "sim_accept_len": score}))
+        return True
 
 
 def _build(job: TrainJob, tc: TrainConfig, tensors: dict, device: torch.device):

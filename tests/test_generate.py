@@ -176,6 +176,27 @@ def test_batched_generation_with_early_stops_matches_one_by_one(tiny_target):
     assert len(got[0]) == 3 and len(got[3]) <= 6
 
 
+def test_decoding_gives_the_cache_by_the_name_the_model_takes(tiny_target):
+    """transformers before 5.2x names the forward's KV cache `past_key_values`, later ones
+    `cache`; a model that takes the old name must still decode with its context. Passing the new
+    name made every reply one repeated token on transformers 5.17 (the GPU host's), because
+    `**kwargs` swallowed it. The old-style forward here forwards to the real one."""
+    t = HFTarget(TargetConfig(model=str(tiny_target)), num_threads=1)
+    prompts = [prompt_ids(t.tokenizer, c) for c in PROMPTS[:3]]
+    want = t.generate(prompts, 10)
+    model = t.model
+    real = model.forward
+
+    def old_style(input_ids=None, attention_mask=None, position_ids=None,
+                  past_key_values=None, logits_to_keep=0, **kwargs):  # fmt: skip
+        assert "cache" not in kwargs, "the cache went in under a name this forward ignores"
+        return real(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    cache=past_key_values, logits_to_keep=logits_to_keep)  # fmt: skip
+
+    model.forward = old_style
+    assert t.generate(prompts, 10) == want
+
+
 def test_sampling_is_seeded(tiny_target):
     t = HFTarget(TargetConfig(model=str(tiny_target)), num_threads=1)
     prompts = [prompt_ids(t.tokenizer, c) for c in PROMPTS[:3]]

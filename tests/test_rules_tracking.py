@@ -31,12 +31,10 @@ def test_stop_rules_in_order():
     assert stop_reason(s, rows(1.5, 1.8, 2.0, 2.2, 2.4), BENCH, 0).startswith("budget: 5 rounds")
     s2 = StopConfig(accept_len=None, max_rounds=9, max_wall_minutes=1)
     assert stop_reason(s2, rows(1.5), BENCH, 61).startswith("budget: wall time")
-    # the next round is planned into what is left: it needs at least the last benchmark and
-    # two minimal stages (2 x 30 s)
-    s3 = StopConfig(accept_len=None, max_rounds=9, max_wall_minutes=3)
-    timed = [dict(rows(1.5)[0], wall_s=150.0, stage_s={"bench": 8.0, "gate": 2.0})]
-    assert stop_reason(s3, timed, BENCH, 110) is None
-    assert stop_reason(s3, timed, BENCH, 111).startswith("budget: the next round needs")
+    # the budget planner's refusal of the next round (pipeline/budget.refusal) stops the loop
+    assert stop_reason(s2, rows(1.5), BENCH, 30, None) is None
+    got = stop_reason(s2, rows(1.5), BENCH, 30, "stop.max_wall_minutes: 30 s left")
+    assert got == "budget: the next round does not fit: stop.max_wall_minutes: 30 s left"
 
 
 def test_tok_per_s_goal_uses_the_planner():

@@ -319,3 +319,19 @@ def test_a_time_box_fixes_the_steps_that_fit_and_decays_the_schedule_over_them(
     assert lines[-1]["lr"] < 0.2 * max(m["lr"] for m in lines)  # decayed over the box
     # the box holds the training loop: start-up and export come on top of it
     assert sum(m["step_s"] for m in lines) < 8.0 * 1.5 and took < 8.0 + 120
+
+
+@pytest.mark.slow
+def test_patience_stops_training_when_acceptance_stops_improving(
+    ray_local, target_and_data, tmp_path
+):
+    """`train.patience`: with a learning rate too small to move a weight, every evaluation after
+    the first scores the same, so patience 2 with an evaluation per step ends training at step 3
+    of the epochs' dozens; the stop is kept for a resumed attempt and the export is step 1's."""
+    target, data = target_and_data
+    out = tmp_path / "patient"
+    res = run_train(config(target, lr=1e-12, eval_every=1, patience=2), [data], out)
+    evals = [m for m in read_jsonl(Path(res.metrics_file)) if "eval_loss" in m]
+    assert [m["step"] for m in evals] == [1, 2, 3]
+    assert res.steps == 3 and res.best_step == 1
+    assert json.loads((out / "boxed_total.json").read_text()) == {"total": 3, "early_stop": True}
