@@ -37,18 +37,12 @@ from actors.shards import ShardInfo, iter_samples, read_shard, write_manifest  #
 from actors.target import TargetWorker  # noqa: E402
 
 
-def read_pool(path: Path) -> list:
-    return [json.loads(x)["messages"] for x in path.read_text().splitlines() if x.strip()]
-
-
-def check_capture(worker: TargetWorker, shard: Path) -> float:
-    """Largest |decode-captured - forward-captured| aux state over the shard's first sample,
-    relative to the states' scale: a leak or an offset shows as O(1), bf16 rounding as ~1e-2."""
-    s = next(iter_samples(read_shard(shard)))
+def check_capture(worker: TargetWorker, s: dict[str, torch.Tensor]) -> float:
+    """Largest |stored - forward-captured| aux state of one written sample, relative to the
+    states' scale: a leak or an offset shows as O(1), bf16 rounding as ~1e-2."""
     ids = s["input_ids"].tolist()
-    got = worker.backend.capture([ids], worker.aux_layer_ids)[0]
+    new = worker.backend.capture([ids], worker.aux_layer_ids)[0][0].float().cpu()
     ref = s["aux_hidden"].float()
-    new = (got[0] if isinstance(got, tuple) else got).float().cpu()
     # a third opinion: transformers' own hidden states, which layer output the first aux id is
     model = worker.backend.model
     with torch.no_grad():
@@ -67,7 +61,9 @@ def check_capture(worker: TargetWorker, shard: Path) -> float:
 
 
 def gen(a: argparse.Namespace) -> None:
-    pool = read_pool(a.pool)
+    from benchmarks.gpu_recipe import read_jsonl
+
+    pool = read_jsonl(str(a.pool))
     data = a.out / "data"
     data.mkdir(parents=True, exist_ok=True)
     worker = TargetWorker(
@@ -85,12 +81,10 @@ def gen(a: argparse.Namespace) -> None:
         res = worker.process(pool[b : b + a.batch], str(data), idx, f"base-{idx}")
         tokens, made = tokens + (res.gen_tokens or res.capture_tokens), made + 1
         if made == 1:
-            first = data / res.shards[0].file
-            print(json.dumps({"capture_rel_diff": round(check_capture(worker, first), 4)}))
-            s = next(iter_samples(read_shard(first)))
-            m = s["loss_mask"].bool()
-            for text in (worker.tokenizer.decode(s["input_ids"][m][-60:]),):
-                print("reply:", repr(text))
+            s = next(iter_samples(read_shard(data / res.shards[0].file)))
+            print(json.dumps({"capture_rel_diff": round(check_capture(worker, s), 4)}))
+            reply = s["input_ids"][s["loss_mask"].bool()][-60:]
+            print("reply:", repr(worker.tokenizer.decode(reply)))
         dt = time.perf_counter() - t0
         print(json.dumps({"batch": idx, "tok_s": round(tokens / dt), "s": round(dt)}), flush=True)
     done = len(list(data.glob("b*.json")))

@@ -83,7 +83,7 @@ def plan_round(
     users, at `rates`; what is left is the data and training time of those rounds, shared by
     weight (the first round, which trains from scratch, weighs FIRST_ROUND_WEIGHT, later ones
     1). So round 0 leaves room for round 1's benchmark, and the stop rule, which asks this same
-    function about the next round (`refusal`), agrees with it."""
+    function about the next round (pipeline/loop.py), agrees with it."""
     n = max(1, rounds - r)
     if len(bench_requests) < n:
         raise ValueError(f"plan_round: {n} rounds to run, {len(bench_requests)} request counts")
@@ -102,23 +102,6 @@ def plan_round(
         r, bench[0] + users[0] + work, DATA_SHARE * work, (1 - DATA_SHARE) * work, bench[0],
         users[0], rates.bench_s, rates.traffic_s,
     )  # fmt: skip
-
-
-def refusal(
-    r: int,
-    rounds: int,
-    remaining_s: float,
-    rates: Rates,
-    bench_requests: Sequence[int],
-    traffic_requests: int,
-) -> str | None:
-    """Why round `r` cannot be planned in `remaining_s` (plan_round's error), None if it can:
-    the stop rule's budget question."""
-    try:
-        plan_round(r, rounds, remaining_s, rates, bench_requests, traffic_requests)
-    except BudgetError as e:
-        return str(e)
-    return None
 
 
 def plan_vs_actual(plan: dict[str, Any], done: dict[str, dict]) -> dict[str, float]:

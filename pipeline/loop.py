@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from actors.shards import ShardError
-from pipeline.budget import MIN_STAGE_S, TRAIN_START_S, Rates, plan_round, plan_vs_actual, refusal
+from pipeline.budget import (
+    MIN_STAGE_S,
+    TRAIN_START_S,
+    BudgetError,
+    Rates,
+    plan_round,
+    plan_vs_actual,
+)
 from pipeline.config import Config, dump_config
 from pipeline.layout import RunDir, round_tag
 from pipeline.preflight import preflight
@@ -152,18 +159,24 @@ def _eval_set(cfg: Config, plan) -> tuple[list, list[str]]:
 
 def _plan(cfg: Config, state: RunState, r: int, clock: Clock, tracker: Tracker, child: str) -> dict:
     """Round r's seconds per stage, from the budget left and what the last round took."""
-    p = plan_round(
-        r,
-        cfg.stop.max_rounds,
-        cfg.stop.max_wall_minutes * 60 - clock.elapsed(),
-        _rates(cfg, state, r),
-        [_bench_requests(cfg, i) for i in range(r, cfg.stop.max_rounds)],
-        cfg.serve.simulate_users,
-    )
+    p = _round_plan(cfg, state, r, cfg.stop.max_wall_minutes * 60 - clock.elapsed())
     rec = {**p.record(), "start_s": round(clock.elapsed(), 1)}
     log.info("round %d plan (s): %s", r, rec)
     tracker.log(child, {f"plan/{k}": v for k, v in rec.items() if k != "round"})
     return rec
+
+
+def _round_plan(cfg: Config, state: RunState, r: int, remaining_s: float):
+    """plan_round for round r of this run with `remaining_s` left (BudgetError if none fits):
+    the one call behind both the plan and the stop rule's budget question."""
+    return plan_round(
+        r,
+        cfg.stop.max_rounds,
+        remaining_s,
+        _rates(cfg, state, r),
+        [_bench_requests(cfg, i) for i in range(r, cfg.stop.max_rounds)],
+        cfg.serve.simulate_users,
+    )
 
 
 def _rates(cfg: Config, state: RunState, r: int) -> Rates:
@@ -181,22 +194,19 @@ def _rates(cfg: Config, state: RunState, r: int) -> Rates:
 
 
 def _next_round_refusal(cfg: Config, state: RunState, r: int, clock: Clock) -> str | None:
-    """The budget planner's refusal of round r+1 (None: it fits), asked after round r's gate,
-    with the simulated users that still run before round r+1 counted as planned."""
+    """Why the budget planner would refuse round r+1 (None: it fits), asked after round r's
+    gate, with the simulated users that still run before round r+1 counted as planned."""
     if not cfg.stop.max_wall_minutes or r + 1 >= cfg.stop.max_rounds:
         return None
     rs = state.rounds[r]
     pending = 0.0
     if cfg.serve.simulate_users and not rs.is_done("traffic"):
         pending = float((rs.done.get("plan") or {}).get("traffic_s", 0.0))
-    return refusal(
-        r + 1,
-        cfg.stop.max_rounds,
-        cfg.stop.max_wall_minutes * 60 - clock.elapsed() - pending,
-        _rates(cfg, state, r + 1),
-        [_bench_requests(cfg, i) for i in range(r + 1, cfg.stop.max_rounds)],
-        cfg.serve.simulate_users,
-    )
+    try:
+        _round_plan(cfg, state, r + 1, cfg.stop.max_wall_minutes * 60 - clock.elapsed() - pending)
+    except BudgetError as e:
+        return str(e)
+    return None
 
 
 def _bench_requests(cfg: Config, r: int) -> int:

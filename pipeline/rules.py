@@ -83,7 +83,7 @@ def stop_reason(
 ) -> str | None:
     """Why the loop stops after the last recorded round, or None to go on. First match wins, in
     the order: goal reached, plateau, budget. `next_round_refused`: the budget planner's reason
-    the next round cannot be planned in what is left (pipeline/budget.refusal), so the loop
+    the next round cannot be planned in what is left (plan_round's BudgetError), so the loop
     stops exactly where the planner would refuse."""
     if not rows:
         return None

@@ -12,7 +12,6 @@ from pipeline.budget import (
     Rates,
     plan_round,
     plan_vs_actual,
-    refusal,
 )
 
 
@@ -53,7 +52,7 @@ def test_round_zero_leaves_round_one_its_benchmark():
     """The demo on 2026-12-01: round 0 was planned with 2/3 of 780 s and took its plan (data 86,
     training 81, benchmark 221, users 121 s), which left round 1 271 s against a 221 s benchmark:
     refused mid-run. Planned with every round's benchmark reserved, a round 0 that takes its plan
-    leaves round 1 a plannable round, and the stop rule's question agrees with the planner."""
+    leaves round 1 a plannable round, and one with less left is refused."""
     reqs = [32, 26]
     p0 = plan_round(0, 2, 780.0, Rates(), reqs, 24)
     done = {"bench": {"wall_s": p0.bench_s}, "traffic": {"wall_s": p0.traffic_s}}
@@ -61,10 +60,8 @@ def test_round_zero_leaves_round_one_its_benchmark():
     left = 780.0 - p0.budget_s
     p1 = plan_round(1, 2, left, rates, reqs[1:], 24)
     assert p1.data_s + p1.train_s >= 2 * MIN_STAGE_S
-    assert refusal(1, 2, left, rates, reqs[1:], 24) is None
-    assert "stop.max_wall_minutes" in refusal(
-        1, 2, left - p1.data_s - p1.train_s, rates, reqs[1:], 24
-    )
+    with pytest.raises(BudgetError, match="stop.max_wall_minutes"):
+        plan_round(1, 2, left - p1.data_s - p1.train_s, rates, reqs[1:], 24)
 
 
 def test_a_budget_that_cannot_hold_a_round_names_the_setting():

@@ -31,7 +31,7 @@ def test_stop_rules_in_order():
     assert stop_reason(s, rows(1.5, 1.8, 2.0, 2.2, 2.4), BENCH, 0).startswith("budget: 5 rounds")
     s2 = StopConfig(accept_len=None, max_rounds=9, max_wall_minutes=1)
     assert stop_reason(s2, rows(1.5), BENCH, 61).startswith("budget: wall time")
-    # the budget planner's refusal of the next round (pipeline/budget.refusal) stops the loop
+    # the budget planner's refusal of the next round (plan_round's BudgetError) stops the loop
     assert stop_reason(s2, rows(1.5), BENCH, 30, None) is None
     got = stop_reason(s2, rows(1.5), BENCH, 30, "stop.max_wall_minutes: 30 s left")
     assert got == "budget: the next round does not fit: stop.max_wall_minutes: 30 s left"
@@ -74,3 +74,29 @@ def test_tracker_with_an_outer_run_active(tmp_path):
     p = t.client.get_run(parent)
     assert p.data.params["train.lr"] == "0.1" and p.data.params["hf_token"] == "***"
     assert t.client.get_model_version_by_alias("m", "champion").run_id == child
+
+
+def test_the_stop_rules_budget_question_counts_the_users_still_to_run(tmp_path):
+    """After round 0's gate, round 1 is planned into what is left minus the simulated users that
+    still run before it (80 s planned): 183 s left after them is short of round 1's benchmark
+    (19 requests x 7 s = 133 s) plus 60 s; at the same clock with the users already run, 263 s
+    is enough. The question is plan_round's own (pipeline/loop._round_plan)."""
+    from pipeline.config import parse_config
+    from pipeline.loop import _next_round_refusal
+    from pipeline.state import Clock
+
+    cfg = parse_config({
+        "stop": {"accept_len": None, "max_rounds": 2, "max_wall_minutes": 10},
+        "serve": {"simulate_users": 16},
+        "data": {"user_prompts": 64},
+        "bench": {"num_prompts": 18, "warmup": 1, "baseline_prompts": 4, "reuse_baseline": True},
+    })  # fmt: skip
+    state = RunState.load_or_new(tmp_path, "abc")
+    done = state.round(0).done
+    done["plan"] = {"traffic_s": 80.0, "bench_s_per_request": 7.0, "traffic_s_per_request": 5.0}
+    done["bench"] = {"wall_s": 168.0}  # 24 requests at 7 s
+    state.elapsed_s = 600.0 - 80.0 - 183.0
+    got = _next_round_refusal(cfg, state, 0, Clock(state))
+    assert got is not None and "stop.max_wall_minutes" in got
+    done["traffic"] = {"wall_s": 80.0}
+    assert _next_round_refusal(cfg, state, 0, Clock(state)) is None
