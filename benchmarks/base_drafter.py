@@ -1,29 +1,31 @@
-"""Train the embedded default's base drafter on one GPU host, without Ray: the starting point
-`make demo` fine-tunes (configs/smollm2-cpu.yaml `drafter.init`), as a team fine-tunes a public
-drafter of its target.
+"""Build the embedded default's base drafter on one GPU host, without Ray: the drafter `make demo`
+starts from (configs/smollm2-cpu.yaml `drafter.init`), as a team starts from a public drafter.
 
-    python benchmarks/base_drafter.py gen   --target T.gguf --pool pool.jsonl --out /tmp/base --seconds 500
-    python benchmarks/base_drafter.py train --target T.gguf --out /tmp/base --epochs 3 --export drafters/x
+    python benchmarks/base_pool.py --config configs/smollm2-cpu.yaml --out pool.jsonl.gz
+    python benchmarks/base_drafter.py gen   --target T.gguf --pool pool.jsonl.gz --out /tmp/base
+    python benchmarks/base_drafter.py train --target T.gguf --out /tmp/base --export drafters/smollm2-135m-base
 
-`gen` regenerates the pool's prompts with the target (greedy, bf16), batch after batch, until
-`--seconds` have passed; a second call continues where the first stopped (finished batches are
-kept). Before any data it checks the GPU path against itself: the hidden states captured while
-decoding must equal a separate forward pass over the same tokens, and it prints two decoded
-replies to read. `train` trains a scratch drafter with the demo's recipe on every finished batch
-and exports it. The pool must leave out every prompt the demo holds out or gives its simulated
-users (benchmarks/base_pool.py writes it so).
+`gen`: the target regenerates a reply for every pool prompt (greedy, bf16, the server's chat
+template and stop tokens) with the batched GPU decoder (actors/batch_decode.py), after a
+self-check against transformers: the decoder's greedy tokens must equal HF's own decode loop on
+a few prompts, and its captured states must equal HF's hidden states of the same tokens.
+Writes `samples.pt` (prompt and reply ids per prompt) and `gen.json`.
 
-Measured on one H200 (transformers 5.17, bf16, batch 256, 192 new tokens): 1.6k generated tok/s
-with the HF decode loop, 7 batches (1,792 prompts) in 169 s; 2 epochs on the 1,708 training
-samples (605k tokens) in 85 s, held-out simulated chain-3 acceptance 1.45 then 1.56. Its first
-run found the decode loop passing the KV cache under transformers 5.2x's name, which 5.17
-ignores: every reply was one repeated token, and the drafter "reached" 3.0 on that data.
+`train`: online training with the project's training code (eagle3.train_step): each packed
+batch's aux states are captured by one forward pass of the target right before its step (the
+135M target's forward costs less than reading the states back from disk; nothing is stored).
+The draft vocabulary is the smallest that covers `--coverage` of the reply tokens. Held-out
+samples give the simulated chain-3 acceptance after `--curve` samples seen and after every
+epoch; the best state is exported in bf16 (no embedding: SGLang and vLLM take the target's).
+Each curve point's drafter is exported too (`curve-N/`), for the served-acceptance curve.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -32,83 +34,191 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.config import DataConfig, TargetConfig  # noqa: E402
-from actors.shards import ShardInfo, iter_samples, read_shard, write_manifest  # noqa: E402
-from actors.target import TargetWorker  # noqa: E402
+from actors.batch_decode import BatchDecoder  # noqa: E402
+
+AUX = None  # SGLang's default ids for the target ([1, 14, 26] for SmolLM2's 30 layers)
 
 
-def check_capture(worker: TargetWorker, s: dict[str, torch.Tensor]) -> float:
-    """Largest |stored - forward-captured| aux state of one written sample, relative to the
-    states' scale: a leak or an offset shows as O(1), bf16 rounding as ~1e-2."""
-    ids = s["input_ids"].tolist()
-    new = worker.backend.capture([ids], worker.aux_layer_ids)[0][0].float().cpu()
-    ref = s["aux_hidden"].float()
-    # a third opinion: transformers' own hidden states, which layer output the first aux id is
-    model = worker.backend.model
-    with torch.no_grad():
-        hs = model(
-            torch.tensor([ids], device=model.device), output_hidden_states=True
-        ).hidden_states
-    h = worker.backend.hidden_size
-    for name, x in (("shard", ref), ("forward", new)):
-        d = [float((hs[j][0].float().cpu() - x[:, :h]).abs().max()) for j in range(len(hs))]
-        print(
-            json.dumps(
-                {name: {"closest_hidden_state": d.index(min(d)), "abs_diff": round(min(d), 4)}}
-            )
-        )
-    return float((new - ref).abs().max() / ref.abs().max())
+def log(**kw) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def read_pool(path: Path) -> list[dict]:
+    op = gzip.open if path.suffix == ".gz" else open
+    with op(path, "rt") as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def load_target(target: str):
+    from actors.config import TargetConfig
+    from actors.hf_backend import HFTarget
+
+    gpu = int(torch.cuda.is_available())
+    return HFTarget(TargetConfig(model=target, dtype="bfloat16" if gpu else "float32", num_gpus_per_actor=gpu))  # fmt: skip
+
+
+def self_check(t, prompts: list[list[int]], aux: list[int]) -> dict:
+    """The decoder against transformers on the same prompts: greedy tokens (bf16 near-ties may
+    flip a token late in a reply, so the figure is the share of replies equal up to 32 tokens and
+    of all tokens before the first difference) and aux states (relative max difference)."""
+    dec = BatchDecoder(t.model, len(prompts), max(map(len, prompts)) + 65, list(t.info().eos_token_ids))  # fmt: skip
+    ours, _ = dec.generate(prompts, 64)
+    ref = t.generate(prompts, 64)
+    same32 = sum(a[:32] == b[:32] for a, b in zip(ours, ref, strict=True)) / len(prompts)
+    agree = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) for a, b in zip(ours, ref, strict=True)]  # fmt: skip
+    seq = prompts[0] + ours[0]
+    got = dec.capture([seq], aux)[0][0].float()
+    hs = t.model(torch.tensor([seq], device=t.device), output_hidden_states=True).hidden_states
+    want = torch.cat([hs[k + 1][0] for k in aux], dim=-1).float()
+    rel = float((got - want).abs().max() / want.abs().max())
+    return {"same_first_32": same32, "tokens_before_first_difference": sum(agree),
+            "of_tokens": sum(map(len, ref)), "capture_rel_diff": round(rel, 4),
+            "reply": t.tokenizer.decode(ours[0][:60])}  # fmt: skip
 
 
 def gen(a: argparse.Namespace) -> None:
-    from benchmarks.gpu_recipe import read_jsonl
+    from actors.chat import prompt_ids
+    from eagle3.fit import resolve_aux_layer_ids
 
-    pool = read_jsonl(str(a.pool))
-    data = a.out / "data"
-    data.mkdir(parents=True, exist_ok=True)
-    worker = TargetWorker(
-        TargetConfig(model=str(a.target), dtype="bfloat16", num_gpus_per_actor=int(torch.cuda.is_available())),
-        DataConfig(source="builtin", max_new_tokens=a.max_new_tokens, batch_size=a.batch,
-                   capture=a.capture),
-    )  # fmt: skip
-    t0, tokens, made = time.perf_counter(), 0, 0
-    for b in range(0, len(pool), a.batch):
-        idx = b // a.batch
-        if (data / f"b{idx:05d}.json").exists():
-            continue
-        if time.perf_counter() - t0 > a.seconds:
-            break
-        res = worker.process(pool[b : b + a.batch], str(data), idx, f"base-{idx}")
-        tokens, made = tokens + (res.gen_tokens or res.capture_tokens), made + 1
-        if made == 1:
-            s = next(iter_samples(read_shard(data / res.shards[0].file)))
-            print(json.dumps({"capture_rel_diff": round(check_capture(worker, s), 4)}))
-            reply = s["input_ids"][s["loss_mask"].bool()][-60:]
-            print("reply:", repr(worker.tokenizer.decode(reply)))
-        dt = time.perf_counter() - t0
-        print(json.dumps({"batch": idx, "tok_s": round(tokens / dt), "s": round(dt)}), flush=True)
-    done = len(list(data.glob("b*.json")))
-    print(json.dumps({"batches_done": done, "of": -(-len(pool) // a.batch)}))
+    a.out.mkdir(parents=True, exist_ok=True)
+    t = load_target(str(a.target))
+    aux = resolve_aux_layer_ids(AUX, t.num_layers)
+    pool = read_pool(a.pool)[: a.limit or None]
+    t0 = time.perf_counter()
+    ids = [prompt_ids(t.tokenizer, r["messages"]) for r in pool]
+    keep = [i for i, p in enumerate(ids) if len(p) <= a.max_prompt_tokens]
+    log(pool=len(pool), kept=len(keep), too_long=len(pool) - len(keep), tokenize_s=round(time.perf_counter() - t0, 1))  # fmt: skip
+    log(self_check=self_check(t, [ids[i] for i in keep[:8]], aux))
+    order = sorted(keep, key=lambda i: len(ids[i]))  # short first: smaller attention windows
+    eos = list(t.info().eos_token_ids)
+    dec = BatchDecoder(t.model, a.rows, a.max_prompt_tokens + a.max_new_tokens, eos)
+    replies, st = dec.generate([ids[i] for i in order], a.max_new_tokens)
+    ended = sum(bool(r) and r[-1] in eos for r in replies)
+    stats = {"prompts": len(order), "gen_tokens": st.tokens, "gen_s": round(st.seconds, 1),
+             "gen_tok_s": round(st.tok_per_s), "steps": st.steps, "prefills": st.prefills,
+             "ended_at_eos": ended, "rows": a.rows, "max_new_tokens": a.max_new_tokens,
+             "prompt_tokens": sum(len(ids[i]) for i in order)}  # fmt: skip
+    log(gen=stats)
+    samples = [{"prompt": ids[i], "reply": r, "source": pool[i].get("source", "?")} for i, r in zip(order, replies, strict=True)]  # fmt: skip
+    torch.save({"aux": aux, "eos": eos, "samples": samples}, a.out / "samples.pt")
+    (a.out / "gen.json").write_text(json.dumps(stats))
+
+
+def _vocab(samples: list[dict], vocab: int, coverage: float, cap: int) -> tuple[int, float, torch.Tensor]:  # fmt: skip
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    for s in samples:
+        counts += torch.bincount(torch.tensor(s["reply"]), minlength=vocab).double()
+    top = counts.sort(descending=True).values.cumsum(0) / counts.sum()
+    need = int((top < coverage).sum()) + 1
+    n = min(cap, -(-need // 256) * 256)
+    return n, float(top[n - 1]), counts
+
+
+def _batch(dec: BatchDecoder, aux: list[int], seqs: list[dict]):
+    from eagle3.train_step import Batch
+
+    ids = [s["prompt"] + s["reply"] for s in seqs]
+    got = dec.capture(ids, aux)
+    cu = [0]
+    for x in ids:
+        cu.append(cu[-1] + len(x))
+    dev = dec.device
+    return Batch(
+        input_ids=torch.tensor([t for x in ids for t in x], device=dev),
+        loss_mask=torch.tensor([m for s in seqs for m in [0] * len(s["prompt"]) + [1] * len(s["reply"])], device=dev).bool(),  # fmt: skip
+        aux_hidden=torch.cat([g[0] for g in got]),
+        final_hidden=torch.cat([g[1] for g in got]),
+        cu_seqlens=cu,
+        position_ids=torch.cat([torch.arange(len(x), device=dev) for x in ids]),
+        keys=[""] * len(ids),
+    )
 
 
 def train(a: argparse.Namespace) -> None:
-    from benchmarks.gpu_recipe import train as train_recipe
-
-    data = a.out / "data"
-    sides = sorted(data.glob("b*.json"))
-    shards = [ShardInfo(**s) for p in sides for s in json.loads(p.read_text())["shards"]]
-    side = json.loads(sides[0].read_text())
-    write_manifest(data, side["target"], side["aux_layer_ids"], "base", shards)
-    over = {"bs": a.tokens_per_batch, "lr": a.lr}
-    res = train_recipe(
-        [data],
-        str(a.target),
-        a.epochs,
-        a.export,
-        torch.device("cuda" if torch.cuda.is_available() else "cpu"),
-        **over,
+    from eagle3.checkpoint import save_drafter
+    from eagle3.config import Eagle3Config
+    from eagle3.target_weights import load_target_tensors
+    from eagle3.train_step import (
+        SoftTargets,
+        eval_metrics,
+        eval_step,
+        make_optimizer,
+        make_scheduler,
+        pack,
+        parallelize,
+        scratch_drafter,
+        train_step,
     )
-    print(json.dumps({"batches": len(sides), **res}))
+    from eagle3.vocab import build_vocab_map
+    from pipeline.config import DrafterConfig
+    from pipeline.train import _scratch_config
+
+    blob = torch.load(a.out / "samples.pt")
+    aux, samples = blob["aux"], [s for s in blob["samples"] if s["reply"]]
+    t = load_target(str(a.target))
+    dev = t.device
+    random.Random(0).shuffle(samples)
+    held, tr = samples[: a.heldout], samples[a.heldout :]
+    vd, cov, counts = _vocab(tr, t.vocab_size, a.coverage, a.max_vocab)
+    log(vocab={"draft_vocab_size": vd, "coverage": round(cov, 4), "train_samples": len(tr), "heldout": len(held)})  # fmt: skip
+    cfg = Eagle3Config(**_scratch_config(DrafterConfig(draft_vocab_size=vd), t.info().arch, aux))
+    tens = load_target_tensors(str(a.target))
+    d2t, t2d = build_vocab_map(counts.long(), vd)
+    drafter = scratch_drafter(cfg, tens["embed"], tens["lm_head"], tens["norm"], d2t, t2d, 0).to(dev)  # fmt: skip
+    module, autocast, dt = parallelize(drafter, dev, "auto")
+    soft = SoftTargets(tens["lm_head"], drafter.d2t, drafter.t2d, dt or torch.float32, dev)
+    dec = BatchDecoder(t.model, 1, 2, blob["eos"])  # its forward only: capture
+    bins = pack([len(s["prompt"]) + len(s["reply"]) for s in tr], a.tokens_per_batch, 0)
+    steps = len(bins) * a.epochs
+    opt = make_optimizer(module, a.lr, 0.0)
+    sched = make_scheduler(opt, steps, 0.015)
+    held_batches = [_batch(dec, aux, [held[j] for j in b]) for b in pack([len(s["prompt"]) + len(s["reply"]) for s in held], a.tokens_per_batch, 1)]  # fmt: skip
+
+    def evaluate() -> dict:
+        module.eval()
+        sums = sum(eval_step(module, b, soft, a.ttt, autocast).cpu() for b in held_batches)
+        module.train()
+        m = eval_metrics(sums, a.ttt, 3)
+        return {"sim_accept_len": round(m["sim_accept_len"], 4), "acc": [round(m[f"acc_{i}"], 3) for i in range(a.ttt)]}  # fmt: skip
+
+    def export(where: Path) -> float:
+        state = {k.removeprefix("drafter."): v.detach().cpu() for k, v in module.state_dict().items()}  # fmt: skip
+        save_drafter(state, drafter.cfg, where)
+        return round((where / "model.safetensors").stat().st_size / 2**20, 2)
+
+    curve = sorted(int(x) for x in a.curve.split(",") if x)
+    seen, step, best, t0, trained_tokens = 0, 0, -1.0, time.perf_counter(), 0
+    results = {"curve": [], "epochs": []}
+    for epoch in range(a.epochs):
+        order = list(range(len(bins)))
+        random.Random(epoch).shuffle(order)
+        for b in order:
+            if a.seconds and time.perf_counter() - t0 > a.seconds:
+                break
+            batch = _batch(dec, aux, [tr[j] for j in bins[b]])
+            out = train_step(module, batch, soft, opt, sched, a.ttt, 0.5, autocast)
+            step, seen, trained_tokens = step + 1, seen + len(bins[b]), trained_tokens + out.tokens  # fmt: skip
+            if step % 100 == 0:
+                el = time.perf_counter() - t0
+                log(step=step, of=steps, loss=round(out.loss, 4), tok_s=round(trained_tokens / el), s=round(el))  # fmt: skip
+            while epoch == 0 and curve and seen >= curve[0]:
+                n = curve.pop(0)
+                point = {"samples": n, **evaluate(), "mb": export(a.out / f"curve-{n}")}
+                results["curve"].append(point)
+                log(curve=point)
+        m = {"epoch": epoch, "steps": step, "samples_seen": seen, **evaluate(),
+             "s": round(time.perf_counter() - t0, 1), "tok_s": round(trained_tokens / (time.perf_counter() - t0))}  # fmt: skip
+        if epoch == 0:
+            results["curve"].append({"samples": seen, **{k: m[k] for k in ("sim_accept_len", "acc")}})
+        if m["sim_accept_len"] > best:
+            best = m["sim_accept_len"]
+            m["mb"] = export(a.export)
+        results["epochs"].append(m)
+        log(epoch=m)
+    results.update(draft_vocab_size=vd, coverage=cov, ttt=a.ttt, lr=a.lr, tokens_per_batch=a.tokens_per_batch,
+                   best_sim_accept_len=best, train_samples=len(tr), heldout=len(held))  # fmt: skip
+    (a.out / "train.json").write_text(json.dumps(results, indent=1))
+    log(done=results)
 
 
 def main() -> None:
@@ -117,14 +227,20 @@ def main() -> None:
     ap.add_argument("--target", required=True, type=Path)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--pool", type=Path)
-    ap.add_argument("--seconds", type=float, default=500)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--max-new-tokens", type=int, default=192)
-    ap.add_argument("--capture", default="forward", choices=["decode", "forward"])
-    ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--tokens-per-batch", type=int, default=2048)
+    ap.add_argument("--limit", type=int, default=0, help="first N pool prompts (0: all)")
+    ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--heldout", type=int, default=512)
+    ap.add_argument("--coverage", type=float, default=0.99)
+    ap.add_argument("--max-vocab", type=int, default=12288, help="25 MB in bf16 at SmolLM2's shape")
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--seconds", type=float, default=0, help="stop training after this (0: no limit)")
+    ap.add_argument("--ttt", type=int, default=5)
+    ap.add_argument("--tokens-per-batch", type=int, default=16384)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--export", type=Path)
+    ap.add_argument("--curve", default="2000,8000,32000")
+    ap.add_argument("--export", type=Path, default=Path("drafters/smollm2-135m-base"))
     a = ap.parse_args()
     gen(a) if a.phase == "gen" else train(a)
 
