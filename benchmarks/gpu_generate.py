@@ -36,8 +36,19 @@ def read_pool(path: str) -> list[list[dict[str, str]]]:
 
 
 def load(target: str):
-    from actors.config import TargetConfig
     from actors.hf_backend import HFTarget
+
+    if target == "random":  # SmolLM2-135M's shape, random weights: the speed, not the text
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                          tie_word_embeddings=True, rope_theta=100000.0, eos_token_id=2,
+                          max_position_embeddings=8192)  # fmt: skip
+        model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+        return HFTarget.from_model(model)
+    from actors.config import TargetConfig
 
     return HFTarget(TargetConfig(model=target, dtype="bfloat16", num_gpus_per_actor=1))
 
@@ -90,8 +101,8 @@ def hf_static(model, prompts, new, pad, fixed: bool, batch: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", required=True)
-    ap.add_argument("--pool", required=True)
+    ap.add_argument("--target", required=True, help="a model, or `random` (SmolLM2-135M-shaped)")
+    ap.add_argument("--pool", default=None)
     ap.add_argument("--real", type=int, default=4096)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--skip", default="", help="comma list of: compiled,hf_loop,hf_static")
@@ -121,6 +132,8 @@ def main() -> None:
     if "hf_static" not in skip:
         emit(what="fixed", engine="hf_generate_static", batch=512, **hf_static(model, fixed[:1024], 192, t.pad_id, True, 512))  # fmt: skip
 
+    if a.target == "random":
+        return table(rows, a.out)
     from actors.chat import prompt_ids
 
     pool = read_pool(a.pool)[: a.real]
@@ -139,10 +152,14 @@ def main() -> None:
     _, s = timed(lambda: dec.capture(seqs, [1, 14, 26]))
     n = sum(map(len, seqs))
     emit(what="capture", engine="batch_decode", tokens=n, s=round(s, 2), tok_s=round(n / s))
-    emit(what="env", device=torch.cuda.get_device_name(), torch=torch.__version__,
-         date=time.strftime("%Y-%m-%d %H:%M"))  # fmt: skip
-    if a.out:
-        a.out.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    table(rows, a.out)
+
+
+def table(rows: list[dict], out: Path | None) -> None:
+    rows.append({"what": "env", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "date": time.strftime("%Y-%m-%d %H:%M")})  # fmt: skip
+    if out:
+        out.write_text("".join(json.dumps(x) + "\n" for x in rows))
     print(f"{'what':8} {'engine':24} {'batch':>5} {'tok/s':>9}")
     for x in rows:
         if "tok_s" in x:

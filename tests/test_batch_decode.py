@@ -33,7 +33,7 @@ def _prompts(n: int, seed: int = 1) -> list[list[int]]:
 
 def _hf_greedy(model: LlamaForCausalLM, prompt: list[int], max_new: int) -> list[int]:
     out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=EOS,
+        torch.tensor([prompt], device=model.device), max_new_tokens=max_new, do_sample=False, eos_token_id=EOS,
         pad_token_id=0,
     )  # fmt: skip
     return out[0, len(prompt) :].tolist()
@@ -117,3 +117,24 @@ def test_names_what_it_cannot_run():
     assert "not SiLU" in decoder_problem(model)
     with pytest.raises(ValueError, match="target.model"):
         BatchDecoder(model, rows=2, capacity=16, eos_ids=[EOS])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_graph_decoder_matches_hf_on_the_gpu(compiled):
+    """The graphed (and compiled) step on CUDA, fp32: the same tokens as HF's greedy decode,
+    with refill, and captured states equal to HF's."""
+    model = _model().cuda()
+    prompts = _prompts(13, seed=7)
+    dec = BatchDecoder(model, rows=4, capacity=64, eos_ids=[EOS], sync_every=4, compiled=compiled)
+    assert dec.graphs
+    got, stats = dec.generate(prompts, max_new_tokens=24)
+    want = [_hf_greedy(model, p, 24) for p in prompts]
+    assert got == want and stats.prefills > 1
+    again, _ = dec.generate(prompts[:5], max_new_tokens=24)  # the graph is reused
+    assert again == want[:5]
+    s = prompts[0] + want[0]
+    aux, final = dec.capture([s], [1])[0]
+    hs = model(torch.tensor([s]).cuda(), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(aux, hs[2][0], atol=1e-4, rtol=1e-3)
