@@ -54,7 +54,7 @@ def load_target(target: str):
     from actors.hf_backend import HFTarget
 
     gpu = int(torch.cuda.is_available())
-    return HFTarget(TargetConfig(model=target, dtype="bfloat16" if gpu else "float32", num_gpus_per_actor=gpu))  # fmt: skip
+    return HFTarget(TargetConfig(model=target, dtype="bfloat16" if gpu else "auto", num_gpus_per_actor=gpu))  # fmt: skip
 
 
 def self_check(t, prompts: list[list[int]], aux: list[int]) -> dict:
@@ -155,6 +155,8 @@ def train(a: argparse.Namespace) -> None:
 
     blob = torch.load(a.out / "samples.pt")
     aux, samples = blob["aux"], [s for s in blob["samples"] if s["reply"]]
+    if a.train_prompt_tokens:  # a CPU build: the short prompts the demo serves, less capture
+        samples = [s for s in samples if len(s["prompt"]) <= a.train_prompt_tokens]
     t = load_target(str(a.target))
     dev = t.device
     random.Random(0).shuffle(samples)
@@ -167,7 +169,8 @@ def train(a: argparse.Namespace) -> None:
     drafter = scratch_drafter(cfg, tens["embed"], tens["lm_head"], tens["norm"], d2t, t2d, 0).to(dev)  # fmt: skip
     module, autocast, dt = parallelize(drafter, dev, "auto")
     soft = SoftTargets(tens["lm_head"], drafter.d2t, drafter.t2d, dt or torch.float32, dev)
-    dec = BatchDecoder(t.model, 1, 2, blob["eos"])  # its forward only: capture
+    longest = max(len(s["prompt"]) + len(s["reply"]) for s in samples)
+    dec = BatchDecoder(t.model, 1, longest + 1, blob["eos"])  # its forward only: capture
     bins = pack([len(s["prompt"]) + len(s["reply"]) for s in tr], a.tokens_per_batch, 0)
     steps = len(bins) * a.epochs
     opt = make_optimizer(module, a.lr, 0.0)
@@ -198,7 +201,7 @@ def train(a: argparse.Namespace) -> None:
             batch = _batch(dec, aux, [tr[j] for j in bins[b]])
             out = train_step(module, batch, soft, opt, sched, a.ttt, 0.5, autocast)
             step, seen, trained_tokens = step + 1, seen + len(bins[b]), trained_tokens + out.tokens  # fmt: skip
-            if step % 100 == 0:
+            if step % a.log_every == 0:
                 el = time.perf_counter() - t0
                 log(step=step, of=steps, loss=round(out.loss, 4), tok_s=round(trained_tokens / el), s=round(el))  # fmt: skip
             while epoch == 0 and curve and seen >= curve[0]:
@@ -241,7 +244,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--curve", default="2000,8000,32000")
     ap.add_argument("--export", type=Path, default=Path("drafters/smollm2-135m-base"))
+    ap.add_argument("--train-prompt-tokens", type=int, default=0, help="train only on samples whose prompt is at most this long (0: all)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (CPU builds)")
+    ap.add_argument("--log-every", type=int, default=100)
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     gen(a) if a.phase == "gen" else train(a)
 
 
