@@ -6,6 +6,8 @@
   trees are greedy-only, sampled requests draft chains), `ignore_eos`. The speculative
   statistics ride in `usage` (`spec_accept_len`, `spec_verify_ct`, `spec_accept_hist`, `draft_ms`,
   `verify_ms`, ...).
+- The serving shape (`set_shape`, the benchmark's choice: serve/shapes.py) is what a request
+  that names no shape drafts; plain = requests that leave `speculative` out do not draft.
 - Concurrent requests are batched (`serve.batch`): one engine call per group of requests with the
   same sampling settings; streaming requests join batches too and get tokens after every cycle.
 - Drafter hot-swap: `reconfigure({"drafter": path})` loads and checks the checkpoint against the
