@@ -2,9 +2,9 @@
 
 A shape is how the engine drafts per cycle: `plain` (no drafter), `chain-k` (k draft steps,
 topk 1, k+1 tokens per verify) or `tree-SxKxN` (S levels, top-K branches, N tokens per verify,
-root included). The benchmark (serve/bench.py `choose_serving_shape`) measures plain decoding,
-the configured shape and one chain of the longest length; every other chain is predicted from
-the chain's per-position acceptance and the measured costs:
+root included). The benchmark (serve/shape_sweep.py `choose_serving_shape`) measures plain
+decoding, the configured shape and one chain of the longest length; every other chain is
+predicted from the chain's per-position acceptance and the measured costs:
   accept_len(chain-k) = 1 + q_1 + ... + q_k     (q_i: fraction of cycles accepting >= i drafts)
   cycle_ms(chain-k)   = k x draft_step_ms + verify_ms(k + 1 tokens)
   speedup             = accept_len x plain_step_ms / cycle_ms
