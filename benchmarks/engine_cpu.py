@@ -6,10 +6,16 @@ Measures, on held-out built-in prompts:
   - draft ms and verify ms per cycle;
   - forward micro-benchmarks at the same context: one decode step (1 token) vs one verify pass
     (steps+1 tokens), one drafter extend and one draft step;
-  - the break-even accept_len = cycle ms / decode-step ms a trained drafter must beat.
+  - the break-even accept_len = cycle ms / decode-step ms a trained drafter must beat;
+  - `--overhead`: the engine's drafting overhead per verify pass, for the chain and (with
+    --topk) the tree: decode time outside the target's forward passes and the drafter's
+    (`EagleDraft._prenorm`, `_tree_step`, its LM head), i.e. tree building, acceptance, KV cache
+    bookkeeping and Python; also in decode-step units, and the plain loop's own overhead.
 Prints one JSON object.
 
   .venv/bin/python benchmarks/engine_cpu.py --max-tokens 64 --prompts 4 --steps 3
+  .venv/bin/python benchmarks/engine_cpu.py --dtype auto --draft-vocab 4096 --threads 1 \
+      --steps 5 --topk 4 --num-draft-tokens 12 --overhead     # the demo's shape (configs/smollm2-cpu.yaml)
 """
 
 from __future__ import annotations
@@ -70,6 +76,91 @@ def micro(engine, prompt: list[int], steps: int, reps: int) -> dict[str, dict[st
     return out
 
 
+class _Timed:
+    """Wall time spent inside the wrapped callables, per call, in ms."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, float]] = []
+
+    def wrap(self, name: str, fn):
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.calls.append((name, (time.perf_counter() - t) * 1000))
+
+        return timed
+
+
+@torch.inference_mode()
+def overhead(engine, prompts: list[list[int]], params, reps: int = 1) -> dict[str, float]:
+    """Per verify pass (decode only, prefill excluded): wall ms, the target's forward ms, the
+    drafter's forward ms, and the rest (overhead), over `prompts` run one at a time."""
+    runner, drafter = engine._runner, engine.drafter
+    timed = _Timed()
+    model_call = runner.model.forward
+    runner.model.forward = timed.wrap("target", model_call)
+    patched = {"_prenorm": drafter._prenorm, "_tree_step": drafter._tree_step}
+    for name, fn in patched.items():
+        setattr(drafter, name, timed.wrap("drafter", fn))
+    logits_fn = drafter.model.logits
+    drafter.model.logits = timed.wrap("drafter", logits_fn)
+    wall = target = draft = 0.0
+    passes = 0
+    try:
+        for _ in range(reps):
+            for p in prompts:
+                timed.calls.clear()
+                g = (engine.generate if drafter else engine.plain_generate)([p], params)[0]
+                st = g.stats
+                # the prefill: the target's first forward, the drafter's prompt extend (its
+                # first _prenorm and LM head)
+                first: dict[str, int] = {}
+                for i, (name, _) in enumerate(timed.calls):
+                    first.setdefault(name, i)
+                skip = {first.get("target")}
+                if "drafter" in first:
+                    skip |= {first["drafter"], first["drafter"] + 1}
+                kept = [c for i, c in enumerate(timed.calls) if i not in skip]
+                wall += st.total_ms - st.prefill_ms
+                target += sum(ms for n, ms in kept if n == "target")
+                draft += sum(ms for n, ms in kept if n == "drafter")
+                passes += st.spec_verify_ct or max(st.completion_tokens - 1, 0)
+    finally:
+        runner.model.forward = model_call
+        for name in patched:
+            delattr(drafter, name)
+        del drafter.model.logits
+    rest = wall - target - draft
+    return {"passes": passes, "ms_per_pass": wall / passes, "target_forward_ms": target / passes,
+            "drafter_forward_ms": draft / passes, "overhead_ms": rest / passes,
+            "overhead_share": rest / wall}  # fmt: skip
+
+
+@torch.inference_mode()
+def overhead_plain(engine, prompts: list[list[int]], params) -> dict[str, float]:
+    """`overhead` of plain decoding: per decode step, outside the target's forward."""
+    runner = engine._runner
+    timed = _Timed()
+    model_call = runner.model.forward
+    runner.model.forward = timed.wrap("target", model_call)
+    wall = target = 0.0
+    passes = 0
+    try:
+        for p in prompts:
+            timed.calls.clear()
+            st = engine.plain_generate([p], params)[0].stats
+            wall += st.total_ms - st.prefill_ms
+            target += sum(ms for _, ms in timed.calls[1:])  # [0]: the prefill
+            passes += st.completion_tokens - 1
+    finally:
+        runner.model.forward = model_call
+    return {"passes": passes, "ms_per_pass": wall / passes, "target_forward_ms": target / passes,
+            "drafter_forward_ms": 0.0, "overhead_ms": (wall - target) / passes,
+            "overhead_share": (wall - target) / wall}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=4)
@@ -81,6 +172,8 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=1, help="> 1: also measure tree drafting")
     ap.add_argument("--hf-linear", action="store_true", help="keep F.linear (no small-rows path)")
     ap.add_argument("--num-draft-tokens", type=int, default=None, help="tree: tokens per verify")
+    ap.add_argument("--dtype", default="float32", help="target dtype (auto: bf16 where fast)")
+    ap.add_argument("--overhead", action="store_true", help="also the drafting overhead per pass")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -90,7 +183,7 @@ def main() -> None:
     from serve.engine import GenParams, SpecEngine, load_target, random_drafter
 
     t = time.perf_counter()
-    model, tok = load_target("smollm2")
+    model, tok = load_target("smollm2", dtype=args.dtype)
     load_s = time.perf_counter() - t
     engine = SpecEngine(
         model,
@@ -133,7 +226,7 @@ def main() -> None:
         g.stats.completion_tokens - 1 for g in plain
     )
     out = {
-        "target": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32)",
+        "target": f"SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, {model.dtype})",
         "threads": torch.get_num_threads(),
         "fast_linear": not args.hf_linear,
         "greedy_mismatches_vs_plain": mismatches,
@@ -164,6 +257,15 @@ def main() -> None:
             "draft_ms_per_cycle": sum(g.stats.draft_ms for g in tree) / t_cycles,
             "verify_ms_per_cycle": sum(g.stats.verify_ms for g in tree) / t_cycles,
         }
+    if args.overhead:
+        out["overhead"] = {"chain": overhead(engine, prompts, params)}
+        if args.topk > 1:
+            out["overhead"]["tree"] = overhead(engine, prompts, tree_params)
+        keep, engine.drafter = engine.drafter, None
+        out["overhead"]["plain"] = overhead_plain(engine, prompts, params)
+        engine.drafter = keep
+        for v in out["overhead"].values():
+            v["overhead_in_decode_steps"] = v["overhead_ms"] / decode_ms
     print(json.dumps(out, indent=2))
 
 

@@ -114,7 +114,9 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 break
             if cfg.serve.simulate_users and not rs.is_done("traffic"):
                 t0 = clock.elapsed()
-                server = _serve(cfg, run_dir, _serving_drafter(state), server)
+                server = _serve(
+                    cfg, run_dir, _serving_drafter(state), server, _serving_shape(state)
+                )
                 rs.done["traffic"] = _simulate(cfg, plan, r, server, tracker, child)
                 rs.done["traffic"]["wall_s"] = clock.elapsed() - t0
                 _commit(state, clock, run_dir)
@@ -216,6 +218,8 @@ def _bench_requests(cfg: Config, r: int) -> int:
     n = b.warmup + b.num_prompts
     if not (r and b.reuse_baseline):
         n += b.warmup + (b.baseline_prompts or b.num_prompts)
+    if b.shape_chains and cfg.serve.engine == "embedded":  # the shape choice: a chain measured
+        n += 2 * (b.baseline_prompts or b.num_prompts)  # for its acceptance, one confirmation
     return n * len(b.concurrency)
 
 
@@ -405,11 +409,13 @@ def _train(
     return rec
 
 
-def _serve(cfg: Config, run_dir: Path, drafter: str | None, server):
+def _serve(cfg: Config, run_dir: Path, drafter: str | None, server, shape: dict | None = None):
     """The live server, serving `drafter`. Deployed once, then the drafter is swapped (validated
     first: a bad one is refused and the old drafter keeps serving). Embedded engine: a Ray Serve
-    hot-swap; SGLang: a restart."""
+    hot-swap; SGLang: a restart. `shape`: the serving shape a benchmark chose for `drafter`
+    (its BenchResult.shape; plain = no drafting), applied where the server can (embedded)."""
     from serve.deployment import deploy_endpoint
+    from serve.shapes import Shape
 
     if server is None:
         return deploy_endpoint(
@@ -421,11 +427,20 @@ def _serve(cfg: Config, run_dir: Path, drafter: str | None, server):
         )
     if drafter and server.info().get("path") != drafter:
         server.swap_drafter(drafter)
+    if shape and hasattr(server, "set_shape"):
+        info = server.set_shape(Shape.parse(shape))
+        log.info("serving %s with shape %s: %s", drafter, info["shape"], shape.get("reason"))
     return server
 
 
 def _serving_drafter(state: RunState) -> str | None:
     return (state.champion or {}).get("drafter_dir")
+
+
+def _serving_shape(state: RunState) -> dict | None:
+    """The shape the champion's round's benchmark chose for it (None: no choice made)."""
+    champ = state.champion
+    return champ and state.rounds[champ["round"]].done["bench"].get("shape") or None
 
 
 def _stop_serving(server) -> None:
@@ -457,6 +472,13 @@ def _bench(
         tracker.log(child, {f"bench/{dom}/{k}": v for k, v in figs.items()})
         for i, a in enumerate(figs.get("acceptance_per_position") or []):
             tracker.log(child, {f"bench/{dom}/acceptance_per_position": a}, step=i + 1)
+    if shape := rec.get("shape"):
+        log.info("round %d serving shape %s: %s", r, shape["served"], shape["reason"])
+        tracker.tag(child, {"bench.served_shape": shape["served"]})
+        tracker.log(child, {"bench/served_plain": float(shape["served"] == "plain"),
+                            "bench/served_speedup": shape.get("served_speedup"),
+                            **{f"bench/shape_speedup/{k}": v
+                               for k, v in (shape.get("speedups") or {}).items()}})  # fmt: skip
     for key in ("json_path", "plot_path"):
         if rec.get(key):
             tracker.log_artifact(child, Path(rec[key]), "bench")

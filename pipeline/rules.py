@@ -22,6 +22,10 @@ def round_row(index: int, done: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "speedup": bench["speedup"],
         "train_tokens": train["train_tokens"],
         "steps": bench.get("steps"),
+        # the serving shape the benchmark chose (serve/shapes.py) and each shape's speedup
+        "shape": (bench.get("shape") or {}).get("served"),
+        "served_speedup": (bench.get("shape") or {}).get("served_speedup", bench["speedup"]),
+        "shape_speedups": (bench.get("shape") or {}).get("speedups") or {},
         "wall_s": round(sum(rec.get("wall_s", 0.0) for rec in done.values()), 1),
         "domains": {d: v.get("accept_len") for d, v in (bench.get("domains") or {}).items()},
         "promoted": (done.get("gate") or {}).get("promoted", True),
@@ -113,20 +117,24 @@ def stop_reason(
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """One line per round: accept_len overall and per domain (held-out prompts), speed, the
+    """One line per round: accept_len overall and per domain (held-out prompts), speed and
+    speedup of the configured shape, the serving shape chosen and its speedup (`served`), the
     training tokens, the traffic records learnt from, and whether the round was promoted."""
     domains = list(dict.fromkeys(d for r in rows for d in r.get("domains") or {}))
     head = (
         f"{'round':>5} {'accept_len':>10} "
         + "".join(f"{d[:9]:>10}" for d in domains)
-        + f" {'tok/s':>7} {'speedup':>7} {'train_tok':>9} {'traffic':>7} {'promoted':>8}"
+        + f" {'tok/s':>7} {'speedup':>7} {'shape':>11} {'served':>6} {'train_tok':>9}"
+        + f" {'traffic':>7} {'promoted':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         doms = "".join(f"{(r.get('domains') or {}).get(d) or 0:>10.3f}" for d in domains)
         lines.append(
             f"{r['round']:>5} {r['accept_len']:>10.3f} {doms} {r['tok_per_s']:>7.1f} "
-            f"{r['speedup']:>7.2f} {r['train_tokens']:>9} {r.get('traffic_records', 0):>7} "
+            f"{r['speedup']:>7.2f} {r.get('shape') or '-':>11} "
+            f"{r.get('served_speedup') or r['speedup']:>6.2f} {r['train_tokens']:>9} "
+            f"{r.get('traffic_records', 0):>7} "
             f"{'yes' if r.get('promoted', True) else 'no':>8}"
         )
     return "\n".join(lines)

@@ -112,6 +112,12 @@ class Tracker:
         for i in range(0, len(items), 500):
             self.client.log_batch(run_id, metrics=items[i : i + 500])
 
+    def tag(self, run_id: str, tags: dict[str, str]) -> None:
+        """Named results that are not numbers (e.g. the serving shape); a resumed stage may set
+        them again, which MLflow params would refuse."""
+        for k, v in tags.items():
+            self.client.set_tag(run_id, k, str(v))
+
     def log_artifact(self, run_id: str, path: Path, artifact_path: str | None = None) -> None:
         path = Path(path)
         if path.is_dir():

@@ -37,6 +37,7 @@ from typing import Any
 import httpx
 
 from serve.sglang_server import has_meta_info, spec_stats_from_sglang
+from serve.shapes import Shape
 from serve.vllm_server import spec_stats_from_vllm
 
 Prompt = list[dict[str, str]] | str
@@ -203,6 +204,9 @@ class BenchResult:
     plot_path: str
     extra: dict[str, Any] = field(default_factory=dict)
     domains: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-domain figures
+    # the serving shape chosen (serve/shapes.py): {"served", "steps", "topk", "num_draft_tokens",
+    # "reason", "speedups", "measured", ...}; empty when no choice was made (fixed-shape servers)
+    shape: dict[str, Any] = field(default_factory=dict)
 
 
 def domain_figures(
@@ -297,6 +301,7 @@ def run_bench(
     fixed_steps: int | None = None,
     domains: list[str] | None = None,
     counters: Callable[[], Any] | None = None,
+    shape: Shape | None = None,
 ) -> BenchResult:
     """Benchmark `url` on `prompts` (held-out conversations or strings) with `bench_cfg` (a
     BenchConfig or a dict with num_prompts, max_tokens, concurrency, warmup, steps_sweep).
@@ -308,10 +313,18 @@ def run_bench(
     `fixed_steps`: the server drafts this many steps whatever a request asks (SGLang's
     --speculative-num-steps): the sweep is skipped and the levels are labelled with it.
     `counters`: reads the server's speculative counters (vLLM: `VLLMServer.spec_counters`);
-    the speculative levels' accept figures then come from their change over each level."""
+    the speculative levels' accept figures then come from their change over each level.
+    `shape`: the server's configured drafting shape (the embedded engine, whose requests may ask
+    for any shape): the speculative levels ask for it explicitly, and with `bench.shape_chains`
+    the serving shape is chosen after them (`choose_serving_shape`, `BenchResult.shape`)."""
     n, max_tokens = _get(bench_cfg, "num_prompts"), _get(bench_cfg, "max_tokens")
     levels_c, warmup = list(_get(bench_cfg, "concurrency")), _get(bench_cfg, "warmup")
     build = _builder(bench_cfg, build)
+    plain_build = build
+    if shape is not None:
+        from serve.shape_sweep import choose_serving_shape, with_shape  # it imports this module
+
+        build = with_shape(build, shape)
     sweep_steps = [] if fixed_steps else list(_get(bench_cfg, "steps_sweep"))
     n = n or len(prompts)
     if len(prompts) < n:
@@ -370,6 +383,12 @@ def run_bench(
                 if n_base < n:
                     base_stats = stats  # per-domain speedups need every prompt's baseline
             first = first or (stats, base_stats)
+        chosen = {}
+        if shape is not None and _get(bench_cfg, "shape_chains", []):
+            chosen = choose_serving_shape(
+                client, prompts[:n_base], plain_build, bench_cfg, shape,
+                levels[0], first[0][:n_base], levels[1],
+            )  # fmt: skip
     settings = {
         "url": url,
         "num_prompts": n,
@@ -386,7 +405,7 @@ def run_bench(
     if baseline is not None or n_base < n:
         for d in per_domain.values():
             d["baseline_tok_per_s"] = d["speedup"] = None
-    return _summarize(levels, sweep, out, tag, settings, counted, per_domain)
+    return _summarize(levels, sweep, out, tag, settings, counted, per_domain, chosen)
 
 
 def measure_baseline_levels(
@@ -482,6 +501,7 @@ def bench_endpoint(
         fixed_steps=endpoint.fixed_steps,
         domains=domains,
         counters=getattr(endpoint, "spec_counters", None),
+        shape=getattr(endpoint, "shape", None),  # the embedded engine: requests pick shapes
     )
     if reuse and not cached:
         levels = [asdict(lv) for lv in result.levels if not lv.speculative]
@@ -500,6 +520,7 @@ def _summarize(
     settings: dict[str, Any],
     counters: list[dict[str, Any]] | None = None,
     domains: dict[str, dict[str, Any]] | None = None,
+    shape: dict[str, Any] | None = None,
 ) -> BenchResult:
     c0 = levels[0].concurrency
     spec = next(lv for lv in levels if lv.speculative and lv.concurrency == c0)
@@ -538,6 +559,7 @@ def _summarize(
         extra={"settings": settings, "baseline_verify_ms": base.verify_ms}
         | ({"server_counters": counters} if counters else {}),
         domains=domains or {},
+        shape=shape or {},
     )
     Path(result.json_path).write_text(json.dumps(asdict(result), indent=2) + "\n")
     plot(result)

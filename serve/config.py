@@ -4,7 +4,7 @@ benchmark). pipeline/config.py composes them into the one tree the YAML files lo
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -67,6 +67,13 @@ class BenchConfig(Strict):
     """Requests sent first and excluded."""
     steps_sweep: list[int] = Field(default_factory=list)
     """Draft steps to try (best is kept); empty = only serve.steps."""
+    shape_chains: list[Annotated[int, Field(ge=1, le=16)]] = Field(
+        default_factory=lambda: [1, 2, 3, 4, 5]
+    )
+    """Embedded engine: the serving shape is chosen each round among the configured one
+    (serve.steps/topk/num_draft_tokens), chains of these steps and plain decoding, on the
+    baseline's prompts: the fastest serves, and plain decoding (no drafting) when none beats it
+    (serve/shapes.py, docs/serving.md). Empty = always serve the configured shape."""
     baseline_prompts: int | None = Field(None, ge=1)
     """Embedded engine: time the no-drafter baseline on the first N prompts only (None = all).
     The baseline is a speed figure, and a target's decode speed barely depends on the prompt,

@@ -6,6 +6,8 @@
   trees are greedy-only, sampled requests draft chains), `ignore_eos`. The speculative
   statistics ride in `usage` (`spec_accept_len`, `spec_verify_ct`, `spec_accept_hist`, `draft_ms`,
   `verify_ms`, ...).
+- The serving shape (`set_shape`, the benchmark's choice: serve/shapes.py) is what a request
+  that names no shape drafts; plain = requests that leave `speculative` out do not draft.
 - Concurrent requests are batched (`serve.batch`): one engine call per group of requests with the
   same sampling settings; streaming requests join batches too and get tokens after every cycle.
 - Drafter hot-swap: `reconfigure({"drafter": path})` loads and checks the checkpoint against the
@@ -44,14 +46,15 @@ from ray import serve
 
 from serve.engine import (
     Generation,
-    GenParams,
     SpecEngine,
     eos_ids,
     load_eagle,
     load_target,
     tree_problem,
 )
+from serve.jobs import _Job, run_isolated
 from serve.sglang_server import DrafterRejected, deploy_sglang
+from serve.shapes import Shape
 from serve.startup import retry, start_serve, wait_http_ready
 from serve.validation import BadRequest, Limits, check_request, parse_body
 
@@ -60,68 +63,6 @@ log = logging.getLogger("ray.serve")
 APP_NAME = "eagle3"
 
 app = FastAPI()
-
-
-@dataclass
-class _Job:
-    prompt: list[int]
-    params: GenParams
-    speculative: bool
-    queue: asyncio.Queue | None = None  # streaming: token lists, then None
-    loop: asyncio.AbstractEventLoop | None = None
-    record: dict[str, Any] | None = None  # what the traffic log keeps of the request, if any
-
-    @property
-    def key(self) -> tuple:
-        """Requests with equal keys share one engine call (max_tokens may differ)."""
-        p = self.params
-        return (
-            self.speculative,
-            p.temperature,
-            p.steps,
-            p.seed,
-            p.ignore_eos,
-            p.topk,
-            p.num_draft_tokens,
-        )
-
-    seen: int = 0  # tokens the current attempt produced
-    sent: int = 0  # tokens already streamed to the client (a retry does not repeat them)
-
-    def push(self, item: list[int] | None) -> None:
-        if item is not None:
-            self.seen += len(item)
-            fresh = self.seen - self.sent
-            if fresh <= 0:
-                return
-            item, self.sent = item[len(item) - fresh :], self.seen
-        if self.queue is not None and self.loop is not None:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-    def restart(self) -> None:
-        """Before a retry: the tokens it produces again up to `sent` are not streamed twice."""
-        self.seen = 0
-
-
-def run_isolated(
-    run: Callable[[list[_Job]], list[Generation]], jobs: list[_Job]
-) -> list[Generation | Exception]:
-    """`run(jobs)`, one engine call; when it fails, each job again alone, so a request that breaks
-    the engine fails only itself and the others it was batched with still get their answer.
-    (A streamed job retried after some tokens went out continues after them; greedy decoding
-    reproduces them, sampling may not.)"""
-    try:
-        return list(run(jobs))
-    except Exception as e:  # noqa: BLE001 - isolate, then report per request
-        if len(jobs) == 1:
-            log.error("request failed: %r", e)
-            return [e]
-        log.warning("a batch of %d failed (%r); retrying each request alone", len(jobs), e)
-    out: list[Generation | Exception] = []
-    for j in jobs:
-        j.restart()
-        out += run_isolated(run, [j])
-    return out
 
 
 def _traffic_log(opts: dict[str, Any] | None):
@@ -171,6 +112,8 @@ class SpecServer:
         self.drafter_path: str | None = None
         self.swap_error: str | None = None
         self.swaps = 0
+        self.plain = False  # the serving shape is plain decoding: requests that do not ask
+        # for `speculative` decode without the drafter (the benchmark still asks for shapes)
         self.configured = False  # Serve calls reconfigure once right after __init__
         self.traffic = _traffic_log(options.get("traffic"))
         self._run.set_max_batch_size(int(options.get("max_batch_size", 8)))
@@ -189,11 +132,15 @@ class SpecServer:
     # -- drafter management -----------------------------------------------------------------
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """user_config: {"drafter": path or None, "fallback": the last good drafter (optional),
-        "steps": int (optional)}. A fresh replica (a restart) whose declared drafter does not
-        load serves the fallback instead of failing to start."""
+        "steps": int (optional), "shape": the serving shape (optional; serve/shapes.py's
+        request fields of the benchmark's choice: {"speculative": false} = plain decoding)}. A
+        fresh replica (a restart) whose declared drafter does not load serves the fallback
+        instead of failing to start."""
         first, self.configured = not self.configured, True
         if user_config.get("steps"):
             self.engine.steps = int(user_config["steps"])
+        if (shape := user_config.get("shape")) is not None:
+            self._set_shape(shape)
         path = user_config.get("drafter")
         path = str(path) if path else None
         refused = None
@@ -225,6 +172,18 @@ class SpecServer:
         self.swaps += 1
         log.info("drafter now %s (swap %d)", path, self.swaps)
 
+    def _set_shape(self, fields: dict[str, Any]) -> None:
+        """Requests that name no shape draft this one (plain: do not draft at all)."""
+        self.plain = fields.get("speculative") is False
+        if not self.plain:
+            self.engine.steps, self.engine.topk = int(fields["steps"]), int(fields["topk"])
+            self.engine.num_draft_tokens = fields.get("num_draft_tokens")
+        log.info("serving shape: %s", "plain decoding (no drafter)" if self.plain else fields)
+
+    def shape_name(self) -> str:
+        e = self.engine
+        return "plain" if self.plain else Shape(e.steps, e.topk, e.num_draft_tokens).name
+
     def validate_drafter(self, path: str) -> str | None:
         """Load and check a checkpoint without swapping; the problem, or None when it fits."""
         try:
@@ -241,6 +200,7 @@ class SpecServer:
             "error": self.swap_error,
             "swaps": self.swaps,
             "steps": self.engine.steps,
+            "shape": self.shape_name(),  # what a request that names no shape gets
             "pid": os.getpid(),
             "app": serve.get_replica_context().app_name,
             "ray_address": ray.get_runtime_context().gcs_address,  # for `serve.cli swap`
@@ -294,7 +254,8 @@ class SpecServer:
             encode=lambda text: self.tokenizer(text)["input_ids"],
             apply_template=lambda messages: prompt_ids(self.tokenizer, messages),
         )
-        job = _Job(req.prompt, req.params, speculative=req.speculative)
+        speculative = req.speculative and not (self.plain and "speculative" not in body)
+        job = _Job(req.prompt, req.params, speculative=speculative)
         if self.traffic is not None and body.get("record", True) is not False:
             job.record = {"chat": chat, "messages": body.get("messages") if chat else None,
                           "prompt": None if chat else body.get("prompt")}  # fmt: skip
@@ -541,7 +502,7 @@ def _run_app(app_name: str, drafter: str | None) -> None:
     """Declare the app with `drafter`; the last good drafter rides along as the fallback a
     restarted replica serves when the declared one does not load."""
     spec = _APPS[app_name]
-    user_config = {"drafter": drafter, "fallback": spec.get("good")}
+    user_config = {"drafter": drafter, "fallback": spec.get("good"), "shape": spec.get("shape")}
     dep = SpecServer.options(user_config=user_config, ray_actor_options=spec["actor"])
     # A fixed version makes a user_config change an in-place `reconfigure` (no replica restart,
     # no target reload). Ray 2.60 only takes it through the internal flag; without it the swap
@@ -578,6 +539,16 @@ def swap_drafter(drafter_dir: str | Path, app_name: str = APP_NAME) -> dict[str,
         raise DrafterRejected(f"drafter swap refused by the replica: {info['error']}")
     _APPS[app_name]["good"] = path
     return info
+
+
+def set_shape(shape: Shape, app_name: str = APP_NAME) -> dict[str, Any]:
+    """Serve `shape` by default (in place: a reconfigure; plain = no drafting) on a running
+    app; a restarted replica starts with it too. Returns the replica's drafter_info."""
+    if app_name not in _APPS:
+        raise ValueError(f"app {app_name!r} was not deployed by this process; call deploy() first")
+    _APPS[app_name]["shape"] = shape.request_fields()
+    _run_app(app_name, _APPS[app_name].get("good"))
+    return serve.get_app_handle(app_name).drafter_info.remote().result()
 
 
 def adopt_app(app_name: str = APP_NAME) -> None:
@@ -633,6 +604,12 @@ class EmbeddedEndpoint:
     app_name: str
     engine: str = "embedded"
     fixed_steps: int | None = None
+    shape: Shape | None = None  # the configured shape (serve.steps/topk/num_draft_tokens)
+
+    def set_shape(self, shape: Shape) -> dict[str, Any]:
+        """Serve `shape` to requests that name none (the benchmark's choice; plain = none)."""
+        set_shape(shape, self.app_name)
+        return self.info()
 
     def swap_drafter(self, drafter_dir: str | Path) -> dict[str, Any]:
         """In place (`reconfigure`, no target reload), validated by the replica first."""
@@ -684,4 +661,5 @@ def deploy_endpoint(
         torch_threads=int(serve_cfg.num_cpus),
         traffic_dir=traffic_dir,
     )
-    return EmbeddedEndpoint(ep.url, ep.app_name)
+    configured = Shape(serve_cfg.steps, serve_cfg.topk, serve_cfg.num_draft_tokens)
+    return EmbeddedEndpoint(ep.url, ep.app_name, shape=configured)

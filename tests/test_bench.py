@@ -241,3 +241,44 @@ def test_cli_benchmarks_a_whole_small_file_by_domain(endpoint, tmp_path, capsys)
         assert len(d["acceptance_per_position"]) == 2  # the server drafts 2 steps
     total = sum(d["accept_len"] * d["requests"] for d in out["domains"].values()) / 10
     assert out["accept_len"] == pytest.approx(total)  # the overall figure is the same requests
+
+
+def test_shape_chooser_serves_plain_decoding_when_the_drafter_is_broken(endpoint, tmp_path):
+    """A drafter with random weights (accept ~1.0): every chain and the configured shape are
+    slower than plain decoding, so the benchmark chooses plain, the record says so, and the
+    deployment then answers requests without drafting."""
+    import dataclasses
+
+    import httpx
+
+    from pipeline.loop import _serve
+    from pipeline.rules import format_table, round_row
+    from serve.shapes import Shape
+
+    cfg = dict(SMALL, concurrency=[1], steps_sweep=[], shape_chains=[1, 2, 3], max_tokens=12)
+    r = bench_endpoint(endpoint, PROMPTS, cfg, tmp_path, baseline_cache=tmp_path / "b.json")
+    assert r.accept_len < 1.2  # the drafter is broken
+    shape = r.shape
+    assert shape["served"] == "plain" and shape["served_speedup"] == 1.0, shape
+    assert set(shape["speedups"]) == {"plain", "chain-1", "chain-2", "chain-3"}
+    assert all(v < 1.0 for k, v in shape["speedups"].items() if k != "plain")
+    assert {"chain-2", "chain-3"} <= set(shape["measured"])  # configured; the acceptance probe
+    assert len(shape["chain_acceptance_per_position"]) == 3 and shape["costs"]["draft_step_ms"] > 0
+    assert json.loads(Path(r.json_path).read_text())["shape"]["served"] == "plain"
+    row = round_row(0, {"bench": dataclasses.asdict(r), "train": {"train_tokens": 0}})
+    assert (row["shape"], row["served_speedup"]) == ("plain", 1.0) and "plain" in format_table(
+        [row]
+    )
+    body = {"messages": PROMPTS[0], "max_tokens": 6, "temperature": 0}
+    try:
+        _serve(None, tmp_path, None, endpoint, shape)  # what the loop's serve stage does
+        assert endpoint.info()["shape"] == "plain"
+        got = httpx.post(f"{endpoint.url}/v1/chat/completions", json=body, timeout=60).json()
+        assert got["usage"]["speculative"] is False and got["usage"]["spec_verify_ct"] == 0
+        # a request that asks for drafting still drafts (the next benchmark does)
+        asked = dict(body, speculative=True)
+        got = httpx.post(f"{endpoint.url}/v1/chat/completions", json=asked, timeout=60).json()
+        assert got["usage"]["speculative"] is True and got["usage"]["spec_verify_ct"] > 0
+    finally:
+        endpoint.set_shape(endpoint.shape)  # the module's other tests expect the configured one
+    assert endpoint.info()["shape"] == "chain-2" == Shape.parse({"steps": 2}).name

@@ -109,6 +109,19 @@ def test_summary_and_mlflow_carry_domains_and_promotion(closed_run):
             rows[int(run.data.tags["mlflow.runName"].split("-")[1])]["domains"]["builtin"]
         )
         assert "gate/promoted" in m and "bench/builtin/speedup" in m
+        # the serving shape each round's benchmark chose (plain when no shape beats plain)
+        row = rows[int(run.data.tags["mlflow.runName"].split("-")[1])]
+        assert run.data.tags["bench.served_shape"] == row["shape"]
+        assert m["bench/served_plain"] == float(row["shape"] == "plain")
+        assert m["bench/served_speedup"] == pytest.approx(row["served_speedup"])
+        assert set(row["shape_speedups"]) == {"plain", "chain-1", "chain-2", "chain-3", "chain-4",
+                                              "chain-5"}  # fmt: skip
+        assert row["shape"] == "plain" or row["served_speedup"] > 1.0
+    # the simulated users after round 0 were served with round 0's choice
+    from serve.traffic import read_traffic
+
+    served = {r["speculative"] for r in read_traffic(run_dir / "traffic")}
+    assert served == {rows[0]["shape"] != "plain"}
 
 
 @pytest.fixture(scope="module")

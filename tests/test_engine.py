@@ -622,3 +622,25 @@ def test_static_runner_capacity_is_checked_up_front(target, prompts):
         engine.generate([prompts[0]], GenParams(max_tokens=40))
     with pytest.raises(ValueError, match="runner="):
         SpecEngine(target, runner="fast")
+
+
+def test_drafter_extends_over_the_accepted_prefix_only(target, prompts):
+    """After a cycle the drafter extends over the widest accepted prefix of the batch (a + 1
+    slots), not over all k + 1 slots: the rejected tail would be a drafter forward for nothing."""
+    drafter = random_drafter(target, aux_layer_ids=AUX, seed=3)
+    widths: list[int] = []
+    extend = drafter.extend
+
+    def recording(ids, aux, positions, write):
+        widths.append(ids.shape[1])
+        return extend(ids, aux, positions, write)
+
+    drafter.extend = recording
+    engine = SpecEngine(target, drafter, steps=4)
+    out = engine.generate(prompts[:1], GenParams(max_tokens=12))[0]
+    cycles = widths[1:]  # [0]: the prompt
+    assert len(cycles) == out.stats.spec_verify_ct - 1  # the last cycle ends the request
+    hist = out.stats.accept_hist  # [a] = cycles that accepted a drafts
+    got = [sum(1 for w in cycles if w == a + 1) for a in range(len(hist))]
+    assert all(g <= n for g, n in zip(got, hist, strict=True)) and sum(got) == len(cycles)
+    assert max(cycles) < 5  # a random drafter never gets all 4 drafts accepted (k + 1 = 5)

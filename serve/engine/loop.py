@@ -263,11 +263,14 @@ class SpecEngine:
             x_next, pos_next = _drop_finished(done, rows, runner, drafter, x_next, pos_next)
             if rows.active:
                 t = time.perf_counter()
+                # only the slots some row keeps: the drafter's extend is a forward over every
+                # slot it is given, and the rejected tail (k - a of k + 1) is never written
+                w = int(cyc.a[keep_rows].max()) + 1
                 drafter.extend(
-                    ext_ids[keep_rows],
-                    cyc.aux[keep_rows.to(cyc.aux.device)],
-                    ext_pos[keep_rows],
-                    keep[keep_rows],
+                    ext_ids[keep_rows, :w],
+                    cyc.aux[keep_rows.to(cyc.aux.device), :w],
+                    ext_pos[keep_rows, :w],
+                    keep[keep_rows, :w],
                 )
                 rows.charge("draft_ms", _ms(t))
         runner.release()

@@ -1,0 +1,75 @@
+"""Requests of the embedded engine's deployment as batch jobs: what one request brings to a
+batch (prompt, settings, its stream), and running a batch so that a request that breaks the
+engine fails only itself. serve/deployment.py batches them (`serve.batch`)."""
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from serve.engine import Generation, GenParams
+
+log = logging.getLogger("ray.serve")
+
+
+@dataclass
+class _Job:
+    prompt: list[int]
+    params: GenParams
+    speculative: bool
+    queue: asyncio.Queue | None = None  # streaming: token lists, then None
+    loop: asyncio.AbstractEventLoop | None = None
+    record: dict[str, Any] | None = None  # what the traffic log keeps of the request, if any
+
+    @property
+    def key(self) -> tuple:
+        """Requests with equal keys share one engine call (max_tokens may differ)."""
+        p = self.params
+        return (
+            self.speculative,
+            p.temperature,
+            p.steps,
+            p.seed,
+            p.ignore_eos,
+            p.topk,
+            p.num_draft_tokens,
+        )
+
+    seen: int = 0  # tokens the current attempt produced
+    sent: int = 0  # tokens already streamed to the client (a retry does not repeat them)
+
+    def push(self, item: list[int] | None) -> None:
+        if item is not None:
+            self.seen += len(item)
+            fresh = self.seen - self.sent
+            if fresh <= 0:
+                return
+            item, self.sent = item[len(item) - fresh :], self.seen
+        if self.queue is not None and self.loop is not None:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def restart(self) -> None:
+        """Before a retry: the tokens it produces again up to `sent` are not streamed twice."""
+        self.seen = 0
+
+
+def run_isolated(
+    run: Callable[[list[_Job]], list[Generation]], jobs: list[_Job]
+) -> list[Generation | Exception]:
+    """`run(jobs)`, one engine call; when it fails, each job again alone, so a request that breaks
+    the engine fails only itself and the others it was batched with still get their answer.
+    (A streamed job retried after some tokens went out continues after them; greedy decoding
+    reproduces them, sampling may not.)"""
+    try:
+        return list(run(jobs))
+    except Exception as e:  # noqa: BLE001 - isolate, then report per request
+        if len(jobs) == 1:
+            log.error("request failed: %r", e)
+            return [e]
+        log.warning("a batch of %d failed (%r); retrying each request alone", len(jobs), e)
+    out: list[Generation | Exception] = []
+    for j in jobs:
+        j.restart()
+        out += run_isolated(run, [j])
+    return out

@@ -1,0 +1,70 @@
+"""The serving-shape rule (serve/shapes.py): pure functions from measured per-position
+acceptance and costs to the shape that serves; plain decoding when no shape beats it."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve.shapes import (
+    PLAIN,
+    Shape,
+    choose_shape,
+    needs_measurement,
+    predict_chain,
+    verify_ms_at,
+)
+
+TREE = Shape(5, 4, 12)
+CHAINS = [Shape(k) for k in range(1, 6)]
+# 2-core SmolLM2 figures of the demo (ms): a decode step, verify passes by width, a draft step
+PLAIN_MS, DRAFT_MS = 20.0, 4.0
+VERIFY = {1: 20.0, 6: 22.0, 12: 24.0}
+
+
+def predicted(acceptance):
+    return {s.name: predict_chain(s.steps, acceptance, DRAFT_MS, VERIFY, PLAIN_MS) for s in CHAINS}
+
+
+def test_prediction_from_acceptance_and_costs():
+    assert verify_ms_at(6, VERIFY) == 22.0 and verify_ms_at(3, VERIFY) == pytest.approx(20.8)
+    assert verify_ms_at(18, VERIFY) == pytest.approx(26.0)  # beyond: the last segment extended
+    # chain-2 at q = (0.8, 0.6): accept_len 2.4 over 2 x 4 + 20.8 ms, against 20 ms per token
+    assert predict_chain(2, [0.8, 0.6, 0.3], DRAFT_MS, VERIFY, PLAIN_MS) == pytest.approx(
+        2.4 * 20.0 / 28.8
+    )
+    with pytest.raises(ValueError, match="3 positions only"):
+        predict_chain(4, [0.8, 0.6, 0.3], DRAFT_MS, VERIFY, PLAIN_MS)
+
+
+def test_choose_shape_fastest_measured_first_plain_when_none_beats_it():
+    shapes = [TREE, *CHAINS]
+    # a broken drafter (accept ~1.0): every shape is slower than plain decoding -> plain
+    broken = choose_shape(shapes, predicted([0.01, 0.0, 0.0, 0.0, 0.0]), {TREE.name: 0.55})
+    assert broken.shape == PLAIN and broken.shape.request_fields() == {"speculative": False}
+    assert broken.speedups["plain"] == 1.0 and broken.speedups[TREE.name] == 0.55
+    assert "no shape beats it" in broken.reason and not needs_measurement(broken)
+    # a good drafter: the predicted best chain must be measured before it serves...
+    good = predicted([0.8, 0.6, 0.45, 0.3, 0.2])
+    best = max(good, key=good.get)
+    first = choose_shape(shapes, good, {TREE.name: 1.2})
+    assert first.shape.name == best == "chain-3" and needs_measurement(first)
+    # ...its measurement decides: slower than predicted, the next predicted one is up, and
+    # among measured shapes only (what the benchmark falls back to) the tree serves
+    slower = {TREE.name: 1.2, best: 1.1}
+    after = choose_shape(shapes, good, slower)
+    assert after.shape == Shape(4) and needs_measurement(after)
+    assert choose_shape(shapes, {}, slower).shape == TREE
+    confirmed = choose_shape(shapes, good, {TREE.name: 1.2, best: 1.8})
+    assert confirmed.shape == Shape(3) and not needs_measurement(confirmed)
+    assert confirmed.shape.request_fields() == {"speculative": True, "steps": 3, "topk": 1,
+                                                "num_draft_tokens": 4}  # fmt: skip
+    # exactly as fast as plain decoding does not serve: plain costs no drafter
+    assert choose_shape([TREE], {}, {TREE.name: 1.0}).shape == PLAIN
+    assert choose_shape([TREE], {}, {}).shape == PLAIN  # nothing measured or predicted
+
+
+def test_shape_names_widths_and_records():
+    assert [s.name for s in (PLAIN, Shape(3), TREE)] == ["plain", "chain-3", "tree-5x4x12"]
+    assert (PLAIN.width, Shape(3).width, TREE.width, Shape(5, 4).width) == (1, 4, 12, 6)
+    assert Shape.parse({"steps": 5, "topk": 4, "num_draft_tokens": 12}) == TREE
+    assert Shape.parse({"speculative": False}) == PLAIN and Shape.parse(None) is None
