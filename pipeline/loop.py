@@ -18,6 +18,7 @@ from pipeline.budget import (
     MIN_STAGE_S,
     TRAIN_START_S,
     BudgetError,
+    Measured,
     Rates,
     plan_round,
     plan_vs_actual,
@@ -63,6 +64,10 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
     evalset = _eval_set(cfg, plan)
     clock, server = Clock(state), None
     try:
+        if cfg.stop.max_wall_minutes and not state.round(0).is_done("plan"):
+            # measured once; a budget that cannot hold the rounds is refused before round 0
+            _measure(cfg, state, evalset, clock, tracker, run_dir)
+            _round_plan(cfg, state, 0, cfg.stop.max_wall_minutes * 60 - clock.elapsed())
         for r in range(cfg.stop.max_rounds):
             rs = state.round(r)
             if not rs.mlflow_run_id:
@@ -75,6 +80,10 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
             child = rs.mlflow_run_id
             if cfg.stop.max_wall_minutes and not rs.is_done("plan"):
                 rs.done["plan"] = _plan(cfg, state, r, clock, tracker, child)
+                _commit(state, clock, run_dir)
+            if not rs.is_done("generate") and _skips(cfg, r):
+                rs.done["generate"] = {"skipped": "train.first_round: skip", "wall_s": 0.0}
+                rs.done["train"] = _serve_init(cfg, run_dir, tracker, child)
                 _commit(state, clock, run_dir)
             if not rs.is_done("generate"):
                 t0 = clock.elapsed()
@@ -157,10 +166,55 @@ def _eval_set(cfg: Config, plan) -> tuple[list, list[str]]:
     return [p.messages for p in prompts], [p.domain for p in prompts]
 
 
+def _measure(
+    cfg: Config, state: RunState, evalset, clock: Clock, tracker: Tracker, run_dir: Path
+) -> None:
+    """The start-up measurement (pipeline/measure.py) into round 0's record, once: a resumed
+    run plans with the figures it started with."""
+    rs = state.round(0)
+    if rs.is_done("measure"):
+        return
+    from pipeline.measure import measure_machine
+
+    m = measure_machine(cfg, evalset[0][0])
+    rs.done["measure"] = m.record()  # its wall_s: the measurement, the target's load included
+    log.info("start-up measurement: %s", rs.done["measure"])
+    tracker.log(state.parent_run_id, {f"measured/{k}": v for k, v in m.record().items() if k != "drafter"})  # fmt: skip
+    _commit(state, clock, run_dir)
+
+
+def _skips(cfg: Config, r: int) -> bool:
+    """Round r serves `drafter.init` as it is: no data, no training (train.first_round)."""
+    return r == 0 and cfg.train.first_round == "skip"
+
+
+def _serve_init(cfg: Config, run_dir: Path, tracker: Tracker, child: str) -> dict:
+    """Round 0's drafter without training: `drafter.init`, copied byte for byte into the run
+    directory (train/round-000/drafter), so it is served, recorded and registered like a trained
+    round's, and a resumed run does not depend on where the job's working dir was."""
+    import shutil
+
+    from eagle3.checkpoint import local_or_download
+
+    src = local_or_download(cfg.drafter.resolved_init(), None, ["config.json", "*.safetensors*"])
+    dest = RunDir(run_dir).train(0) / "drafter"
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns(".*"))
+    log.info("round 0: serving drafter.init %s as it is (train.first_round: skip)", src)
+    tracker.log_artifact(child, dest, "drafter")
+    return {"drafter_dir": str(dest), "init": cfg.drafter.init, "train_tokens": 0,
+            "skipped": "train.first_round: skip", "wall_s": 0.0}  # fmt: skip
+
+
 def _plan(cfg: Config, state: RunState, r: int, clock: Clock, tracker: Tracker, child: str) -> dict:
-    """Round r's seconds per stage, from the budget left and what the last round took."""
+    """Round r's seconds per stage, from the budget left and what the last round took (round
+    0: what the start-up measurement took, kept in its plan record, so in summary.json)."""
     p = _round_plan(cfg, state, r, cfg.stop.max_wall_minutes * 60 - clock.elapsed())
     rec = {**p.record(), "start_s": round(clock.elapsed(), 1)}
+    if r == 0 and state.rounds[0].is_done("measure"):
+        rec["measured"] = state.rounds[0].done["measure"]
     log.info("round %d plan (s): %s", r, rec)
     tracker.log(child, {f"plan/{k}": v for k, v in rec.items() if k != "round"})
     return rec
@@ -176,20 +230,21 @@ def _round_plan(cfg: Config, state: RunState, r: int, remaining_s: float):
         _rates(cfg, state, r),
         [_bench_requests(cfg, i) for i in range(r, cfg.stop.max_rounds)],
         cfg.serve.simulate_users,
+        first_round_trains=not _skips(cfg, 0),
     )
 
 
 def _rates(cfg: Config, state: RunState, r: int) -> Rates:
     """Seconds per benchmark and per simulated user's request for planning round r: what round
-    r-1 measured, its own plan's rates for a stage it has not run (yet)."""
+    r-1 measured, its own plan's rates for a stage it has not run (yet); round 0: the start-up
+    measurement's."""
     if r == 0:
-        return Rates()
+        m = Measured(**state.rounds[0].done["measure"])
+        mix = _bench_mix(cfg, 0)
+        return Rates.from_measurement(m, mix, cfg.bench.max_tokens, cfg.data.max_new_tokens)
     done = state.rounds[r - 1].done
-    plan = done.get("plan") or {}
-    base = Rates(
-        plan.get("bench_s_per_request", Rates.bench_s),
-        plan.get("traffic_s_per_request", Rates.traffic_s),
-    )
+    plan = done["plan"]
+    base = Rates(plan["bench_s_per_request"], plan["traffic_s_per_request"])
     return base.measured(done, _bench_requests(cfg, r - 1), cfg.serve.simulate_users)
 
 
@@ -212,11 +267,16 @@ def _next_round_refusal(cfg: Config, state: RunState, r: int, clock: Clock) -> s
 def _bench_requests(cfg: Config, r: int) -> int:
     """Requests a round's benchmark sends: warm-up, the drafter's, and the baseline's unless a
     later round reuses it."""
+    return sum(_bench_mix(cfg, r))
+
+
+def _bench_mix(cfg: Config, r: int) -> tuple[int, int]:
+    """(the drafter's requests, the no-drafter baseline's) of round r's benchmark."""
     b = cfg.bench
-    n = b.warmup + b.num_prompts
+    plain = 0
     if not (r and b.reuse_baseline):
-        n += b.warmup + (b.baseline_prompts or b.num_prompts)
-    return n * len(b.concurrency)
+        plain = b.warmup + (b.baseline_prompts or b.num_prompts)
+    return (b.warmup + b.num_prompts) * len(b.concurrency), plain * len(b.concurrency)
 
 
 def _left(rs, stage: str, clock: Clock) -> float | None:
@@ -322,6 +382,8 @@ def _heal_data(cfg: Config, run_dir: Path, state: RunState, r: int, plan, evalse
 
     healed = []
     for i in range(r + 1):
+        if "manifest" not in state.rounds[i].done["generate"]:  # a round that made no data
+            continue
         try:
             verify_manifest(state.rounds[i].done["generate"]["manifest"])
         except ShardError as e:
@@ -385,8 +447,9 @@ def _train(
 ) -> dict:
     from pipeline.train import run_train
 
-    data_dirs = [state.rounds[i].manifest.parent for i in range(r + 1)]
-    init = cfg.drafter.init
+    made = [rs for rs in state.rounds[: r + 1] if "manifest" in rs.done["generate"]]
+    data_dirs = [rs.manifest.parent for rs in made]  # a skipped round 0 made none
+    init = cfg.drafter.resolved_init()
     if r > 0:  # keep learning from the drafter that serves (the last one the gate promoted)
         init = _serving_drafter(state) or state.rounds[r - 1].drafter_dir
     res = run_train(

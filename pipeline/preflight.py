@@ -76,7 +76,7 @@ def _target_problems(cfg: Config) -> list[str]:
 
 
 def _drafter_problems(cfg: Config) -> list[str]:
-    init = cfg.drafter.init
+    init = cfg.drafter.resolved_init()
     if init in ("scratch", "previous"):
         return []
     if problem := path_problem("drafter.init", init):
