@@ -7,11 +7,12 @@ with the target loaded as the server loads it:
   2. one benchmark request, greedy and speculative, of the first benchmark prompt with the
      drafter round 0 will serve, timed over its first SPEC_TOKENS tokens (`bench.max_tokens`
      when fewer): a cycle costs the same all along a short request, so the rest would only
-     repeat it. A run that starts from scratch has no
-     drafter yet; it measures an untrained one shaped like it (accepts about one token per
-     verify: what a drafter trained from scratch for minutes serves at).
-The figures are logged, kept in round 0's plan record (state.json, summary.json `plans`) and
-MLflow (`measured/...`), and a resumed run reuses them (pipeline/loop.py).
+     repeat it. A run from scratch has no drafter yet; it times an untrained one of the same
+     shape (it accepts about one token per verify, as a drafter trained for minutes does).
+With `serve.engine` sglang or vllm this is still the embedded engine on the same device: a
+measure of the machine, not of that engine; from round 1 on the plan uses what the round before
+took on the real one. The figures are logged, kept in round 0's plan record (state.json,
+summary.json `plans`) and MLflow (`measured/...`), and a resumed run reuses them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pipeline.config import Config
 log = logging.getLogger("eagle_loop")
 
 PLAIN_TOKENS = 8  # a plain decode step costs the same every token: a few show it
-SPEC_TOKENS = 32  # some 6 draft-verify cycles of a drafter that accepts ~1 (2 cores: 4 s)
+SPEC_TOKENS = 32  # SmolLM2 on 1 thread, an untrained drafter: about 5 s
 
 
 def measure_machine(cfg: Config, messages: list[dict[str, str]]) -> Measured:
@@ -37,14 +38,16 @@ def measure_machine(cfg: Config, messages: list[dict[str, str]]) -> Measured:
     from actors.chat import render
     from serve.engine.loading import load_eagle, load_target, random_drafter
     from serve.engine.loop import SpecEngine
-    from serve.engine.requests import GenParams
 
     t0 = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, math.ceil(cfg.serve.num_cpus)))  # as the server runs
     try:
         t = cfg.target
-        lm, tok = load_target(t.model, t.gguf_file, t.dtype, t.revision, t.trust_remote_code)
+        gpu = cfg.serve.num_gpus > 0 and torch.cuda.is_available()  # where the server runs
+        lm, tok = load_target(
+            t.model, t.gguf_file, t.dtype, t.revision, t.trust_remote_code, "cuda" if gpu else None
+        )
         init = cfg.drafter.init
         if init in ("scratch", "previous"):
             drafter = random_drafter(lm, cfg.drafter.draft_vocab_size)
@@ -54,7 +57,8 @@ def measure_machine(cfg: Config, messages: list[dict[str, str]]) -> Measured:
         engine = SpecEngine(lm, drafter, steps=s.steps, topk=s.topk, num_draft_tokens=s.num_draft_tokens)  # fmt: skip
         prompt = tok(render(tok, messages, add_generation_prompt=True), add_special_tokens=False)
         ids = [list(prompt["input_ids"])]
-        engine.plain_generate(ids, GenParams(max_tokens=2, ignore_eos=True))  # warm-up
+        engine.plain_generate(ids, _params(2))  # warm-ups: the first call of each path pays
+        engine.generate(ids, _params(2))  # one-time costs a benchmark's warm-up request pays
         plain_s = _timed(lambda: engine.plain_generate(ids, _params(PLAIN_TOKENS)))
         spec_tokens = min(SPEC_TOKENS, cfg.bench.max_tokens)
         spec_s = _timed(lambda: engine.generate(ids, _params(spec_tokens)))
