@@ -67,7 +67,7 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
         if cfg.stop.max_wall_minutes and not state.round(0).is_done("plan"):
             # measured once; a budget that cannot hold the rounds is refused before round 0
             _measure(cfg, state, evalset, clock, tracker, run_dir)
-            _round_plan(cfg, state, 0, cfg.stop.max_wall_minutes * 60 - clock.elapsed())
+            _check_budget(cfg, state, clock)
         for r in range(cfg.stop.max_rounds):
             rs = state.round(r)
             if not rs.mlflow_run_id:
@@ -181,6 +181,19 @@ def _measure(
     log.info("start-up measurement: %s", rs.done["measure"])
     tracker.log(state.parent_run_id, {f"measured/{k}": v for k, v in m.record().items() if k != "drafter"})  # fmt: skip
     _commit(state, clock, run_dir)
+
+
+def _check_budget(cfg: Config, state: RunState, clock: Clock) -> None:
+    """Plan round 0 before it starts; a BudgetError carries the measured speeds it priced from."""
+    try:
+        _round_plan(cfg, state, 0, cfg.stop.max_wall_minutes * 60 - clock.elapsed())
+    except BudgetError as e:
+        m = state.rounds[0].done["measure"]
+        raise BudgetError(
+            f"{e}. Measured at start-up ({m['wall_s']:.0f} s): plain decoding "
+            f"{1 / m['plain_s_per_token']:.1f} tok/s, speculative {1 / m['spec_s_per_token']:.1f} "
+            f"tok/s with {m['drafter']}; nothing was started"
+        ) from None
 
 
 def _skips(cfg: Config, r: int) -> bool:
