@@ -119,7 +119,7 @@ def plan_round(
     weight (round 0 weighs FIRST_ROUND_WEIGHT when it trains, 0 when it serves its base drafter
     as is; later rounds 1). Refused (BudgetError) when any training round still to run would get
     less than 2 * MIN_STAGE_S: so round 0 leaves round 1 a round, and the stop rule, which asks
-    this same function about the next round (pipeline/loop.py), agrees with it."""
+    this same function about the next round (pipeline/round_plan.py), agrees with it."""
     n = max(1, rounds - r)
     if len(bench_requests) < n:
         raise ValueError(f"plan_round: {n} rounds to run, {len(bench_requests)} request counts")

@@ -14,18 +14,18 @@ from pathlib import Path
 from typing import Any
 
 from actors.shards import ShardError
-from pipeline.budget import (
-    MIN_STAGE_S,
-    TRAIN_START_S,
-    BudgetError,
-    Measured,
-    Rates,
-    plan_round,
-    plan_vs_actual,
-)
+from pipeline.budget import plan_vs_actual
 from pipeline.config import Config, dump_config
 from pipeline.layout import RunDir, round_tag
 from pipeline.preflight import preflight
+from pipeline.round_plan import (
+    check_budget,
+    first_round_skips,
+    measure_once,
+    next_round_refusal,
+    plan_record,
+    stage_seconds,
+)
 from pipeline.rules import (
     AcceptanceCollapsed,
     collapse_problem,
@@ -66,8 +66,9 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
     try:
         if cfg.stop.max_wall_minutes and not state.round(0).is_done("plan"):
             # measured once; a budget that cannot hold the rounds is refused before round 0
-            _measure(cfg, state, evalset, clock, tracker, run_dir)
-            _check_budget(cfg, state, clock)
+            measure_once(cfg, state, evalset[0][0], tracker)
+            _commit(state, clock, run_dir)
+            check_budget(cfg, state, clock)
         for r in range(cfg.stop.max_rounds):
             rs = state.round(r)
             if not rs.mlflow_run_id:
@@ -79,7 +80,7 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 tracker.reopen(rs.mlflow_run_id)
             child = rs.mlflow_run_id
             if cfg.stop.max_wall_minutes and not rs.is_done("plan"):
-                rs.done["plan"] = _plan(cfg, state, r, clock, tracker, child)
+                rs.done["plan"] = plan_record(cfg, state, r, clock, tracker, child)
                 _commit(state, clock, run_dir)
             if not rs.is_done("generate") and _skips(cfg, r):
                 rs.done["generate"] = {"skipped": "train.first_round: skip", "wall_s": 0.0}
@@ -88,13 +89,21 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
             if not rs.is_done("generate"):
                 t0 = clock.elapsed()
                 rs.done["generate"] = _generate(
-                    cfg, run_dir, state, r, plan, evalset, tracker, child, _left(rs, "data", clock)
+                    cfg,
+                    run_dir,
+                    state,
+                    r,
+                    plan,
+                    evalset,
+                    tracker,
+                    child,
+                    stage_seconds(rs, "data", clock),
                 )
                 rs.done["generate"]["wall_s"] = clock.elapsed() - t0
                 _commit(state, clock, run_dir)
             if not rs.is_done("train"):
                 t0 = clock.elapsed()
-                box = _left(rs, "train", clock)
+                box = stage_seconds(rs, "train", clock)
                 try:
                     rs.done["train"] = _train(cfg, run_dir, state, r, tracker, child, box)
                 except ShardError:  # a finished round's shards were damaged since: heal, retry
@@ -114,7 +123,7 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 _commit(state, clock, run_dir)
             reason = stop_reason(
                 cfg.stop, _rows(state)[: r + 1], rs.done["bench"], clock.elapsed(),
-                _next_round_refusal(cfg, state, r, clock),
+                next_round_refusal(cfg, state, r, clock),
             )  # fmt: skip
             _write_summary(state, run_dir)
             if reason:
@@ -166,39 +175,8 @@ def _eval_set(cfg: Config, plan) -> tuple[list, list[str]]:
     return [p.messages for p in prompts], [p.domain for p in prompts]
 
 
-def _measure(
-    cfg: Config, state: RunState, evalset, clock: Clock, tracker: Tracker, run_dir: Path
-) -> None:
-    """The start-up measurement (pipeline/measure.py) into round 0's record, once: a resumed
-    run plans with the figures it started with."""
-    rs = state.round(0)
-    if rs.is_done("measure"):
-        return
-    from pipeline.measure import measure_machine
-
-    m = measure_machine(cfg, evalset[0][0])
-    rs.done["measure"] = m.record()  # its wall_s: the measurement, the target's load included
-    log.info("start-up measurement: %s", rs.done["measure"])
-    tracker.log(state.parent_run_id, {f"measured/{k}": v for k, v in m.record().items() if k != "drafter"})  # fmt: skip
-    _commit(state, clock, run_dir)
-
-
-def _check_budget(cfg: Config, state: RunState, clock: Clock) -> None:
-    """Plan round 0 before it starts; a BudgetError carries the measured speeds it priced from."""
-    try:
-        _round_plan(cfg, state, 0, cfg.stop.max_wall_minutes * 60 - clock.elapsed())
-    except BudgetError as e:
-        m = state.rounds[0].done["measure"]
-        raise BudgetError(
-            f"{e}. Measured at start-up ({m['wall_s']:.0f} s): plain decoding "
-            f"{1 / m['plain_s_per_token']:.1f} tok/s, speculative {1 / m['spec_s_per_token']:.1f} "
-            f"tok/s with {m['drafter']}; nothing was started"
-        ) from None
-
-
 def _skips(cfg: Config, r: int) -> bool:
-    """Round r serves `drafter.init` as it is: no data, no training (train.first_round)."""
-    return r == 0 and cfg.train.first_round == "skip"
+    return r == 0 and first_round_skips(cfg)
 
 
 def _serve_init(cfg: Config, run_dir: Path, tracker: Tracker, child: str) -> dict:
@@ -219,89 +197,6 @@ def _serve_init(cfg: Config, run_dir: Path, tracker: Tracker, child: str) -> dic
     tracker.log_artifact(child, dest, "drafter")
     return {"drafter_dir": str(dest), "init": cfg.drafter.init, "train_tokens": 0,
             "skipped": "train.first_round: skip", "wall_s": 0.0}  # fmt: skip
-
-
-def _plan(cfg: Config, state: RunState, r: int, clock: Clock, tracker: Tracker, child: str) -> dict:
-    """Round r's seconds per stage, from the budget left and what the last round took (round
-    0: what the start-up measurement took, kept in its plan record, so in summary.json)."""
-    p = _round_plan(cfg, state, r, cfg.stop.max_wall_minutes * 60 - clock.elapsed())
-    rec = {**p.record(), "start_s": round(clock.elapsed(), 1)}
-    if r == 0 and state.rounds[0].is_done("measure"):
-        rec["measured"] = state.rounds[0].done["measure"]
-    log.info("round %d plan (s): %s", r, rec)
-    tracker.log(child, {f"plan/{k}": v for k, v in rec.items() if k != "round"})
-    return rec
-
-
-def _round_plan(cfg: Config, state: RunState, r: int, remaining_s: float):
-    """plan_round for round r of this run with `remaining_s` left (BudgetError if none fits):
-    the one call behind both the plan and the stop rule's budget question."""
-    return plan_round(
-        r,
-        cfg.stop.max_rounds,
-        remaining_s,
-        _rates(cfg, state, r),
-        [_bench_requests(cfg, i) for i in range(r, cfg.stop.max_rounds)],
-        cfg.serve.simulate_users,
-        first_round_trains=not _skips(cfg, 0),
-    )
-
-
-def _rates(cfg: Config, state: RunState, r: int) -> Rates:
-    """Seconds per benchmark and per simulated user's request for planning round r: what round
-    r-1 measured, its own plan's rates for a stage it has not run (yet); round 0: the start-up
-    measurement's."""
-    if r == 0:
-        m = Measured(**state.rounds[0].done["measure"])
-        mix = _bench_mix(cfg, 0)
-        return Rates.from_measurement(m, mix, cfg.bench.max_tokens, cfg.data.max_new_tokens)
-    done = state.rounds[r - 1].done
-    plan = done["plan"]
-    base = Rates(plan["bench_s_per_request"], plan["traffic_s_per_request"])
-    return base.measured(done, _bench_requests(cfg, r - 1), cfg.serve.simulate_users)
-
-
-def _next_round_refusal(cfg: Config, state: RunState, r: int, clock: Clock) -> str | None:
-    """Why the budget planner would refuse round r+1 (None: it fits), asked after round r's
-    gate, with the simulated users that still run before round r+1 counted as planned."""
-    if not cfg.stop.max_wall_minutes or r + 1 >= cfg.stop.max_rounds:
-        return None
-    rs = state.rounds[r]
-    pending = 0.0
-    if cfg.serve.simulate_users and not rs.is_done("traffic"):
-        pending = float((rs.done.get("plan") or {}).get("traffic_s", 0.0))
-    try:
-        _round_plan(cfg, state, r + 1, cfg.stop.max_wall_minutes * 60 - clock.elapsed() - pending)
-    except BudgetError as e:
-        return str(e)
-    return None
-
-
-def _bench_requests(cfg: Config, r: int) -> int:
-    """Requests a round's benchmark sends: warm-up, the drafter's, and the baseline's unless a
-    later round reuses it."""
-    return sum(_bench_mix(cfg, r))
-
-
-def _bench_mix(cfg: Config, r: int) -> tuple[int, int]:
-    """(the drafter's requests, the no-drafter baseline's) of round r's benchmark."""
-    b = cfg.bench
-    plain = 0
-    if not (r and b.reuse_baseline):
-        plain = b.warmup + (b.baseline_prompts or b.num_prompts)
-    return (b.warmup + b.num_prompts) * len(b.concurrency), plain * len(b.concurrency)
-
-
-def _left(rs, stage: str, clock: Clock) -> float | None:
-    """Seconds `stage` ("data" or "train") may still spend by the round's plan (None: no plan).
-    Time the data stage did not use goes to training."""
-    p = rs.done.get("plan")
-    if not p:
-        return None
-    end = p["start_s"] + p["data_s"] + (p["train_s"] if stage == "train" else 0.0)
-    # the box holds the training steps; Ray Train's start-up and the export come on top
-    overhead = TRAIN_START_S if stage == "train" else 0.0
-    return max(MIN_STAGE_S, end - clock.elapsed() - overhead)
 
 
 def _generate(
