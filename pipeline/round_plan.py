@@ -50,7 +50,7 @@ def check_budget(cfg: Config, state: RunState, clock: Clock) -> None:
         raise BudgetError(
             f"{e}. Measured at start-up ({m['wall_s']:.0f} s): plain decoding "
             f"{1 / m['plain_s_per_token']:.1f} tok/s, speculative {1 / m['spec_s_per_token']:.1f} "
-            f"tok/s with {m['drafter']}; nothing was started"
+            f"tok/s with {m['drafter']}; no round was started"
         ) from None
 
 

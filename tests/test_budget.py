@@ -157,7 +157,7 @@ def test_the_loop_measures_this_machine_and_refuses_before_round_0(tiny_target, 
     })  # fmt: skip
     with pytest.raises(BudgetError, match=r"stop\.max_wall_minutes: \d+ s left for 2 round") as e:
         run_loop(cfg, tmp_path / "run")
-    assert "Measured at start-up" in str(e.value) and "nothing was started" in str(e.value)
+    assert "Measured at start-up" in str(e.value) and "no round was started" in str(e.value)
     state = json.loads((tmp_path / "run" / "state.json").read_text())
     (r0,) = state["rounds"]
     assert r0["mlflow_run_id"] is None and set(r0["done"]) == {"measure"}
