@@ -147,7 +147,9 @@ class StopConfig(_Strict):
     """Budget: rounds."""
     max_wall_minutes: float | None = Field(None, gt=0)
     """Budget: wall time of the loop, as a plan (pipeline/budget.py): each round's data stage
-    and training are time-boxed to fit it, by what this machine measured."""
+    and training are time-boxed to fit it, sized from what this machine measures at start-up
+    (pipeline/measure.py, the embedded engine: `serve.engine: embedded` only). A budget that
+    cannot hold the rounds is refused before round 0."""
 
 
 class TrackingConfig(_Strict):
@@ -203,6 +205,13 @@ class Config(_Strict):
             errs.append(
                 f"serve.num_draft_tokens: {self.serve.num_draft_tokens} with topk 1 must be "
                 f"steps+1 = {self.serve.steps + 1}; remove it or set topk > 1"
+            )
+        if self.stop.max_wall_minutes and self.serve.engine != "embedded":
+            errs.append(
+                f"stop.max_wall_minutes: the budget plan is sized from a start-up measurement of "
+                f"the embedded engine, which serve.engine={self.serve.engine} does not run; "
+                "unset stop.max_wall_minutes (stop.max_rounds bounds the run) or use "
+                "serve.engine: embedded"
             )
         if self.train.first_round == "skip" and self.drafter.init in ("scratch", "previous"):
             errs.append(

@@ -134,3 +134,8 @@ def test_a_relative_drafter_init_is_found_from_the_working_dir_else_the_checkout
     assert DrafterConfig(init="configs").resolved_init() == str(repo / "configs")  # the checkout's
     assert DrafterConfig(init="org/name").resolved_init() == "org/name"  # a Hub id stays
     assert DrafterConfig(init="scratch").resolved_init() == "scratch"
+
+
+def test_a_time_budget_needs_the_engine_the_start_up_measurement_times():
+    with pytest.raises(ConfigError, match="stop.max_wall_minutes: the budget plan is sized"):
+        parse_config({"stop": {"max_wall_minutes": 10}, "serve": {"engine": "sglang"}})
