@@ -73,7 +73,9 @@ def _fuse(mods: list[torch.nn.Module]) -> Tensor:
     ws = [m.weight for m in mods]
     same = all(w.untyped_storage().data_ptr() == ws[0].untyped_storage().data_ptr() for w in ws)
     if same and all(w.data_ptr() == ws[0].data_ptr() + sum(x.numel() for x in ws[:i]) * ws[0].element_size() for i, w in enumerate(ws)):  # fmt: skip
-        return ws[0].detach().as_strided((sum(w.shape[0] for w in ws), ws[0].shape[1]), ws[0].stride())
+        return (
+            ws[0].detach().as_strided((sum(w.shape[0] for w in ws), ws[0].shape[1]), ws[0].stride())
+        )
     with torch.no_grad():
         fused = torch.cat([w.detach() for w in ws])
         for m, part in zip(mods, fused.split([w.shape[0] for w in ws]), strict=True):

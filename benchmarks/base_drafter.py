@@ -65,7 +65,7 @@ def self_check(t, prompts: list[list[int]], aux: list[int]) -> dict:
     ours, _ = dec.generate(prompts, 64)
     ref = t.generate(prompts, 64)
     same32 = sum(a[:32] == b[:32] for a, b in zip(ours, ref, strict=True)) / len(prompts)
-    agree = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) for a, b in zip(ours, ref, strict=True)]  # fmt: skip
+    agree = [next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))) for a, b in zip(ours, ref, strict=True)]  # fmt: skip
     seq = prompts[0] + ours[0]
     got = dec.capture([seq], aux)[0][0].float()
     hs = t.model(torch.tensor([seq], device=t.device), output_hidden_states=True).hidden_states
@@ -125,7 +125,9 @@ def _batch(dec: BatchDecoder, aux: list[int], seqs: list[dict]):
     dev = dec.device
     return Batch(
         input_ids=torch.tensor([t for x in ids for t in x], device=dev),
-        loss_mask=torch.tensor([m for s in seqs for m in [0] * len(s["prompt"]) + [1] * len(s["reply"])], device=dev).bool(),  # fmt: skip
+        loss_mask=torch.tensor(
+            [m for s in seqs for m in [0] * len(s["prompt"]) + [1] * len(s["reply"])], device=dev
+        ).bool(),  # fmt: skip
         aux_hidden=torch.cat([g[0] for g in got]),
         final_hidden=torch.cat([g[1] for g in got]),
         cu_seqlens=cu,
@@ -212,7 +214,9 @@ def train(a: argparse.Namespace) -> None:
         m = {"epoch": epoch, "steps": step, "samples_seen": seen, **evaluate(),
              "s": round(time.perf_counter() - t0, 1), "tok_s": round(trained_tokens / (time.perf_counter() - t0))}  # fmt: skip
         if epoch == 0:
-            results["curve"].append({"samples": seen, **{k: m[k] for k in ("sim_accept_len", "acc")}})
+            results["curve"].append(
+                {"samples": seen, **{k: m[k] for k in ("sim_accept_len", "acc")}}
+            )
         if m["sim_accept_len"] > best:
             best = m["sim_accept_len"]
             m["mb"] = export(a.export)
@@ -238,13 +242,20 @@ def main() -> None:
     ap.add_argument("--coverage", type=float, default=0.99)
     ap.add_argument("--max-vocab", type=int, default=12288, help="25 MB in bf16 at SmolLM2's shape")
     ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--seconds", type=float, default=0, help="stop training after this (0: no limit)")
+    ap.add_argument(
+        "--seconds", type=float, default=0, help="stop training after this (0: no limit)"
+    )
     ap.add_argument("--ttt", type=int, default=5)
     ap.add_argument("--tokens-per-batch", type=int, default=16384)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--curve", default="2000,8000,32000")
     ap.add_argument("--export", type=Path, default=Path("drafters/smollm2-135m-base"))
-    ap.add_argument("--train-prompt-tokens", type=int, default=0, help="train only on samples whose prompt is at most this long (0: all)")
+    ap.add_argument(
+        "--train-prompt-tokens",
+        type=int,
+        default=0,
+        help="train only on samples whose prompt is at most this long (0: all)",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (CPU builds)")
     ap.add_argument("--log-every", type=int, default=100)
     a = ap.parse_args()

@@ -66,7 +66,6 @@ def ours(model, prompts, new, eos, rows, compiled=False) -> dict:
     dec = BatchDecoder(model, rows, -(-cap // 64) * 64, eos, compiled=compiled)
     dec.generate(prompts[: min(len(prompts), rows)], 8)  # graph capture and warm-up
     (outs, st), s = timed(lambda: dec.generate(prompts, new))
-    del dec
     torch.cuda.empty_cache()
     return {"tokens": st.tokens, "s": round(s, 2), "tok_s": round(st.tokens / s), "steps": st.steps,
             "prefills": st.prefills, "outs": outs}  # fmt: skip
@@ -120,7 +119,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     fixed = [torch.randint(100, 40000, (128,), generator=g).tolist() for _ in range(1024)]
     for b in (64, 256, 512):
-        emit(what="fixed", engine="batch_decode", batch=b, **ours(model, fixed[: 2 * b], 192, [], b))
+        emit(
+            what="fixed", engine="batch_decode", batch=b, **ours(model, fixed[: 2 * b], 192, [], b)
+        )
     if "compiled" not in skip:
         try:
             emit(what="fixed", engine="batch_decode+compile", batch=512, **ours(model, fixed, 192, [], 512, compiled=True))  # fmt: skip

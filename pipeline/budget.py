@@ -8,12 +8,16 @@ makes half the data and half the steps, and still ends on time. The plan and, af
 what each stage took are recorded side by side (summary.json, MLflow `plan/...`).
 
 Shares: the benchmark and the simulated users of every round still to run are reserved first,
-at the seconds per request the last round measured (a first round uses FIRST_BENCH_S_PER_REQUEST
-and FIRST_TRAFFIC_S_PER_REQUEST, measured on the embedded default's 2-core machine). What is left
-is data and training time, shared by weight: round 0 weighs twice a later round (it trains from
-scratch; later rounds fine-tune on what is new). A round's share goes to data and training in
-the ratio of `DATA_SHARE`: generation is the expensive part of a round, and a drafter learns more
-from new samples than from another epoch over the same ones.
+at seconds per request. A first round takes them from what this machine measured at start-up
+(pipeline/measure.py: a plain decode of a few tokens and one benchmark request, `Measured`), a
+later round from what the round before it took. What is left is data and training time, shared
+by weight: round 0 weighs twice a later round when it trains (often from scratch; later rounds
+fine-tune on what is new) and nothing when it serves its base drafter as is
+(`train.first_round: skip`). A round's share goes to data and training in the ratio of
+`DATA_SHARE`: generation is the expensive part of a round, and a drafter learns more from new
+samples than from another epoch over the same ones. A plan in which a training round would get
+less than 2 * MIN_STAGE_S is refused before that round starts, naming the settings to change
+and the figures (for round 0: before anything runs).
 """
 
 from __future__ import annotations
@@ -24,8 +28,12 @@ from typing import Any
 
 DATA_SHARE = 0.55  # of a round's data + training seconds
 FIRST_ROUND_WEIGHT = 2.0  # round 0 trains from scratch: twice a later round's share
-FIRST_BENCH_S_PER_REQUEST = 7.0  # one benchmark request of 96 tokens (drafter or baseline), 2 cores
-FIRST_TRAFFIC_S_PER_REQUEST = 5.0  # a simulated user's request, 128 tokens, 2 cores (measured 4.9)
+# A simulated user's token costs this share of a benchmark request's token: the users come
+# `serve.simulate_concurrency` at a time and the server batches them, with the HTTP path beside
+# (`make demo` on 2 cores, 2026-12-01 16:42: 16 users' 128-token requests took 133 s, 24
+# benchmark requests of 96 tokens 183 s: 0.82 per token; 0.85 leaves a margin). A ratio of one
+# machine's two figures, not a speed: the speed is what this machine measures.
+USER_TOKEN_SHARE = 0.85
 TRAIN_START_S = 25.0  # Ray Train's worker start-up and the export around the time box (2 cores)
 MIN_STAGE_S = 30.0  # below this a stage's start-up dominates: refuse the plan instead
 
@@ -35,12 +43,38 @@ class BudgetError(ValueError):
 
 
 @dataclass(frozen=True)
+class Measured:
+    """What this machine took at start-up (pipeline/measure.py), on the serving engine."""
+
+    plain_s_per_token: float  # the target alone, one decode step
+    spec_s_per_token: float  # a benchmark request, speculative, with the drafter round 0 serves
+    spec_tokens: int  # the tokens that request was timed over
+    drafter: str  # the drafter it was measured with
+    wall_s: float  # what the measurement took, the target's load included
+
+    def record(self) -> dict[str, Any]:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True)
 class Rates:
     """Seconds per benchmark request and per simulated user's request: what the last round
-    measured, else the first-round figures of the embedded default's machine."""
+    took, or for a first round what this machine measured at start-up (`from_measurement`)."""
 
-    bench_s: float = FIRST_BENCH_S_PER_REQUEST
-    traffic_s: float = FIRST_TRAFFIC_S_PER_REQUEST
+    bench_s: float
+    traffic_s: float
+
+    @classmethod
+    def from_measurement(
+        cls, m: Measured, mix: tuple[int, int], bench_tokens: int, user_tokens: int
+    ) -> Rates:
+        """A first round's rates. Its benchmark's `mix` (drafter requests, no-drafter baseline
+        requests) of `bench_tokens` each, at the measured speculative and plain seconds per
+        token, averaged over the mix; a simulated user's request of `user_tokens` at the
+        speculative seconds per token times USER_TOKEN_SHARE."""
+        drafter, plain = mix
+        per_token = (drafter * m.spec_s_per_token + plain * m.plain_s_per_token) / max(1, drafter + plain)  # fmt: skip
+        return cls(per_token * bench_tokens, m.spec_s_per_token * user_tokens * USER_TOKEN_SHARE)
 
     def measured(self, done: dict[str, dict], bench_requests: int, traffic_requests: int) -> Rates:
         """These rates updated by a round's stage records (`wall_s`); a stage it did not run
@@ -75,33 +109,47 @@ def plan_round(
     rates: Rates,
     bench_requests: Sequence[int],
     traffic_requests: int,
+    first_round_trains: bool = True,
 ) -> RoundPlan:
     """Seconds for round `r` of `rounds` with `remaining_s` left. `bench_requests[i]` counts
     the benchmark requests (drafter and baseline) of round r+i, for every round still to run.
 
     Every round still to run first gets its benchmark and, unless it is the last, its simulated
     users, at `rates`; what is left is the data and training time of those rounds, shared by
-    weight (the first round, which trains from scratch, weighs FIRST_ROUND_WEIGHT, later ones
-    1). So round 0 leaves room for round 1's benchmark, and the stop rule, which asks this same
-    function about the next round (pipeline/loop.py), agrees with it."""
+    weight (round 0 weighs FIRST_ROUND_WEIGHT when it trains, 0 when it serves its base drafter
+    as is; later rounds 1). Refused (BudgetError) when any training round still to run would get
+    less than 2 * MIN_STAGE_S: so round 0 leaves round 1 a round, and the stop rule, which asks
+    this same function about the next round (pipeline/round_plan.py), agrees with it."""
     n = max(1, rounds - r)
     if len(bench_requests) < n:
         raise ValueError(f"plan_round: {n} rounds to run, {len(bench_requests)} request counts")
     bench = [rates.bench_s * bench_requests[i] for i in range(n)]
     users = [rates.traffic_s * traffic_requests if r + i < rounds - 1 else 0.0 for i in range(n)]
-    weights = [FIRST_ROUND_WEIGHT if r + i == 0 else 1.0 for i in range(n)]
-    work = (remaining_s - sum(bench) - sum(users)) * weights[0] / sum(weights)
-    if work < 2 * MIN_STAGE_S:
+    weights = [_weight(r + i, first_round_trains) for i in range(n)]
+    free = remaining_s - sum(bench) - sum(users)
+    trained = [w for w in weights if w]
+    least = free * min(trained) / sum(trained) if trained else 0.0  # the smallest round's share
+    if (least < 2 * MIN_STAGE_S) if trained else free < 0:  # none trains: the rest must fit
         raise BudgetError(
             f"stop.max_wall_minutes: {remaining_s:.0f} s left for {n} round(s), of which the "
-            f"benchmarks ({sum(bench):.0f} s) and simulated users ({sum(users):.0f} s) leave round "
-            f"{r} {work:.0f} s for data and training (needs {2 * MIN_STAGE_S:.0f}); raise the "
-            "budget, lower stop.max_rounds, bench.num_prompts or serve.simulate_users"
+            f"benchmarks ({sum(bench):.0f} s: {sum(bench_requests[:n])} requests at "
+            f"{rates.bench_s:.1f} s) and simulated users ({sum(users):.0f} s: "
+            f"{traffic_requests} per round at {rates.traffic_s:.1f} s) leave "
+            f"{max(0.0, free):.0f} s for data and training, {least:.0f} s for a training round "
+            f"(needs {2 * MIN_STAGE_S:.0f}); raise stop.max_wall_minutes, lower "
+            "stop.max_rounds, bench.num_prompts or serve.simulate_users"
         )
+    work = free * weights[0] / sum(trained) if weights[0] else 0.0
     return RoundPlan(
         r, bench[0] + users[0] + work, DATA_SHARE * work, (1 - DATA_SHARE) * work, bench[0],
         users[0], rates.bench_s, rates.traffic_s,
     )  # fmt: skip
+
+
+def _weight(r: int, first_round_trains: bool) -> float:
+    if r == 0:
+        return FIRST_ROUND_WEIGHT if first_round_trains else 0.0
+    return 1.0
 
 
 def plan_vs_actual(plan: dict[str, Any], done: dict[str, dict]) -> dict[str, float]:

@@ -34,7 +34,10 @@ _Strict = Strict
 class DrafterConfig(_Strict):
     init: str = "scratch"
     """`scratch`, `previous` (the last round's drafter), or a local folder / HF repo id of an
-    existing EAGLE-3 drafter (checked for compatibility before any GPU time)."""
+    existing EAGLE-3 drafter (checked for compatibility before any GPU time). A relative folder
+    is found from the working directory, else from this checkout's root (`drafters/...`, the
+    drafters shipped with the repository): see `resolved_init`. Fine-tuning keeps the drafter's
+    own draft vocabulary (d2t/t2d); `draft_vocab_size` applies to `scratch` only."""
     hidden_size: int | None = None
     """Drafter width; None = the target's hidden size."""
     intermediate_size: int | None = None
@@ -49,6 +52,20 @@ class DrafterConfig(_Strict):
     """Size of the drafter's output vocabulary (top-N most frequent assistant tokens); capped at the
     target vocab."""
 
+    def resolved_init(self) -> str:
+        """`init` as every stage reads it: a relative folder resolved against the working
+        directory (under `ray job submit --working-dir .`, the uploaded repository), else
+        against this checkout's root, so `python /elsewhere/pipeline/run.py` finds the shipped
+        drafters too; an absolute path. `scratch`, `previous`, a Hub repo id and a missing path
+        stay as given (preflight names a missing one)."""
+        if self.init in ("scratch", "previous"):
+            return self.init
+        p = Path(self.init).expanduser()
+        for base in (Path.cwd(), Path(__file__).resolve().parent.parent):
+            if (base / p).is_dir():
+                return str((base / p).resolve())
+        return self.init
+
 
 class TrainConfig(_Strict):
     def for_round(self, r: int, seconds: float | None = None) -> TrainConfig:
@@ -61,6 +78,12 @@ class TrainConfig(_Strict):
             update["max_seconds"] = seconds
         return self.model_copy(update=update) if update else self
 
+    first_round: Literal["train", "skip"] = "train"
+    """`skip`: round 0 trains nothing and makes no data. It serves `drafter.init` as it is,
+    benchmarks it, and the simulated users talk to it; round 1 fine-tunes it on their traffic
+    plus fresh prompts, behind the promotion gate. For a base drafter that already fits the
+    target (the demo's `drafters/smollm2-135m-base`); needs `drafter.init` to be one. `train`:
+    round 0 trains from `drafter.init` like every round."""
     num_workers: int = Field(2, ge=1)
     """Ray Train workers (DDP)."""
     use_gpu: bool = False
@@ -124,7 +147,9 @@ class StopConfig(_Strict):
     """Budget: rounds."""
     max_wall_minutes: float | None = Field(None, gt=0)
     """Budget: wall time of the loop, as a plan (pipeline/budget.py): each round's data stage
-    and training are time-boxed to fit it, by what this machine measured."""
+    and training are time-boxed to fit it, sized from what this machine measures at start-up
+    (pipeline/measure.py, the embedded engine: `serve.engine: embedded` only). A budget that
+    cannot hold the rounds is refused before round 0."""
 
 
 class TrackingConfig(_Strict):
@@ -180,6 +205,19 @@ class Config(_Strict):
             errs.append(
                 f"serve.num_draft_tokens: {self.serve.num_draft_tokens} with topk 1 must be "
                 f"steps+1 = {self.serve.steps + 1}; remove it or set topk > 1"
+            )
+        if self.stop.max_wall_minutes and self.serve.engine != "embedded":
+            errs.append(
+                f"stop.max_wall_minutes: the budget plan is sized from a start-up measurement of "
+                f"the embedded engine, which serve.engine={self.serve.engine} does not run; "
+                "unset stop.max_wall_minutes (stop.max_rounds bounds the run) or use "
+                "serve.engine: embedded"
+            )
+        if self.train.first_round == "skip" and self.drafter.init in ("scratch", "previous"):
+            errs.append(
+                f"train.first_round: skip serves drafter.init in round 0, but drafter.init is "
+                f"{self.drafter.init!r}; point drafter.init at a drafter folder or Hub id, or set "
+                "train.first_round: train"
             )
         if errs:
             raise ValueError("; ".join(errs))

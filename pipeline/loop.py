@@ -14,17 +14,18 @@ from pathlib import Path
 from typing import Any
 
 from actors.shards import ShardError
-from pipeline.budget import (
-    MIN_STAGE_S,
-    TRAIN_START_S,
-    BudgetError,
-    Rates,
-    plan_round,
-    plan_vs_actual,
-)
+from pipeline.budget import plan_vs_actual
 from pipeline.config import Config, dump_config
 from pipeline.layout import RunDir, round_tag
 from pipeline.preflight import preflight
+from pipeline.round_plan import (
+    check_budget,
+    first_round_skips,
+    measure_once,
+    next_round_refusal,
+    plan_record,
+    stage_seconds,
+)
 from pipeline.rules import (
     AcceptanceCollapsed,
     collapse_problem,
@@ -63,6 +64,11 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
     evalset = _eval_set(cfg, plan)
     clock, server = Clock(state), None
     try:
+        if cfg.stop.max_wall_minutes and not state.round(0).is_done("plan"):
+            # measured once; a budget that cannot hold the rounds is refused before round 0
+            measure_once(cfg, state, evalset[0][0], tracker)
+            _commit(state, clock, run_dir)
+            check_budget(cfg, state, clock)
         for r in range(cfg.stop.max_rounds):
             rs = state.round(r)
             if not rs.mlflow_run_id:
@@ -74,18 +80,30 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 tracker.reopen(rs.mlflow_run_id)
             child = rs.mlflow_run_id
             if cfg.stop.max_wall_minutes and not rs.is_done("plan"):
-                rs.done["plan"] = _plan(cfg, state, r, clock, tracker, child)
+                rs.done["plan"] = plan_record(cfg, state, r, clock, tracker, child)
+                _commit(state, clock, run_dir)
+            if not rs.is_done("generate") and _skips(cfg, r):
+                rs.done["generate"] = {"skipped": "train.first_round: skip", "wall_s": 0.0}
+                rs.done["train"] = _serve_init(cfg, run_dir, tracker, child)
                 _commit(state, clock, run_dir)
             if not rs.is_done("generate"):
                 t0 = clock.elapsed()
                 rs.done["generate"] = _generate(
-                    cfg, run_dir, state, r, plan, evalset, tracker, child, _left(rs, "data", clock)
+                    cfg,
+                    run_dir,
+                    state,
+                    r,
+                    plan,
+                    evalset,
+                    tracker,
+                    child,
+                    stage_seconds(rs, "data", clock),
                 )
                 rs.done["generate"]["wall_s"] = clock.elapsed() - t0
                 _commit(state, clock, run_dir)
             if not rs.is_done("train"):
                 t0 = clock.elapsed()
-                box = _left(rs, "train", clock)
+                box = stage_seconds(rs, "train", clock)
                 try:
                     rs.done["train"] = _train(cfg, run_dir, state, r, tracker, child, box)
                 except ShardError:  # a finished round's shards were damaged since: heal, retry
@@ -105,7 +123,7 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 _commit(state, clock, run_dir)
             reason = stop_reason(
                 cfg.stop, _rows(state)[: r + 1], rs.done["bench"], clock.elapsed(),
-                _next_round_refusal(cfg, state, r, clock),
+                next_round_refusal(cfg, state, r, clock),
             )  # fmt: skip
             _write_summary(state, run_dir)
             if reason:
@@ -159,80 +177,28 @@ def _eval_set(cfg: Config, plan) -> tuple[list, list[str]]:
     return [p.messages for p in prompts], [p.domain for p in prompts]
 
 
-def _plan(cfg: Config, state: RunState, r: int, clock: Clock, tracker: Tracker, child: str) -> dict:
-    """Round r's seconds per stage, from the budget left and what the last round took."""
-    p = _round_plan(cfg, state, r, cfg.stop.max_wall_minutes * 60 - clock.elapsed())
-    rec = {**p.record(), "start_s": round(clock.elapsed(), 1)}
-    log.info("round %d plan (s): %s", r, rec)
-    tracker.log(child, {f"plan/{k}": v for k, v in rec.items() if k != "round"})
-    return rec
+def _skips(cfg: Config, r: int) -> bool:
+    return r == 0 and first_round_skips(cfg)
 
 
-def _round_plan(cfg: Config, state: RunState, r: int, remaining_s: float):
-    """plan_round for round r of this run with `remaining_s` left (BudgetError if none fits):
-    the one call behind both the plan and the stop rule's budget question."""
-    return plan_round(
-        r,
-        cfg.stop.max_rounds,
-        remaining_s,
-        _rates(cfg, state, r),
-        [_bench_requests(cfg, i) for i in range(r, cfg.stop.max_rounds)],
-        cfg.serve.simulate_users,
-    )
+def _serve_init(cfg: Config, run_dir: Path, tracker: Tracker, child: str) -> dict:
+    """Round 0's drafter without training: `drafter.init`, copied byte for byte into the run
+    directory (train/round-000/drafter), so it is served, recorded and registered like a trained
+    round's, and a resumed run does not depend on where the job's working dir was."""
+    import shutil
 
+    from eagle3.checkpoint import local_or_download
 
-def _rates(cfg: Config, state: RunState, r: int) -> Rates:
-    """Seconds per benchmark and per simulated user's request for planning round r: what round
-    r-1 measured, its own plan's rates for a stage it has not run (yet)."""
-    if r == 0:
-        return Rates()
-    done = state.rounds[r - 1].done
-    plan = done.get("plan") or {}
-    base = Rates(
-        plan.get("bench_s_per_request", Rates.bench_s),
-        plan.get("traffic_s_per_request", Rates.traffic_s),
-    )
-    return base.measured(done, _bench_requests(cfg, r - 1), cfg.serve.simulate_users)
-
-
-def _next_round_refusal(cfg: Config, state: RunState, r: int, clock: Clock) -> str | None:
-    """Why the budget planner would refuse round r+1 (None: it fits), asked after round r's
-    gate, with the simulated users that still run before round r+1 counted as planned."""
-    if not cfg.stop.max_wall_minutes or r + 1 >= cfg.stop.max_rounds:
-        return None
-    rs = state.rounds[r]
-    pending = 0.0
-    if cfg.serve.simulate_users and not rs.is_done("traffic"):
-        pending = float((rs.done.get("plan") or {}).get("traffic_s", 0.0))
-    try:
-        _round_plan(cfg, state, r + 1, cfg.stop.max_wall_minutes * 60 - clock.elapsed() - pending)
-    except BudgetError as e:
-        return str(e)
-    return None
-
-
-def _bench_requests(cfg: Config, r: int) -> int:
-    """Requests a round's benchmark sends: warm-up, the drafter's, and the baseline's unless a
-    later round reuses it."""
-    b = cfg.bench
-    n = b.warmup + b.num_prompts
-    if not (r and b.reuse_baseline):
-        n += b.warmup + (b.baseline_prompts or b.num_prompts)
-    if b.shape_chains and cfg.serve.engine == "embedded":  # the shape choice: a chain measured
-        n += 2 * (b.baseline_prompts or b.num_prompts)  # for its acceptance, one confirmation
-    return n * len(b.concurrency)
-
-
-def _left(rs, stage: str, clock: Clock) -> float | None:
-    """Seconds `stage` ("data" or "train") may still spend by the round's plan (None: no plan).
-    Time the data stage did not use goes to training."""
-    p = rs.done.get("plan")
-    if not p:
-        return None
-    end = p["start_s"] + p["data_s"] + (p["train_s"] if stage == "train" else 0.0)
-    # the box holds the training steps; Ray Train's start-up and the export come on top
-    overhead = TRAIN_START_S if stage == "train" else 0.0
-    return max(MIN_STAGE_S, end - clock.elapsed() - overhead)
+    src = local_or_download(cfg.drafter.resolved_init(), None, ["config.json", "*.safetensors*"])
+    dest = RunDir(run_dir).train(0) / "drafter"
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns(".*"))
+    log.info("round 0: serving drafter.init %s as it is (train.first_round: skip)", src)
+    tracker.log_artifact(child, dest, "drafter")
+    return {"drafter_dir": str(dest), "init": cfg.drafter.init, "train_tokens": 0,
+            "skipped": "train.first_round: skip", "wall_s": 0.0}  # fmt: skip
 
 
 def _generate(
@@ -326,6 +292,8 @@ def _heal_data(cfg: Config, run_dir: Path, state: RunState, r: int, plan, evalse
 
     healed = []
     for i in range(r + 1):
+        if "manifest" not in state.rounds[i].done["generate"]:  # a round that made no data
+            continue
         try:
             verify_manifest(state.rounds[i].done["generate"]["manifest"])
         except ShardError as e:
@@ -389,8 +357,9 @@ def _train(
 ) -> dict:
     from pipeline.train import run_train
 
-    data_dirs = [state.rounds[i].manifest.parent for i in range(r + 1)]
-    init = cfg.drafter.init
+    made = [rs for rs in state.rounds[: r + 1] if "manifest" in rs.done["generate"]]
+    data_dirs = [rs.manifest.parent for rs in made]  # a skipped round 0 made none
+    init = cfg.drafter.resolved_init()
     if r > 0:  # keep learning from the drafter that serves (the last one the gate promoted)
         init = _serving_drafter(state) or state.rounds[r - 1].drafter_dir
     res = run_train(

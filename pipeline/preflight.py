@@ -7,7 +7,7 @@ starting drafter's fit, the prompt file. Seconds, not the minute a stage needs t
 `preflight(cfg)` raises PreflightError listing every problem with its config field and fix.
 
 A value that looks like a local path (starts with `.`, `/` or `~`, has more than one `/`, or is
-`dir/name` where `dir` exists here) and does not exist is an error, never a Hub repo id: a
+`dir/name` where `dir` exists here or in this checkout) and does not exist is an error, never a Hub repo id: a
 mistyped `runs/x/drafter` must not become a network request for repo `runs/x`.
 """
 
@@ -33,7 +33,8 @@ def looks_local(value: str) -> bool:
     if value.startswith((".", "/", "~")) or "\\" in value or not _HUB_ID.match(value):
         return True
     head, _, tail = value.partition("/")
-    return bool(tail) and Path(head).is_dir()
+    repo = Path(__file__).resolve().parent.parent  # shipped drafters: DrafterConfig.resolved_init
+    return bool(tail) and (Path(head).is_dir() or (repo / head).is_dir())
 
 
 def path_problem(field: str, value: str) -> str | None:
@@ -76,7 +77,7 @@ def _target_problems(cfg: Config) -> list[str]:
 
 
 def _drafter_problems(cfg: Config) -> list[str]:
-    init = cfg.drafter.init
+    init = cfg.drafter.resolved_init()
     if init in ("scratch", "previous"):
         return []
     if problem := path_problem("drafter.init", init):

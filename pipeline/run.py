@@ -63,12 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     # inside `ray job submit` the job's runtime_env (see job_runtime_env) applies
     start_ray(cfg.runtime_env, num_cpus=local_num_cpus(cfg), join_with_runtime_env=False)
 
+    from pipeline.budget import BudgetError
     from pipeline.loop import run_loop
     from pipeline.tracking import UnknownRuns
 
     try:
         summary = run_loop(cfg, run_dir)
-    except UnknownRuns as err:  # says what to do; a traceback would bury it
+    except (UnknownRuns, BudgetError) as err:  # says what to do; a traceback would bury it
         print(err, file=sys.stderr)
         return 2
     print(format_table(summary["rounds"]))

@@ -67,6 +67,10 @@ python - "$RUN_DIR/summary.json" <<'PY'
 import json, sys
 from pipeline.rules import format_table
 s = json.load(open(sys.argv[1]))
+m = (s.get("plans") or [{}])[0].get("measured")
+if m:  # what the budget plan was sized from (pipeline/measure.py)
+    print(f"measured at start-up ({m['wall_s']:.0f} s): plain decode {1 / m['plain_s_per_token']:.1f} tok/s, "
+          f"speculative {1 / m['spec_s_per_token']:.1f} tok/s with {m['drafter']}")
 print(format_table(s["rounds"]))
 print("stopped because:", s["stopped_because"])
 c = s.get("champion") or {}

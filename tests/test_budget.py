@@ -5,20 +5,23 @@ from __future__ import annotations
 import pytest
 
 from pipeline.budget import (
-    FIRST_BENCH_S_PER_REQUEST,
-    FIRST_TRAFFIC_S_PER_REQUEST,
     MIN_STAGE_S,
+    USER_TOKEN_SHARE,
     BudgetError,
+    Measured,
     Rates,
     plan_round,
     plan_vs_actual,
 )
 
+BENCH_S, USER_S = 7.0, 5.0  # seconds per request: a 2-core machine's figures
+TWO_CORES = Rates(BENCH_S, USER_S)
+
 
 def test_round_zero_reserves_every_rounds_benchmark_and_its_users_and_splits_the_rest():
-    p = plan_round(0, 2, 900.0, Rates(), bench_requests=[32, 26], traffic_requests=24)
-    bench0, bench1 = FIRST_BENCH_S_PER_REQUEST * 32, FIRST_BENCH_S_PER_REQUEST * 26
-    users = FIRST_TRAFFIC_S_PER_REQUEST * 24
+    p = plan_round(0, 2, 900.0, TWO_CORES, bench_requests=[32, 26], traffic_requests=24)
+    bench0, bench1 = BENCH_S * 32, BENCH_S * 26
+    users = USER_S * 24
     work = 900.0 - bench0 - bench1 - users  # data + training of both rounds
     assert (p.bench_s, p.traffic_s) == (bench0, users)
     assert p.data_s + p.train_s == pytest.approx(work * 2 / 3)  # round 0 weighs two
@@ -28,7 +31,7 @@ def test_round_zero_reserves_every_rounds_benchmark_and_its_users_and_splits_the
 
 def test_later_rounds_use_the_seconds_per_request_the_last_round_took():
     done = {"bench": {"wall_s": 100.0}, "gate": {"wall_s": 4.0}, "traffic": {"wall_s": 48.0}}
-    rates = Rates().measured(done, bench_requests=26, traffic_requests=24)
+    rates = TWO_CORES.measured(done, bench_requests=26, traffic_requests=24)
     assert rates == Rates(4.0, 2.0)
     last = plan_round(1, 2, 400.0, rates, [26], traffic_requests=24)  # the last runs no users
     assert (last.budget_s, last.bench_s, last.traffic_s) == (400.0, 104.0, 0.0)
@@ -54,9 +57,9 @@ def test_round_zero_leaves_round_one_its_benchmark():
     refused mid-run. Planned with every round's benchmark reserved, a round 0 that takes its plan
     leaves round 1 a plannable round, and one with less left is refused."""
     reqs = [32, 26]
-    p0 = plan_round(0, 2, 780.0, Rates(), reqs, 24)
+    p0 = plan_round(0, 2, 780.0, TWO_CORES, reqs, 24)
     done = {"bench": {"wall_s": p0.bench_s}, "traffic": {"wall_s": p0.traffic_s}}
-    rates = Rates().measured(done, reqs[0], 24)
+    rates = TWO_CORES.measured(done, reqs[0], 24)
     left = 780.0 - p0.budget_s
     p1 = plan_round(1, 2, left, rates, reqs[1:], 24)
     assert p1.data_s + p1.train_s >= 2 * MIN_STAGE_S
@@ -66,7 +69,7 @@ def test_round_zero_leaves_round_one_its_benchmark():
 
 def test_a_budget_that_cannot_hold_a_round_names_the_setting():
     with pytest.raises(BudgetError, match="stop.max_wall_minutes"):
-        plan_round(0, 2, 500.0, Rates(), bench_requests=[48, 48], traffic_requests=48)
+        plan_round(0, 2, 500.0, TWO_CORES, bench_requests=[48, 48], traffic_requests=48)
 
 
 def test_plan_against_actual_per_stage():
@@ -76,3 +79,88 @@ def test_plan_against_actual_per_stage():
     got = plan_vs_actual(plan, done)
     assert got == {"plan/data_s": 200.0, "actual/data_s": 210.0, "plan/train_s": 150.0,
                    "actual/train_s": 140.0, "plan/bench_s": 100.0, "actual/bench_s": 94.0}  # fmt: skip
+
+
+# ---- the planner's start-up measurement ---------------------------------------------------------
+
+MIX = (19, 5)  # the demo's round 0 benchmark: warm-up + 18 drafter requests, warm-up + 4 baseline
+
+
+def _measured(s_per_token: float) -> Measured:
+    """A machine whose plain decode step takes `s_per_token` and whose drafter serves 1.25x it."""
+    return Measured(s_per_token, 0.8 * s_per_token, 32, "base", 5.0)
+
+
+def _demo_round_zero(m: Measured, budget_s: float = 720.0, trains: bool = False):
+    rates = Rates.from_measurement(m, MIX, bench_tokens=96, user_tokens=128)
+    return plan_round(0, 2, budget_s, rates, [24, 19], 16, first_round_trains=trains)
+
+
+def test_first_rates_are_the_measured_costs_per_token_of_the_benchmarks_mix():
+    m = Measured(0.1, 0.05, 32, "base", 5.0)
+    r = Rates.from_measurement(m, (3, 1), bench_tokens=96, user_tokens=128)
+    assert r.bench_s == pytest.approx((3 * 0.05 + 1 * 0.1) / 4 * 96)
+    assert r.traffic_s == pytest.approx(0.05 * 128 * USER_TOKEN_SHARE)
+
+
+def test_a_slower_measurement_plans_less_data_and_training_and_still_fits():
+    """Half the speed (one core instead of two): the benchmarks and users take twice as long,
+    so round 1 gets less time for data and training, and every plan still adds up."""
+    fast, slow = _demo_round_zero(_measured(0.065)), _demo_round_zero(_measured(0.13))
+    assert (slow.bench_s, slow.traffic_s) == pytest.approx((2 * fast.bench_s, 2 * fast.traffic_s))
+    assert fast.data_s == slow.data_s == 0.0  # round 0 serves its base drafter: no data, no steps
+
+    def round_one(p, m):  # round 0 took its plan
+        rates = Rates.from_measurement(m, MIX, 96, 128)
+        return plan_round(1, 2, 720.0 - p.budget_s, rates, [19], 16, first_round_trains=False)
+
+    f1, s1 = round_one(fast, _measured(0.065)), round_one(slow, _measured(0.13))
+    assert s1.data_s < f1.data_s and s1.train_s < f1.train_s
+    assert s1.data_s + s1.train_s >= 2 * MIN_STAGE_S
+
+
+def test_a_round_zero_that_serves_its_base_drafter_leaves_every_second_to_round_one():
+    p = _demo_round_zero(_measured(0.065))
+    assert p.data_s == p.train_s == 0.0 and p.budget_s == pytest.approx(p.bench_s + p.traffic_s)
+    trained = _demo_round_zero(_measured(0.065), trains=True)
+    assert trained.data_s > 0 and trained.bench_s == p.bench_s
+
+
+def test_a_too_slow_measurement_is_refused_with_the_settings_and_figures():
+    with pytest.raises(BudgetError) as e:
+        _demo_round_zero(_measured(0.3))
+    msg = str(e.value)
+    for field in ("stop.max_wall_minutes", "bench.num_prompts", "serve.simulate_users"):
+        assert field in msg
+    assert "720 s left for 2 round(s)" in msg and "43 requests at" in msg
+    assert "16 per round at" in msg
+
+
+def test_the_loop_measures_this_machine_and_refuses_before_round_0(tiny_target, tmp_path):
+    """The real measurement (tiny target, in process, no Ray) and a budget it shows cannot hold
+    the rounds: the run stops before any round's MLflow run or stage, with the planner's
+    message, and the measured figures are kept for the record."""
+    import json
+
+    from pipeline.budget import BudgetError
+    from pipeline.config import parse_config
+    from pipeline.loop import run_loop
+
+    cfg = parse_config({
+        "target": {"model": str(tiny_target)},
+        "data": {"source": "builtin", "heldout_prompts": 4, "user_prompts": 8},
+        "drafter": {"draft_vocab_size": 512},
+        "serve": {"steps": 2, "simulate_users": 4},
+        "bench": {"num_prompts": 4, "max_tokens": 16, "warmup": 1},
+        "stop": {"accept_len": None, "max_rounds": 2, "max_wall_minutes": 0.05},
+        "tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"},
+    })  # fmt: skip
+    with pytest.raises(BudgetError, match=r"stop\.max_wall_minutes: \d+ s left for 2 round") as e:
+        run_loop(cfg, tmp_path / "run")
+    assert "Measured at start-up" in str(e.value) and "no round was started" in str(e.value)
+    state = json.loads((tmp_path / "run" / "state.json").read_text())
+    (r0,) = state["rounds"]
+    assert r0["mlflow_run_id"] is None and set(r0["done"]) == {"measure"}
+    m = r0["done"]["measure"]
+    assert m["plain_s_per_token"] > 0 and m["spec_s_per_token"] > 0 and m["spec_tokens"] == 16
+    assert m["drafter"] == "random (untrained)" and m["wall_s"] < 60

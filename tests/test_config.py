@@ -115,3 +115,27 @@ def test_round_0_has_its_own_size_and_epochs():
     assert [cfg.train.for_round(r).epochs for r in (0, 1, 5)] == [4, 1, 1]
     plain = parse_config({"train": {"epochs": 3}})
     assert plain.train.for_round(0).epochs == 3 and plain.data.prompts_for_round(0) == 400
+
+
+def test_first_round_skip_needs_a_drafter_to_serve():
+    with pytest.raises(ConfigError, match="train.first_round: skip serves drafter.init"):
+        parse_config({"train": {"first_round": "skip"}})
+    cfg = parse_config({"train": {"first_round": "skip"}, "drafter": {"init": "org/drafter"}})
+    assert cfg.train.first_round == "skip"
+
+
+def test_a_relative_drafter_init_is_found_from_the_working_dir_else_the_checkout(tmp_path, monkeypatch):  # fmt: skip
+    from pipeline.config import DrafterConfig
+
+    (tmp_path / "drafters" / "base").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)  # as under `ray job submit --working-dir .`: the repo's copy
+    assert DrafterConfig(init="drafters/base").resolved_init() == str(tmp_path / "drafters/base")
+    repo = Path(__file__).resolve().parent.parent
+    assert DrafterConfig(init="configs").resolved_init() == str(repo / "configs")  # the checkout's
+    assert DrafterConfig(init="org/name").resolved_init() == "org/name"  # a Hub id stays
+    assert DrafterConfig(init="scratch").resolved_init() == "scratch"
+
+
+def test_a_time_budget_needs_the_engine_the_start_up_measurement_times():
+    with pytest.raises(ConfigError, match="stop.max_wall_minutes: the budget plan is sized"):
+        parse_config({"stop": {"max_wall_minutes": 10}, "serve": {"engine": "sglang"}})

@@ -80,9 +80,9 @@ def test_the_stop_rules_budget_question_counts_the_users_still_to_run(tmp_path):
     """After round 0's gate, round 1 is planned into what is left minus the simulated users that
     still run before it (80 s planned): 183 s left after them is short of round 1's benchmark
     (19 requests x 7 s = 133 s) plus 60 s; at the same clock with the users already run, 263 s
-    is enough. The question is plan_round's own (pipeline/loop._round_plan)."""
+    is enough. The question is plan_round's own (pipeline/round_plan.round_plan)."""
     from pipeline.config import parse_config
-    from pipeline.loop import _next_round_refusal
+    from pipeline.round_plan import next_round_refusal
     from pipeline.state import Clock
 
     cfg = parse_config({
@@ -96,7 +96,7 @@ def test_the_stop_rules_budget_question_counts_the_users_still_to_run(tmp_path):
     done["plan"] = {"traffic_s": 80.0, "bench_s_per_request": 7.0, "traffic_s_per_request": 5.0}
     done["bench"] = {"wall_s": 168.0}  # 24 requests at 7 s
     state.elapsed_s = 600.0 - 80.0 - 183.0
-    got = _next_round_refusal(cfg, state, 0, Clock(state))
+    got = next_round_refusal(cfg, state, 0, Clock(state))
     assert got is not None and "stop.max_wall_minutes" in got
     done["traffic"] = {"wall_s": 80.0}
-    assert _next_round_refusal(cfg, state, 0, Clock(state)) is None
+    assert next_round_refusal(cfg, state, 0, Clock(state)) is None

@@ -1,0 +1,142 @@
+"""The loop's budget glue (`stop.max_wall_minutes`): the start-up measurement, once; each
+round's plan from it or from what the round before took; the stop rule's question whether the
+next round fits; the seconds a data or training stage may still spend. The arithmetic is
+pipeline/budget.py's, the measurement pipeline/measure.py's."""
+
+from __future__ import annotations
+
+import logging
+
+from pipeline.budget import (
+    MIN_STAGE_S,
+    TRAIN_START_S,
+    BudgetError,
+    Measured,
+    Rates,
+    plan_round,
+)
+from pipeline.config import Config
+from pipeline.state import Clock, RunState
+from pipeline.tracking import Tracker
+
+log = logging.getLogger("eagle_loop")
+
+
+def first_round_skips(cfg: Config) -> bool:
+    """Round 0 serves `drafter.init` as it is: no data, no training (train.first_round)."""
+    return cfg.train.first_round == "skip"
+
+
+def measure_once(cfg: Config, state: RunState, messages: list, tracker: Tracker) -> None:
+    """The start-up measurement (pipeline/measure.py) into round 0's record, once: a resumed
+    run plans with the figures it started with."""
+    rs = state.round(0)
+    if rs.is_done("measure"):
+        return
+    from pipeline.measure import measure_machine
+
+    m = measure_machine(cfg, messages)
+    rs.done["measure"] = m.record()  # its wall_s: the measurement, the target's load included
+    log.info("start-up measurement: %s", rs.done["measure"])
+    tracker.log(state.parent_run_id, {f"measured/{k}": v for k, v in m.record().items() if k != "drafter"})  # fmt: skip
+
+
+def check_budget(cfg: Config, state: RunState, clock: Clock) -> None:
+    """Plan round 0 before it starts; a BudgetError carries the measured speeds it priced from."""
+    try:
+        round_plan(cfg, state, 0, cfg.stop.max_wall_minutes * 60 - clock.elapsed())
+    except BudgetError as e:
+        m = state.rounds[0].done["measure"]
+        raise BudgetError(
+            f"{e}. Measured at start-up ({m['wall_s']:.0f} s): plain decoding "
+            f"{1 / m['plain_s_per_token']:.1f} tok/s, speculative {1 / m['spec_s_per_token']:.1f} "
+            f"tok/s with {m['drafter']}; no round was started"
+        ) from None
+
+
+def plan_record(
+    cfg: Config, state: RunState, r: int, clock: Clock, tracker: Tracker, child: str
+) -> dict:
+    """Round r's seconds per stage, from the budget left and what the last round took (round
+    0: what the start-up measurement took, kept in its plan record, so in summary.json)."""
+    p = round_plan(cfg, state, r, cfg.stop.max_wall_minutes * 60 - clock.elapsed())
+    rec = {**p.record(), "start_s": round(clock.elapsed(), 1)}
+    if r == 0 and state.rounds[0].is_done("measure"):
+        rec["measured"] = state.rounds[0].done["measure"]
+    log.info("round %d plan (s): %s", r, rec)
+    tracker.log(child, {f"plan/{k}": v for k, v in rec.items() if k != "round"})
+    return rec
+
+
+def round_plan(cfg: Config, state: RunState, r: int, remaining_s: float):
+    """plan_round for round r of this run with `remaining_s` left (BudgetError if none fits):
+    the one call behind both the plan and the stop rule's budget question."""
+    return plan_round(
+        r,
+        cfg.stop.max_rounds,
+        remaining_s,
+        rates(cfg, state, r),
+        [bench_requests(cfg, i) for i in range(r, cfg.stop.max_rounds)],
+        cfg.serve.simulate_users,
+        first_round_trains=not first_round_skips(cfg),
+    )
+
+
+def rates(cfg: Config, state: RunState, r: int) -> Rates:
+    """Seconds per benchmark and per simulated user's request for planning round r: what round
+    r-1 measured, its own plan's rates for a stage it has not run (yet); round 0: the start-up
+    measurement's."""
+    if r == 0:
+        m = Measured(**state.rounds[0].done["measure"])
+        mix = bench_mix(cfg, 0)
+        return Rates.from_measurement(m, mix, cfg.bench.max_tokens, cfg.data.max_new_tokens)
+    done = state.rounds[r - 1].done
+    plan = done["plan"]
+    base = Rates(plan["bench_s_per_request"], plan["traffic_s_per_request"])
+    return base.measured(done, bench_requests(cfg, r - 1), cfg.serve.simulate_users)
+
+
+def next_round_refusal(cfg: Config, state: RunState, r: int, clock: Clock) -> str | None:
+    """Why the budget planner would refuse round r+1 (None: it fits), asked after round r's
+    gate, with the simulated users that still run before round r+1 counted as planned."""
+    if not cfg.stop.max_wall_minutes or r + 1 >= cfg.stop.max_rounds:
+        return None
+    rs = state.rounds[r]
+    pending = 0.0
+    if cfg.serve.simulate_users and not rs.is_done("traffic"):
+        pending = float((rs.done.get("plan") or {}).get("traffic_s", 0.0))
+    try:
+        round_plan(cfg, state, r + 1, cfg.stop.max_wall_minutes * 60 - clock.elapsed() - pending)
+    except BudgetError as e:
+        return str(e)
+    return None
+
+
+def bench_requests(cfg: Config, r: int) -> int:
+    """Requests a round's benchmark sends: warm-up, the drafter's, and the baseline's unless a
+    later round reuses it."""
+    return sum(bench_mix(cfg, r))
+
+
+def bench_mix(cfg: Config, r: int) -> tuple[int, int]:
+    """(the drafter's requests, the no-drafter baseline's) of round r's benchmark."""
+    b = cfg.bench
+    plain = 0
+    if not (r and b.reuse_baseline):
+        plain = b.warmup + (b.baseline_prompts or b.num_prompts)
+    spec = b.warmup + b.num_prompts
+    if b.shape_chains and cfg.serve.engine == "embedded":  # the shape choice: a chain measured
+        spec += 2 * (b.baseline_prompts or b.num_prompts)  # for its acceptance, one confirmation
+    return spec * len(b.concurrency), plain * len(b.concurrency)
+
+
+def stage_seconds(rs, stage: str, clock: Clock) -> float | None:
+    """Seconds `stage` ("data" or "train") may still spend by the round's plan (None: no plan).
+    Time the data stage did not use goes to training."""
+    p = rs.done.get("plan")
+    if not p:
+        return None
+    end = p["start_s"] + p["data_s"] + (p["train_s"] if stage == "train" else 0.0)
+    # the box holds the training steps; Ray Train's start-up and the export come on top
+    overhead = TRAIN_START_S if stage == "train" else 0.0
+    return max(MIN_STAGE_S, end - clock.elapsed() - overhead)

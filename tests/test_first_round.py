@@ -1,0 +1,107 @@
+"""A run that starts from a base drafter (`train.first_round: skip`), as users run it
+(`python pipeline/run.py`, its own local Ray, sqlite MLflow), with a tiny random target: round 0
+makes no data and trains nothing, it serves and benchmarks `drafter.init` as it is, and the
+simulated users talk to it; round 1 fine-tunes it on their traffic plus fresh prompts, keeping
+its draft vocabulary. `drafter.init` is a relative folder, found from the working directory.
+The budget plan is sized from the start-up measurement, which summary.json carries."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import free_port
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+def _base_drafter(target: Path, out: Path) -> Path:
+    """A drafter in the shipped format: bf16, its own 512-token vocab map, no embedding."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from actors.hf_backend import resolve_aux_layer_ids
+    from eagle3.checkpoint import save_drafter
+    from serve.engine import random_drafter
+
+    lm = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    aux = resolve_aux_layer_ids(None, lm.config.num_hidden_layers)
+    d = random_drafter(lm, draft_vocab_size=512, seed=3, aux_layer_ids=aux).model
+    return save_drafter(d.state_dict(), d.cfg, out, dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory, tiny_target) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp("first")
+    base = _base_drafter(tiny_target, tmp / "drafters" / "tiny-base")
+    cfg = {
+        "name": "first",
+        "target": {"model": str(tiny_target)},
+        "data": {"source": {"builtin": 0.5, "traffic": 0.5}, "prompts_per_round": 8,
+                 "heldout_prompts": 4, "user_prompts": 8, "max_new_tokens": 24, "batch_size": 6,
+                 "num_actors": 1},
+        "drafter": {"init": "drafters/tiny-base"},  # relative: from the working directory
+        "train": {"first_round": "skip", "num_workers": 1, "epochs": 2, "lr": 0.003,
+                  "ttt_length": 2, "tokens_per_batch": 256, "checkpoint_every": 4},
+        "serve": {"steps": 2, "port": free_port(), "record_traffic": True, "simulate_users": 4,
+                  "simulate_concurrency": 2},
+        "bench": {"num_prompts": 4, "max_tokens": 16, "warmup": 1},
+        "stop": {"accept_len": None, "max_rounds": 2, "max_wall_minutes": 20},
+        "tracking": {"tracking_uri": f"sqlite:///{tmp}/mlflow.db", "experiment": "first"},
+    }  # fmt: skip
+    (tmp / "first.yaml").write_text(yaml.safe_dump(cfg))
+    done = subprocess.run(
+        [sys.executable, str(REPO / "pipeline/run.py"), "--config", "first.yaml", "--run-dir",
+         "run"], cwd=tmp, capture_output=True, text=True, timeout=1500,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return tmp / "run", base
+
+
+def test_round_0_serves_the_base_drafter_untrained_and_its_users_traffic_is_recorded(base_run):
+    from serve.traffic import read_traffic
+
+    run_dir, base = base_run
+    state = json.loads((run_dir / "state.json").read_text())
+    r0, r1 = (r["done"] for r in state["rounds"])
+    assert r0["generate"]["skipped"] and not (run_dir / "data" / "round-000").exists()
+    assert r0["train"]["skipped"] and r0["train"]["train_tokens"] == 0
+    served = Path(r0["train"]["drafter_dir"])
+    assert served == run_dir / "train" / "round-000" / "drafter"
+    assert (served / "model.safetensors").read_bytes() == (base / "model.safetensors").read_bytes()
+    assert r0["bench"]["accept_len"] >= 1.0 and r0["gate"]["promoted"]
+    assert r0["traffic"]["requests"] == 4 and r0["traffic"]["failed"] == 0
+    assert len(list(read_traffic(run_dir / "traffic"))) == 4
+
+
+def test_round_1_fine_tunes_the_base_drafter_on_the_traffic_keeping_its_vocab(base_run):
+    run_dir, base = base_run
+    state = json.loads((run_dir / "state.json").read_text())
+    r1 = state["rounds"][1]["done"]
+    assert r1["generate"]["traffic_records"] == 4  # half of its 8 prompts from the users' log
+    manifest = json.loads((run_dir / "data" / "round-001" / "manifest.json").read_text())
+    assert manifest["num_samples"] == 8 and r1["train"]["train_tokens"] > 0
+    want = load_file(str(base / "model.safetensors"))
+    for folder in (run_dir / "train" / "round-001" / "init" / "drafter", Path(r1["train"]["drafter_dir"])):  # fmt: skip
+        got = load_file(str(folder / "model.safetensors"))
+        assert got["d2t"].equal(want["d2t"]) and got["t2d"].equal(want["t2d"])
+
+
+def test_the_plan_comes_from_the_start_up_measurement(base_run):
+    run_dir, _ = base_run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    p0, p1 = summary["plans"]
+    m = p0["measured"]
+    assert m["plain_s_per_token"] > 0 and m["spec_s_per_token"] > 0 and m["spec_tokens"] == 16
+    assert m["drafter"] == "drafters/tiny-base"
+    assert p0["data_s"] == p0["train_s"] == 0.0  # round 0 makes no data and trains nothing
+    per_token = (5 * m["spec_s_per_token"] + 5 * m["plain_s_per_token"]) / 10  # 1+4 each
+    assert p0["bench_s_per_request"] == pytest.approx(per_token * 16, abs=0.01)
+    assert p1["data_s"] > 0 and p1["train_s"] > 0
+    assert [r["round"] for r in summary["rounds"]] == [0, 1]
