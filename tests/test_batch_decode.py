@@ -138,3 +138,16 @@ def test_cuda_graph_decoder_matches_hf_on_the_gpu(compiled):
     aux, final = dec.capture([s], [1])[0]
     hs = model(torch.tensor([s]).cuda(), output_hidden_states=True).hidden_states
     torch.testing.assert_close(aux, hs[2][0], atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_data_stage_generates_with_it_on_the_gpu():
+    """HFTarget.generate (what the target actors call) takes the batched decoder on CUDA."""
+    from actors.hf_backend import HFTarget
+
+    model = _model().cuda()
+    t = HFTarget.from_model(model)
+    prompts = _prompts(6, seed=8)
+    assert t.generate(prompts, 16) == [_hf_greedy(model, p, 16) for p in prompts]
+    assert t._dec is not None and t._dec.graphs
