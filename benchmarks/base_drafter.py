@@ -163,7 +163,10 @@ def train(a: argparse.Namespace) -> None:
     dev = t.device
     random.Random(0).shuffle(samples)
     held, tr = samples[: a.heldout], samples[a.heldout :]
-    vd, cov, counts = _vocab(tr, t.vocab_size, a.coverage, a.max_vocab)
+    if a.train_samples:  # a time-boxed build: the schedule ends where the data does
+        tr = tr[: a.train_samples]
+    # the vocabulary from every reply made (counting needs no capture), not only the trained ones
+    vd, cov, counts = _vocab(samples, t.vocab_size, a.coverage, a.max_vocab)
     log(vocab={"draft_vocab_size": vd, "coverage": round(cov, 4), "train_samples": len(tr), "heldout": len(held)})  # fmt: skip
     cfg = Eagle3Config(**_scratch_config(DrafterConfig(draft_vocab_size=vd), t.info().arch, aux))
     tens = load_target_tensors(str(a.target))
@@ -258,6 +261,7 @@ def main() -> None:
     )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (CPU builds)")
     ap.add_argument("--log-every", type=int, default=100)
+    ap.add_argument("--train-samples", type=int, default=0, help="train on the first N (0: all)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
