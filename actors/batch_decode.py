@@ -405,6 +405,12 @@ class BatchDecoder:
         """Per sequence: (aux [T, len(aux_layers)·hidden], final [T, hidden]) on the device, from
         batched right-padded forwards (each row sees only its own tokens: causal attention, the
         padding comes after). `aux_layers`: decoder layer indices (SGLang id k = layer k's output)."""
+        longest = max((len(s) for s in sequences), default=0)
+        if longest > self.capacity:  # the rotary tables end there (a GPU build once hit this)
+            raise ValueError(
+                f"capture: a sequence of {longest} tokens, the decoder holds {self.capacity}; "
+                "build it with capacity >= the longest sequence"
+            )
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
         out: list[tuple[Tensor, Tensor]] = [None] * len(sequences)  # type: ignore[list-item]
         at = 0

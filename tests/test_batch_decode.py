@@ -112,6 +112,12 @@ def test_refuses_prompts_longer_than_its_capacity():
         dec.generate([[7] * 4, [7] * 20], 4)
 
 
+def test_capture_refuses_sequences_past_its_capacity():
+    dec = BatchDecoder(_model(), rows=1, capacity=8, eos_ids=[EOS])
+    with pytest.raises(ValueError, match="capture: a sequence of 12 tokens"):
+        dec.capture([[7] * 12], [1])
+
+
 def test_names_what_it_cannot_run():
     model = _model(hidden_act="gelu")
     assert "not SiLU" in decoder_problem(model)
