@@ -51,7 +51,10 @@ def base_run(tmp_path_factory, tiny_target) -> tuple[Path, Path]:
                   "ttt_length": 2, "tokens_per_batch": 256, "checkpoint_every": 4},
         "serve": {"steps": 2, "port": free_port(), "record_traffic": True, "simulate_users": 4,
                   "simulate_concurrency": 2},
-        "bench": {"num_prompts": 4, "max_tokens": 16, "warmup": 1},
+        # The random target's replies fall mostly outside the base's 512-token draft vocab, so
+        # held-out accuracy (over in-vocab positions only) says nothing about serving here: the
+        # collapse check (tests/test_closed_loop.py has its own) is off for this run.
+        "bench": {"num_prompts": 4, "max_tokens": 16, "warmup": 1, "collapse_predicted": 99},
         "stop": {"accept_len": None, "max_rounds": 2, "max_wall_minutes": 20},
         "tracking": {"tracking_uri": f"sqlite:///{tmp}/mlflow.db", "experiment": "first"},
     }  # fmt: skip
@@ -101,7 +104,8 @@ def test_the_plan_comes_from_the_start_up_measurement(base_run):
     assert m["plain_s_per_token"] > 0 and m["spec_s_per_token"] > 0 and m["spec_tokens"] == 16
     assert m["drafter"] == "drafters/tiny-base"
     assert p0["data_s"] == p0["train_s"] == 0.0  # round 0 makes no data and trains nothing
-    per_token = (5 * m["spec_s_per_token"] + 5 * m["plain_s_per_token"]) / 10  # 1+4 each
+    # drafter: 1 warm-up + 4 prompts + 8 shape-choice probes (2 x 4); plain: 1 + 4
+    per_token = (13 * m["spec_s_per_token"] + 5 * m["plain_s_per_token"]) / 18
     assert p0["bench_s_per_request"] == pytest.approx(per_token * 16, abs=0.01)
     assert p1["data_s"] > 0 and p1["train_s"] > 0
     assert [r["round"] for r in summary["rounds"]] == [0, 1]
