@@ -43,13 +43,14 @@ def test_vllm_speculates_with_the_shipped_drafter(ray_local, tmp_path):
     from test_vllm import complete, free_port, pooled
 
     from actors.chat import prompt_ids
+    from actors.prompts import load_jsonl_prompts
     from pipeline.config import ServeConfig, TargetConfig
     from serve.engine import GenParams, SpecEngine, load_eagle, load_target
     from serve.vllm_server import deploy_vllm
 
     lm, tok = load_target("smollm2", dtype="float32")
     everyday = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "everyday.jsonl"
-    chats = [json.loads(x)["messages"] for x in everyday.read_text().splitlines()[:4]]
+    chats = [p.messages for p in load_jsonl_prompts(everyday)[:4]]
     ids = [prompt_ids(tok, m) for m in chats]
     torch.set_num_threads(1)
     engine = SpecEngine(lm, load_eagle(BASE, lm), steps=3, stop_ids=set())
