@@ -23,6 +23,7 @@ without graphs (slowly); tests use that.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -332,8 +333,6 @@ class BatchDecoder:
     ) -> tuple[list[list[int]], DecodeStats]:
         """New tokens of each prompt (ending with EOS unless `max_new_tokens` or the row's
         capacity ran out), in prompt order. `on_done(i, tokens)` is called as each finishes."""
-        import time
-
         t0 = time.perf_counter()
         for i, p in enumerate(prompts):
             if not 0 < len(p) < self.capacity:

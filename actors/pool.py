@@ -15,6 +15,8 @@ another chat held out). Duplicates (by prompt key) are kept once.
 
 from __future__ import annotations
 
+import gzip
+import json
 import random
 from collections import Counter
 from collections.abc import Sequence
@@ -98,3 +100,11 @@ def _starts_with_any(conv: Conversation, excluded: set[str], lengths: set[int]) 
         if m["role"] == "user" and size in lengths and prompt_key(conv[: end + 1]) in excluded:
             return True
     return False
+
+
+def read_pool(path: str | Path) -> list[dict]:
+    """The records benchmarks/base_pool.py writes (`{"messages", "domain", "source"}` per line),
+    from a .jsonl or .jsonl.gz file."""
+    op = gzip.open if str(path).endswith(".gz") else open
+    with op(path, "rt", encoding="utf-8") as f:
+        return [json.loads(x) for x in f if x.strip()]

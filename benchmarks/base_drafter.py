@@ -23,7 +23,6 @@ Each curve point's drafter is exported too (`curve-N/`), for the served-acceptan
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import random
 import sys
@@ -35,18 +34,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.batch_decode import BatchDecoder  # noqa: E402
+from actors.pool import read_pool  # noqa: E402
 
 AUX = None  # SGLang's default ids for the target ([1, 14, 26] for SmolLM2's 30 layers)
 
 
 def log(**kw) -> None:
     print(json.dumps(kw), flush=True)
-
-
-def read_pool(path: Path) -> list[dict]:
-    op = gzip.open if path.suffix == ".gz" else open
-    with op(path, "rt") as f:
-        return [json.loads(x) for x in f if x.strip()]
 
 
 def load_target(target: str):

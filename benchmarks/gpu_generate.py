@@ -16,7 +16,6 @@ Prints one JSON line per measurement and a table last.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import sys
 import time
@@ -27,12 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.batch_decode import BatchDecoder  # noqa: E402
-
-
-def read_pool(path: str) -> list[list[dict[str, str]]]:
-    op = gzip.open if path.endswith(".gz") else open
-    with op(path, "rt") as f:
-        return [json.loads(x)["messages"] for x in f if x.strip()]
+from actors.pool import read_pool  # noqa: E402
 
 
 def load(target: str):
@@ -48,9 +42,9 @@ def load(target: str):
                           max_position_embeddings=8192)  # fmt: skip
         model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
         return HFTarget.from_model(model)
-    from actors.config import TargetConfig
+    from benchmarks.base_drafter import load_target
 
-    return HFTarget(TargetConfig(model=target, dtype="bfloat16", num_gpus_per_actor=1))
+    return load_target(target)
 
 
 def timed(fn) -> tuple[object, float]:
@@ -137,7 +131,7 @@ def main() -> None:
         return table(rows, a.out)
     from actors.chat import prompt_ids
 
-    pool = read_pool(a.pool)[: a.real]
+    pool = [r["messages"] for r in read_pool(a.pool)[: a.real]]
     prompts = sorted((prompt_ids(t.tokenizer, c) for c in pool), key=len)
     prompts = [p for p in prompts if len(p) <= 1024]
     r = ours(model, prompts, 256, eos, 512)
