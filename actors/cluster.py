@@ -81,3 +81,21 @@ def start_ray(
             num_cpus=num_cpus,
             runtime_env=runtime_env or None,
         )
+
+
+def reserved_device(num_gpus: float, field: str) -> str:
+    """The torch device of a process that reserved `num_gpus` from Ray (`field` names the config
+    field): "cuda" when it reserved any (Ray has set CUDA_VISIBLE_DEVICES to its share), "cpu"
+    when none. A reservation torch cannot see is refused rather than run on the CPU: a CPU-only
+    torch on a GPU node would otherwise serve or regenerate at a hundredth of the speed."""
+    import torch
+
+    if num_gpus <= 0:
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"{field}: {num_gpus} GPU(s) reserved, but torch {torch.__version__} sees no CUDA "
+            f"device (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); install "
+            f"a CUDA build of torch on this node, or set {field}: 0 to run on its CPUs"
+        )
+    return "cuda"

@@ -61,6 +61,9 @@ class DataResult:
     capture_tok_per_s: float
     seconds: float
     switch_seconds: float = 0.0  # loading / switching SGLang's engine and capture runners
+    actors_ready_s: float = 0.0  # from asking Ray for the actors to their target loaded
+    gen_tokens: int = 0  # generated in this run (the rates' numerators)
+    capture_tokens: int = 0
     made: tuple[int, ...] = ()  # batch indices on disk for this round
     left_out: int = 0  # batches a deadline left out
 
@@ -118,16 +121,18 @@ def run_generate(
         flush=True,
     )
 
-    done, generated, info, n_actors, switch_s = [], [], {}, 0, 0.0
+    done, generated, info, n_actors, switch_s, ready_s = [], [], {}, 0, 0.0, 0.0
     if todo:
+        t0 = time.perf_counter()
         actors, reservations = _start_actors(
             target, data, min(data.num_actors, len(todo)), sglang_options
         )
         n_actors = len(actors)
         try:
-            done, generated, info, switch_s = _run_batches(
+            done, generated, info, switch_s, ready_at = _run_batches(
                 actors, batches, keys, list(todo), out_dir, data, two_phase, deadline
             )
+            ready_s = ready_at - t0
         finally:
             _stop_actors(actors, reservations)
     for r in done:
@@ -152,6 +157,9 @@ def run_generate(
         capture_tok_per_s=sum(r.capture_tokens for r in done) / cap_s if cap_s else 0.0,
         seconds=time.perf_counter() - start,
         switch_seconds=switch_s,
+        actors_ready_s=ready_s,
+        gen_tokens=sum(r.gen_tokens for r in generated),
+        capture_tokens=sum(r.capture_tokens for r in done),
         made=tuple(sorted(records)),
         left_out=len(wanted) - len(records),
     )
@@ -177,16 +185,17 @@ def _run_batches(
     data: DataConfig,
     two_phase: bool,
     deadline: float | None = None,
-) -> tuple[list[BatchResult], list[BatchResult], dict[str, Any], float]:
+) -> tuple[list[BatchResult], list[BatchResult], dict[str, Any], float, float]:
     """Run the unfinished batches: (results with shards, results with generate figures, target
-    info, seconds spent loading/switching backend phases)."""
+    info, seconds spent loading/switching backend phases, when the actors were ready)."""
     import ray
 
     from actors.target import has_generated
 
     t0 = time.perf_counter()
     info = ray.get(actors[0].info.remote())
-    print(f"[generate] {len(actors)} actor(s) ready in {time.perf_counter() - t0:.1f}s", flush=True)
+    ready_at = time.perf_counter()
+    print(f"[generate] {len(actors)} actor(s) ready in {ready_at - t0:.1f}s", flush=True)
     given = [p for i in todo if isinstance(b := batches[i], list) for p in b]
     # a source's reply is at most max_new_tokens, as the estimate assumes for generated ones
     given += [c for i in todo if isinstance(b := batches[i], Replied) for c in b.conversations]
@@ -235,7 +244,7 @@ def _run_batches(
             flush=True,
         )
     calls = done if generated is done else generated + done
-    return done, generated, info, sum(r.switch_seconds for r in calls)
+    return done, generated, info, sum(r.switch_seconds for r in calls), ready_at
 
 
 def _dispatch_order(batches: list[Batch], todo: list[int]) -> list[int]:

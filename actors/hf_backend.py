@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from actors.batch_decode import BatchDecoder, decoder_problem
+from actors.cluster import reserved_device
 from eagle3.fit import (  # noqa: F401  (resolve_aux_layer_ids re-exported: the drafter's rule)
     resolve_aux_layer_ids,
     resolve_capture_layers,
@@ -131,7 +132,7 @@ class HFTarget:
                 "model or add a chat_template to its tokenizer_config.json"
             )
         self.device = torch.device(
-            "cuda" if cfg.num_gpus_per_actor > 0 and torch.cuda.is_available() else "cpu"
+            reserved_device(cfg.num_gpus_per_actor, "target.num_gpus_per_actor")
         )
         dtype = target_dtype(cfg.dtype, self.device.type)
         self.model = (
@@ -221,10 +222,14 @@ class HFTarget:
             return dec.generate(prompts, max_new_tokens, temperature, seed)[0]
         return [n for n, _ in self._decode(prompts, max_new_tokens, temperature, seed, None)]
 
+    def batch_decodes(self) -> bool:
+        """Whether `generate` runs the batched decoder (a CUDA device, a Llama-family model)."""
+        return self.device.type == "cuda" and decoder_problem(self.model) is None
+
     def _batch_decoder(self, prompts: list[list[int]], max_new_tokens: int) -> Any:
         """The batched decoder for this call (kept and reused while it is large enough: its CUDA
         graphs are captured once), or None where it does not apply."""
-        if self.device.type != "cuda" or not prompts or decoder_problem(self.model):
+        if not prompts or not self.batch_decodes():
             return None
         need = max(len(p) for p in prompts) + max_new_tokens
         rows = min(512, len(prompts))
@@ -340,14 +345,16 @@ class HFTarget:
 
     @torch.inference_mode()
     def capture(
-        self, sequences: list[list[int]], layer_ids: list[int]
+        self, sequences: list[list[int]], layer_ids: list[int], batch: bool | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per sequence: (aux [T, len(ids)*H], final [T, H]) in bf16 on CPU, from one forward each.
 
         aux = cat of HF hidden_states[k+1] for SGLang id k; final = hidden_states[-1] (after the
-        final norm; the trainer applies the target's lm_head to it). One sequence per forward:
-        no padding, and the numbers equal a plain HF forward of that sequence."""
-        return [p.wait() for p in self.capture_async(sequences, layer_ids)]
+        final norm; the trainer applies the target's lm_head to it). `batch` (default: on CUDA):
+        right-padded groups of sequences per forward (`capture_groups`), equal to a plain HF
+        forward of each sequence up to kernel rounding; unbatched, one sequence per forward, no
+        padding, and the numbers equal that forward's exactly."""
+        return [p.wait() for p in self.capture_async(sequences, layer_ids, batch=batch)]
 
     @torch.inference_mode()
     def capture_async(
@@ -356,6 +363,7 @@ class HFTarget:
         layer_ids: list[int],
         pool: PinnedPool | None = None,
         slot: int | None = None,
+        batch: bool | None = None,
     ) -> list[PendingCapture]:
         """`capture` without waiting: every forward is queued on the GPU at once and each result
         is copied into pinned host memory behind it, so the caller (a shard writer thread) can pack
@@ -376,7 +384,10 @@ class HFTarget:
         `slot` (with `pool`): a slot the caller already took; every sequence of this call goes into
         it, back to back (a shard's worth: the data stage sizes slots to `data.shard_max_bytes`).
         Its results release nothing: the caller gives the slot back once their shard is written.
-        Many short sequences then share one slot instead of needing a slot each."""
+        Many short sequences then share one slot instead of needing a slot each.
+
+        `batch`: as in `capture`; a sequence with a slot of its own (`pool` without `slot`) is
+        always captured alone."""
         ids = resolve_capture_layers(layer_ids, self.num_layers)
         if pool is not None:
             pool.check(sequences, (len(ids) + 1) * self.hidden_size, shared=slot is not None)
@@ -396,27 +407,33 @@ class HFTarget:
 
         handles = [layers[k].register_forward_hook(hook(k)) for k in sorted(set(ids))]
         cuda = self.device.type == "cuda"
-        out: list[PendingCapture] = []
-        at = 0  # tokens of this call already placed in the shared `slot`
+        out: list[PendingCapture | None] = [None] * len(sequences)
+        starts = [0]  # where each sequence begins in the shared `slot`
+        for seq in sequences[:-1]:
+            starts.append(starts[-1] + len(seq))
+        # One sequence per forward takes SmolLM2 on an H200 34k tok/s, launch-bound; padded groups
+        # of up to CAPTURE_BATCH_TOKENS, a sequence's own slot aside (taking several slots at once
+        # could wait on itself), make few, large forwards.
+        batched = (cuda if batch is None else batch) and (pool is None or slot is not None)
         try:
-            for seq in sequences:
-                own = pool.take() if pool is not None and slot is None else None
-                where = own if slot is None else slot
-                if pool is None or where is None:
-                    x = torch.tensor([seq], dtype=torch.long, pin_memory=cuda)
-                    host = None
-                else:  # the slot is free, so its last host-to-device copy finished long ago
-                    x = pool.ids(where, len(seq), at)
-                    x.copy_(torch.tensor(seq, dtype=torch.long))
-                    x = x[None]
-                    host = pool.states(where, len(seq), len(ids) * self.hidden_size, at)
+            for group in capture_groups([len(s) for s in sequences], batched):
+                T = max(len(sequences[i]) for i in group)
+                x = torch.zeros(len(group), T, dtype=torch.long, pin_memory=cuda)
+                for r, i in enumerate(group):  # right-padded: causal rows never see the padding
+                    x[r, : len(sequences[i])] = torch.as_tensor(sequences[i], dtype=torch.long)
                 x = x.to(self.device, non_blocking=True)
                 grabbed.clear()
-                final = base(input_ids=x, use_cache=False).last_hidden_state[0]
-                aux = torch.cat([grabbed[k][0] for k in ids], dim=-1)
-                out.append(PendingCapture.start(aux, final, cuda, host, pool, own))
-                if slot is not None:
-                    at += len(seq)
+                final = base(input_ids=x, use_cache=False).last_hidden_state
+                aux = torch.cat([grabbed[k] for k in ids], dim=-1)
+                for r, i in enumerate(group):
+                    n = len(sequences[i])
+                    own = pool.take() if pool is not None and slot is None else None
+                    where = own if slot is None else slot
+                    host = None
+                    if pool is not None and where is not None:
+                        at = 0 if slot is None else starts[i]
+                        host = pool.states(where, n, len(ids) * self.hidden_size, at)
+                    out[i] = PendingCapture.start(aux[r, :n], final[r, :n], cuda, host, pool, own)
         except BaseException:
             # Copies already queued may still read or write the pool's buffers; once this raises,
             # the caller may hand the slots back, so let them finish first.
@@ -426,7 +443,7 @@ class HFTarget:
         finally:
             for h in handles:
                 h.remove()
-        return out
+        return out  # type: ignore[return-value]
 
     def _capture_all_states(self, seq: list[int], ids: list[int]) -> PendingCapture:
         x = torch.tensor([seq], dtype=torch.long, device=self.device)
@@ -494,7 +511,7 @@ class _StateLog:
 
 class PinnedPool:
     """Reusable pinned host buffers for `HFTarget.capture_async`: `slots` buffers, each holding
-    one sequence of up to `max_tokens` tokens (its ids and its bf16 aux + final states, `width` =
+    one sequence of up to `max_tokens` tokens (its bf16 aux + final states, `width` =
     (aux layers + 1) x hidden). Allocated once; slots go back with `PendingCapture.release()`."""
 
     def __init__(self, slots: int, max_tokens: int, width: int):
@@ -503,9 +520,6 @@ class PinnedPool:
         self._states = [
             torch.empty(max_tokens * width, dtype=torch.bfloat16, pin_memory=pin)
             for _ in range(slots)
-        ]
-        self._ids = [
-            torch.empty(max_tokens, dtype=torch.long, pin_memory=pin) for _ in range(slots)
         ]
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for i in range(slots):
@@ -536,10 +550,6 @@ class PinnedPool:
 
     def give(self, slot: int) -> None:
         self._free.put(slot)
-
-    def ids(self, slot: int, n: int, at: int = 0) -> torch.Tensor:
-        """Room for n token ids in a slot, from token `at` on."""
-        return self._ids[slot][at : at + n]
 
     def states(
         self, slot: int, n: int, aux_width: int, at: int = 0
@@ -600,6 +610,25 @@ class PendingCapture:
             self.wait()
             self.pool.give(self.slot)
         self.pool = self.slot = None
+
+
+CAPTURE_BATCH_TOKENS = 32768
+"""Padded tokens of one batched capture forward on a GPU (rows x longest row)."""
+
+
+def capture_groups(lengths: list[int], batched: bool) -> list[list[int]]:
+    """Indices of the sequences of one capture call, a forward's worth each: one each unbatched;
+    batched, neighbours in length order (little padding) while rows x longest row stays within
+    CAPTURE_BATCH_TOKENS (a longer sequence alone)."""
+    if not batched:
+        return [[i] for i in range(len(lengths))]
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= CAPTURE_BATCH_TOKENS:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:

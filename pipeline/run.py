@@ -78,6 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# Never uploaded with a job: local venvs, run outputs, and what scripts/gpu_host.sh carries onto a
+# GPU host beside the checkout.
+UPLOAD_EXCLUDES = [".venv/", ".venv-vllm/", ".git/", "runs/", "demo-run/", "*.db", "mlartifacts/",
+                   ".carry/", ".whl/", ".gl/"]  # fmt: skip
+
+
 def job_runtime_env(config: str, working_dir: str = ".") -> dict:
     """The runtime_env to submit a job with: the config's own plus the working dir, without the
     local virtualenv and run outputs (they must not be uploaded)."""
@@ -86,7 +92,7 @@ def job_runtime_env(config: str, working_dir: str = ".") -> dict:
     env.setdefault("working_dir", working_dir)
     env.setdefault(
         "excludes",
-        [".venv/", ".venv-vllm/", ".git/", "runs/", "demo-run/", "*.db", "mlartifacts/"],
+        UPLOAD_EXCLUDES,
     )
     vars_ = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **dict(env.get("env_vars") or {})}
     # vLLM's own venv is not uploaded: the job's actors find it by absolute path

@@ -3,7 +3,9 @@
 # progress streamed, then the per-round table. Re-running resumes the same run directory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source .venv/bin/activate  # the job's `python` is this venv's
+# The job's `python` is this venv's; a GPU host set up by scripts/gpu_host.sh has none (its
+# python, Ray and MLflow are on PATH).
+[ -f .venv/bin/activate ] && source .venv/bin/activate
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 TOKENIZERS_PARALLELISM=false
 # Ray token auth: the head, `ray job submit` and the job's driver share ~/.ray/auth_token.
 export RAY_AUTH_MODE=token
@@ -42,15 +44,16 @@ MLFLOW_PID=$!
 # --block in its own session, so the cleanup above stops exactly these processes.
 RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 setsid ray start --head --block --node-ip-address 127.0.0.1 \
   --port "$(free_port)" --ray-client-server-port "$(free_port)" \
-  --dashboard-agent-listen-port "$(free_port)" --num-cpus 4 --dashboard-host 127.0.0.1 \
+  --dashboard-agent-listen-port "$(free_port)" --num-cpus "${RAY_NUM_CPUS:-4}" --dashboard-host 127.0.0.1 \
   --dashboard-port "$DASH_PORT" --disable-usage-stats >"$RUN_DIR/ray-start.log" 2>&1 &
 RAY_PID=$!
 : >>"$RUN_DIR/ray-start.log"
 for _ in $(seq 120); do grep -q "Ray runtime started" "$RUN_DIR/ray-start.log" && break
   kill -0 "$RAY_PID" 2>/dev/null || { echo "Ray did not start: $RUN_DIR/ray-start.log"; exit 1; }; sleep 1; done
 
-for _ in $(seq 90); do curl -sf "http://127.0.0.1:$MLFLOW_PORT/health" >/dev/null && break; sleep 1; done
-curl -sf "http://127.0.0.1:$MLFLOW_PORT/health" >/dev/null || { echo "MLflow did not start: $RUN_DIR/mlflow.log"; exit 1; }
+http_ok() { python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)" "$1" 2>/dev/null; }
+for _ in $(seq 90); do http_ok "http://127.0.0.1:$MLFLOW_PORT/health" && break; sleep 1; done
+http_ok "http://127.0.0.1:$MLFLOW_PORT/health" || { echo "MLflow did not start: $RUN_DIR/mlflow.log"; exit 1; }
 echo "Ray dashboard: http://127.0.0.1:$DASH_PORT"
 echo "MLflow UI:     http://127.0.0.1:$MLFLOW_PORT"
 echo "run dir:       $RUN_DIR"

@@ -44,6 +44,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
+from actors.cluster import reserved_device
 from serve.engine import (
     Generation,
     SpecEngine,
@@ -89,12 +90,15 @@ class SpecServer:
         self._spec = {"target": target, "options": options, "actor": actor or {}}
         if options.get("torch_threads"):
             torch.set_num_threads(int(options["torch_threads"]))
+        # on the GPU the replica reserved: the engine's static runner then runs CUDA graphs
+        device = reserved_device(float((actor or {}).get("num_gpus", 0.0)), "serve.num_gpus")
         lm, self.tokenizer = load_target(
             target["model"],
             target.get("gguf_file"),
             target.get("dtype", "float32"),
             target.get("revision"),
             target.get("trust_remote_code", False),
+            device,
         )
         stop = eos_ids(lm) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
@@ -200,6 +204,8 @@ class SpecServer:
             "error": self.swap_error,
             "swaps": self.swaps,
             "steps": self.engine.steps,
+            "device": str(self.engine.device),  # where the replica's engine runs, and how
+            "cuda_graphs": bool(self.engine.static is not None and self.engine.static.use_graphs),
             "shape": self.shape_name(),  # what a request that names no shape gets
             "pid": os.getpid(),
             "app": serve.get_replica_context().app_name,

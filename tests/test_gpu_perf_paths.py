@@ -95,7 +95,7 @@ def check_capture_pipeline(device: str, tmp_path) -> None:
     # every slot came back
     assert sorted(pool.take() for _ in range(3)) == [0, 1, 2]
     # the synchronous API returns the same numbers
-    for seq, (aux, final) in zip(seqs, target.capture(seqs, AUX), strict=True):
+    for seq, (aux, final) in zip(seqs, target.capture(seqs, AUX, batch=False), strict=True):
         want = hf_states(model, seq, device)
         assert torch.equal(aux, want[0]) and torch.equal(final, want[1])
 
@@ -198,3 +198,44 @@ def test_static_runner_fuses_weights_in_place():
         assert torch.equal(model(input_ids=x).logits, before)
     again = StaticTargetRunner(model, capacity=64, graphs=False)
     assert again.weights[1].qkv is w.qkv and again.weights[1].gate_up is w.gate_up
+
+
+def test_capture_groups_bound_padding_and_keep_every_sequence():
+    from actors.hf_backend import CAPTURE_BATCH_TOKENS, capture_groups
+
+    lengths = [900, 5, 40000, 17, 2048, 33, 1200, 5]
+    assert capture_groups(lengths, batched=False) == [[i] for i in range(len(lengths))]
+    groups = capture_groups(lengths, batched=True)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:  # padded tokens of one forward stay in bound, a too-long one alone
+        assert len(g) * max(lengths[i] for i in g) <= CAPTURE_BATCH_TOKENS or len(g) == 1
+    assert [2] in groups
+    assert len(groups) < len(lengths)  # short neighbours share a forward
+
+
+def check_batched_capture(device: str) -> None:
+    """Right-padded groups give each sequence the states of its own plain forward (up to
+    rounding), into one shared slot back to back as the data stage streams a shard."""
+    model = tiny_llama(device)
+    target = HFTarget.from_model(model)
+    seqs = sequences(4)
+    pool = PinnedPool(slots=1, max_tokens=sum(map(len, seqs)), width=4 * 64)
+    slot = pool.take()
+    pending = target.capture_async(seqs, AUX, pool, slot, batch=True)
+    loose = target.capture(seqs, AUX, batch=True)
+    for seq, p, (aux2, fin2) in zip(seqs, pending, loose, strict=True):
+        aux, final = hf_states(model, seq, device)
+        got_aux, got_final = p.wait()
+        for got, want in ((got_aux, aux), (got_final, final), (aux2, aux), (fin2, final)):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_batched_capture_cpu():
+    check_batched_capture("cpu")
+
+
+@pytest.mark.gpu
+@cuda
+def test_batched_capture_cuda():
+    check_batched_capture("cuda")

@@ -335,3 +335,18 @@ def test_patience_stops_training_when_acceptance_stops_improving(
     assert [m["step"] for m in evals] == [1, 2, 3]
     assert res.steps == 3 and res.best_step == 1
     assert json.loads((out / "boxed_total.json").read_text()) == {"total": 3, "early_stop": True}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_one_gpu_worker_trains_over_nccl_and_exports(ray_local, target_and_data, tmp_path):
+    """Ray Train with `use_gpu`: the worker takes the GPU Ray gives it, NCCL joins the group."""
+    target, data = target_and_data
+    res = run_train(config(target, num_workers=1, use_gpu=True, epochs=2), [data], tmp_path / "gpu")
+    log = (tmp_path / "gpu" / "metrics.jsonl").read_text()
+    assert res.steps >= 2 and res.tok_per_s > 0 and log
+    _, state = load_drafter(res.drafter_dir)
+    assert (
+        state["fc.weight"].dtype == torch.bfloat16
+        and not torch.isnan(state["fc.weight"].float()).any()
+    )
