@@ -16,6 +16,7 @@ source <(bash scripts/gpu_host.sh env)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 step() { echo "$(date +%T) $1 start" >>"$DIR/progress"; shift; "$@"; echo "$(date +%T) rc=$?" >>"$DIR/progress"; }
 
+step env bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; free -g | head -2; df -h /tmp | tail -1; python3 -c 'import torch, transformers, ray, mlflow; print(\"torch\", torch.__version__, \"transformers\", transformers.__version__, \"ray\", ray.__version__, \"mlflow\", mlflow.__version__)'" >"$DIR/env.txt" 2>&1
 step demo env CONFIG="$CONFIG" RUN_DIR="$DIR/run" RAY_NUM_CPUS="$(nproc)" \
   bash scripts/demo.sh >"$DIR/demo.log" 2>&1
 for r in 0 1; do
@@ -30,5 +31,5 @@ cols = [c for c in ("run_id", "tags.mlflow.runName", "status", "metrics.bench/ac
                     "metrics.bench/tok_per_s", "metrics.gate/promoted") if c in runs.columns]
 print(runs[cols].to_string())
 PY
-step pytest-gpu python3 -m pytest -q -m gpu -p no:cacheprovider tests >"$DIR/pytest-gpu.log" 2>&1
+step pytest-gpu timeout 1200 python3 -m pytest -q -m gpu -p no:cacheprovider tests >"$DIR/pytest-gpu.log" 2>&1
 echo "$(date +%T) all done" >>"$DIR/progress"
