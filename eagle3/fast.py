@@ -358,16 +358,21 @@ def fast_ttt_forward(
     step_decay: float = 0.8,
     attention: str = "auto",
     compiled: bool | None = None,
+    pad_to: int | None = None,
 ) -> TTTOutput:
     """Drop-in for `model.ttt_forward` (same arguments and TTTOutput; no return_logits).
 
     attention: "flex" (CUDA), "dense" (anywhere, memory O(T²)), "auto" = flex on CUDA.
-    compiled: torch.compile the elementwise pieces (default: on CUDA)."""
+    compiled: torch.compile the elementwise pieces (default: on CUDA).
+    pad_to: pad the packed row to at least this many tokens (a dummy sample with no loss), so
+    every batch of a run has one shape: the compiled pieces specialise on the row's length, and
+    on an H200 a batch of a new length cost a 36 s recompile (63 s for the first)."""
     dev = input_ids.device
     use_flex = attention == "flex" or (attention == "auto" and dev.type == "cuda")
     kn = kernels(dev.type == "cuda" if compiled is None else compiled)
     T0 = input_ids.shape[0]
-    T = -(-T0 // BLOCK) * BLOCK if use_flex else T0
+    T = max(T0, pad_to or 0)
+    T = -(-T // BLOCK) * BLOCK if use_flex else T
     if T != T0:  # pad with a dummy sample that has no loss
         pad = T - T0
         input_ids = F.pad(input_ids, (0, pad))

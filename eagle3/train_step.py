@@ -280,13 +280,14 @@ class TTTModule(nn.Module):
         drafter: Eagle3Drafter,
         path: Literal["reference", "fast"] = "reference",
         cast: torch.dtype | None = None,
+        pad_to: int | None = None,
     ):
         super().__init__()
         self.drafter = drafter
         self.path = path
         self.cast = cast
         object.__setattr__(
-            self, "_fast", _FastRunner(drafter)
+            self, "_fast", _FastRunner(drafter, pad_to)
         )  # not a submodule: no duplicate names
 
     def forward(
@@ -302,14 +303,15 @@ class TTTModule(nn.Module):
 
 
 class _FastRunner(nn.Module):
-    def __init__(self, drafter: Eagle3Drafter):
+    def __init__(self, drafter: Eagle3Drafter, pad_to: int | None = None):
         super().__init__()
         self.drafter = drafter
+        self.pad_to = pad_to
 
     def forward(self, *args) -> TTTOutput:
         from eagle3.fast import fast_ttt_forward
 
-        return fast_ttt_forward(self.drafter, *args, step_decay=STEP_DECAY)
+        return fast_ttt_forward(self.drafter, *args, step_decay=STEP_DECAY, pad_to=self.pad_to)
 
 
 def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -586,7 +588,11 @@ def wrap_ddp(module: nn.Module, device: torch.device) -> nn.Module:
 
 
 def parallelize(
-    drafter: Eagle3Drafter, device: torch.device, precision: str = "auto", fsdp: bool = False
+    drafter: Eagle3Drafter,
+    device: torch.device,
+    precision: str = "auto",
+    fsdp: bool = False,
+    pad_to: int | None = None,
 ) -> tuple[nn.Module, torch.dtype | None, torch.dtype | None]:
     """(module to train, autocast dtype, compute dtype) for a drafter already on `device`.
 
@@ -594,19 +600,20 @@ def parallelize(
     them under `fsdp`, else `TTTModule.cast`. CPU runs the reference path under bf16 autocast (or
     fp32). FSDP2 shards the whole TTTModule as one group: both paths reach the midlayer's weights
     directly (MidLayer has no forward of its own), so a separate group there would never unshard.
-    FSDP needs CUDA; on CPU `fsdp` falls back to DDP. One process: no wrapper at all."""
+    FSDP needs CUDA; on CPU `fsdp` falls back to DDP. One process: no wrapper at all.
+    `pad_to` (the fast path): every packed row padded to this many tokens, one compiled shape."""
     dt = compute_dtype(precision, device)
     path: Literal["reference", "fast"] = "fast" if device.type == "cuda" else "reference"
     distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
     if fsdp and device.type == "cuda" and distributed:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        module = TTTModule(drafter, path)
+        module = TTTModule(drafter, path, pad_to=pad_to)
         fully_shard(
             module, mp_policy=MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=torch.float32)
         )
     else:
-        module = TTTModule(drafter, path, cast=dt if path == "fast" else None)
+        module = TTTModule(drafter, path, cast=dt if path == "fast" else None, pad_to=pad_to)
         if distributed:
             module = wrap_ddp(module, device)
     return module, (dt if path == "reference" else None), dt

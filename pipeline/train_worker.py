@@ -331,7 +331,8 @@ def _build(job: TrainJob, tc: TrainConfig, tensors: dict, device: torch.device):
     drafter = drafter.to(device)
     if tc.fsdp and device.type != "cuda":
         _say("[train] train.fsdp needs GPUs (FSDP2 over NCCL); falling back to DDP on CPU")
-    module, autocast, dt = parallelize(drafter, device, tc.precision, tc.fsdp)
+    # one row length for the whole run (the budget): each new length recompiles the fast path
+    module, autocast, dt = parallelize(drafter, device, tc.precision, tc.fsdp, tc.tokens_per_batch)
     return module, drafter, autocast, dt
 
 

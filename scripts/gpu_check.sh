@@ -14,16 +14,25 @@ CONFIG=${CONFIG:-configs/smollm2-1gpu.yaml}
 mkdir -p "$DIR"
 source <(bash scripts/gpu_host.sh env)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-step() { echo "$(date +%T) $1 start" >>"$DIR/progress"; shift; "$@"; echo "$(date +%T) rc=$?" >>"$DIR/progress"; }
+STEPS=${STEPS:-env demo stages mlflow pytest}  # a subset re-runs only those
+# step NAME LOG CMD...: run CMD into $DIR/LOG, unless NAME is not in STEPS (its log then stays
+# as an earlier run left it: the redirection lives in here, not on the caller's line)
+step() {
+  local name=$1 log=$DIR/$2; shift 2
+  case " $STEPS " in *" ${name%%-*} "*) ;; *) return 0 ;; esac
+  echo "$(date +%T) $name start" >>"$DIR/progress"
+  "$@" >"$log" 2>&1
+  echo "$(date +%T) $name rc=$?" >>"$DIR/progress"
+}
 
-step env bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; free -g | head -2; df -h /tmp | tail -1; python3 -c 'import torch, transformers, ray, mlflow; print(\"torch\", torch.__version__, \"transformers\", transformers.__version__, \"ray\", ray.__version__, \"mlflow\", mlflow.__version__)'" >"$DIR/env.txt" 2>&1
-step demo env CONFIG="$CONFIG" RUN_DIR="$DIR/run" RAY_NUM_CPUS="$(nproc)" \
-  bash scripts/demo.sh >"$DIR/demo.log" 2>&1
+step env env.txt bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; free -g | head -2; df -h /tmp | tail -1; python3 -c 'import torch, transformers, ray, mlflow; print(\"torch\", torch.__version__, \"transformers\", transformers.__version__, \"ray\", ray.__version__, \"mlflow\", mlflow.__version__)'"
+step demo demo.log env CONFIG="$CONFIG" RUN_DIR="$DIR/run" RAY_NUM_CPUS="$(nproc)" \
+  bash scripts/demo.sh
 for r in 0 1; do
-  step "stages-$r" python3 benchmarks/pipeline_stages.py --run-dir "$DIR/run" --round "$r" \
-    --out "$DIR/stages-$r.jsonl" >"$DIR/stages-$r.log" 2>&1
+  step "stages-$r" "stages-$r.log" python3 benchmarks/pipeline_stages.py --run-dir "$DIR/run" \
+    --round "$r" --out "$DIR/stages-$r.jsonl"
 done
-step mlflow python3 - "$DIR/run/mlflow.db" >"$DIR/mlflow-runs.txt" 2>&1 <<'PY'
+step mlflow mlflow-runs.txt python3 - "$DIR/run/mlflow.db" <<'PY'
 import sys, mlflow
 mlflow.set_tracking_uri(f"sqlite:///{sys.argv[1]}")
 runs = mlflow.search_runs(search_all_experiments=True)
@@ -31,5 +40,5 @@ cols = [c for c in ("run_id", "tags.mlflow.runName", "status", "metrics.bench/ac
                     "metrics.bench/tok_per_s", "metrics.gate/promoted") if c in runs.columns]
 print(runs[cols].to_string())
 PY
-step pytest-gpu timeout 1200 python3 -m pytest -q -m gpu -p no:cacheprovider tests >"$DIR/pytest-gpu.log" 2>&1
+step pytest pytest-gpu.log timeout 1200 python3 -m pytest -q -m gpu -p no:cacheprovider tests
 echo "$(date +%T) all done" >>"$DIR/progress"

@@ -27,7 +27,6 @@ case "${1:-}" in
     cat /tmp/carry/bundle.part.* | tar -C /tmp/wheels -xf -
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$SITE" /tmp/wheels/*.whl
-    ln -sf "$(command -v python3)" "$SITE/bin/python"  # the job runs `python pipeline/run.py`
     echo "installed $(ls /tmp/wheels | wc -l) wheels into $SITE" ;;
   env)
     echo "export PYTHONPATH=$SITE PATH=$SITE/bin:\$PATH RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0" ;;

@@ -94,6 +94,21 @@ def test_fast_path_matches_reference_on_cpu():
         torch.testing.assert_close(g[name], g_ref[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_padding_the_row_to_a_fixed_length_changes_nothing():
+    """`pad_to` (one compiled shape per run) adds a dummy sample with no loss: the loss, the
+    per-step figures and every gradient are those of the unpadded row."""
+    cfg = small_cfg()
+    model = drafter(cfg, seed=0)
+    b = batch(cfg, [0, 13, 20, 37], seed=1)
+    want, g_want = run(fast(model, attention="dense", compiled=False), model, b, ttt=4)
+    got, g = run(fast(model, attention="dense", compiled=False, pad_to=64), model, b, ttt=4)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-6, atol=1e-6)
+    assert got.counted.tolist() == want.counted.tolist()
+    assert got.correct.tolist() == want.correct.tolist()
+    for name in g_want:
+        torch.testing.assert_close(g[name], g_want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_gradients_still_accumulate_over_two_backwards():
     """Grad accumulation inside one forward must not break accumulation across micro-batches."""
     cfg = small_cfg()
