@@ -80,3 +80,15 @@ def test_the_serve_replica_runs_on_the_gpu_it_reserved(tiny_target, serve_port, 
         assert r.json()["usage"]["completion_tokens"] > 0
     finally:
         ep.shutdown()
+
+
+@pytest.mark.parametrize("gpus", [0, pytest.param(1, marks=[pytest.mark.gpu, cuda])])
+def test_capture_auto_keeps_decode_states_only_where_the_hf_loop_generates(tiny_target, gpus):
+    """CPU: the HF decode loop generates, and its forwards' states are kept (no second pass). GPU:
+    the batched decoder generates (it keeps no states), so one capture pass follows."""
+    from actors.target import TargetWorker
+
+    target = TargetConfig(model=str(tiny_target), num_gpus_per_actor=gpus)
+    worker = TargetWorker(target, DataConfig())
+    assert worker.capture_in_decode is (gpus == 0)
+    assert TargetWorker(target, DataConfig(capture="forward")).capture_in_decode is False
