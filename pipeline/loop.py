@@ -323,7 +323,7 @@ def _traffic_for_round(
         return [json.loads(x) for x in chosen.read_text().splitlines() if x.strip()]
     used = {i for rs in state.rounds[:r] for i in (rs.done.get("generate") or {}).get("traffic_ids", [])}  # fmt: skip
     recs = select_traffic(
-        list(read_traffic(RunDir(run_dir).traffic)),
+        read_traffic(RunDir(run_dir).traffic),  # streamed, never whole in memory
         round(cfg.data.prompts_for_round(r) * share),
         used,
         {prompt_key(c) for c in evalset[0]},

@@ -65,13 +65,22 @@ APP_NAME = "eagle3"
 app = FastAPI()
 
 
-def _traffic_log(opts: dict[str, Any] | None):
-    """The replica's traffic log when recording is on (`serve.record_traffic`), else None.
+def _traffic_log(opts: dict[str, Any] | None, tokenizer: Any):
+    """The replica's traffic log when recording is on (`serve.record_traffic`), else None; a
+    record whose text the redaction hook changed gets its prompt ids from `tokenizer` again.
     Defined above the class: Serve serializes the class when it is decorated, and a helper
     defined below it would be missing in the replica."""
     if not opts:
         return None
+    from actors.chat import prompt_ids
     from serve.traffic import TrafficLog, load_redactor
+
+    def retokenize(rec: dict[str, Any]) -> list[int]:
+        if rec.get("chat"):
+            return prompt_ids(tokenizer, rec["messages"])
+        p = rec["prompt"]
+        p = p[0] if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list) else p
+        return list(tokenizer(p)["input_ids"]) if isinstance(p, str) else list(p)
 
     return TrafficLog(
         opts["dir"],
@@ -79,6 +88,7 @@ def _traffic_log(opts: dict[str, Any] | None):
         max_bytes=int(opts.get("max_bytes", 64 << 20)),
         max_files=int(opts.get("max_files", 8)),
         redact=load_redactor(opts.get("redact")),
+        retokenize=retokenize,
     )
 
 
@@ -115,7 +125,7 @@ class SpecServer:
         self.plain = False  # the serving shape is plain decoding: requests that do not ask
         # for `speculative` decode without the drafter (the benchmark still asks for shapes)
         self.configured = False  # Serve calls reconfigure once right after __init__
-        self.traffic = _traffic_log(options.get("traffic"))
+        self.traffic = _traffic_log(options.get("traffic"), self.tokenizer)
         self._run.set_max_batch_size(int(options.get("max_batch_size", 8)))
         log.info(
             "SpecServer: target %s loaded (%d layers)",
@@ -269,17 +279,18 @@ class SpecServer:
         gen = await self._run(job)
         if isinstance(gen, Exception):
             raise gen  # this request alone failed (run_isolated retried it by itself)
-        self._log_traffic(job, gen)
+        await self._log_traffic(job, gen)
         return self._response(gen, chat, job.speculative)
 
-    def _log_traffic(self, job: _Job, gen: Generation) -> None:
-        """Append the finished request to the traffic log (serve/traffic.py); a logging failure
-        costs the record, never the response."""
+    async def _log_traffic(self, job: _Job, gen: Generation) -> None:
+        """Append the finished request to the traffic log (serve/traffic.py), fsynced in a
+        thread (off the event loop) before the response goes out, so a crash loses only the
+        requests in flight; a logging failure costs the record, never the response."""
         if self.traffic is None or job.record is None:
             return
         st, p = gen.stats, job.params
         try:
-            self.traffic.append({
+            await asyncio.to_thread(self.traffic.append, {
                 "time": time.time(), "id": uuid.uuid4().hex, "replica": self.traffic.replica,
                 **job.record, "prompt_ids": list(job.prompt), "completion_ids": list(gen.token_ids),
                 "finish_reason": st.finish_reason, "temperature": p.temperature,
@@ -374,7 +385,7 @@ class SpecServer:
             yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
             yield "data: [DONE]\n\n"
             return
-        self._log_traffic(job, gen)
+        await self._log_traffic(job, gen)
         text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         yield chunk(text[len(sent) :] or None, finish=gen.stats.finish_reason)
         if include_usage:

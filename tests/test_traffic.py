@@ -30,7 +30,8 @@ def drop_secret(rec: dict) -> dict | None:
 
 
 def test_log_rotates_redacts_and_skips_torn_lines(tmp_path):
-    log = TrafficLog(tmp_path, "7", max_bytes=400, max_files=2, redact=drop_secret)
+    log = TrafficLog(tmp_path, "7", max_bytes=400, max_files=2, redact=drop_secret,
+                     retokenize=lambda rec: [9])  # fmt: skip
     for i in range(8):
         log.append(_rec(i))
     log.append({**_rec(99), "messages": [{"role": "user", "content": "my secret"}]})
@@ -49,6 +50,72 @@ def test_log_rotates_redacts_and_skips_torn_lines(tmp_path):
     )
     with pytest.raises(ValueError, match="serve.traffic_redact"):
         load_redactor("no_colon")
+
+
+def test_redaction_sees_the_ids_and_masked_text_never_keeps_its_old_ids(tmp_path):
+    """prompt_ids spell the same text as messages: a hook that masks only the content gets ids
+    derived from what it returned, or the record is dropped; the hook sees and may mask the
+    completion ids too."""
+    seen = []
+
+    def mask(rec: dict) -> dict:
+        seen.append(rec)
+        return {**rec, "messages": [{**m, "content": "<redacted>"} for m in rec["messages"]],
+                "completion_ids": [0] * len(rec["completion_ids"])}  # fmt: skip
+
+    def retok(rec: dict) -> list[int]:
+        return [len(m["content"]) for m in rec["messages"]]
+
+    log = TrafficLog(tmp_path / "a", "1", redact=mask, retokenize=retok)
+    assert log.append(_rec(0))
+    assert seen[0]["prompt_ids"] == [1, 2, 3] and seen[0]["completion_ids"] == [4, 5]
+    (got,) = read_traffic(tmp_path / "a")
+    assert got["prompt_ids"] == [len("<redacted>")] and got["completion_ids"] == [0, 0]
+    assert not TrafficLog(tmp_path / "b", "1", redact=mask).append(_rec(0))  # no tokenizer: dropped
+    assert not list(read_traffic(tmp_path / "b"))
+
+
+def test_the_directory_is_bounded_as_a_whole_and_a_torn_tail_is_cut(tmp_path):
+    for pid in range(5):  # five restarts (new pids), each writing more than one file's worth
+        log = TrafficLog(tmp_path, str(pid), max_bytes=400, max_files=3)
+        for i in range(6):
+            log.append(_rec(10 * pid + i))
+        log.close()
+    files = list(tmp_path.glob("traffic-*.jsonl"))
+    assert len(files) == 3 and sum(f.stat().st_size for f in files) <= 3 * 400
+    assert not TrafficLog(tmp_path, "9", max_record_bytes=300).append(
+        {**_rec(0), "prompt_ids": list(range(200))}
+    )  # over the per-record cap: dropped
+    last = max(files, key=lambda f: f.name)
+    with last.open("ab") as fh:
+        fh.write(b'{"v": 1, "id": "torn", "prompt_ids": [1')  # the dead replica's crash
+    log = TrafficLog(tmp_path, last.name.split("-")[1], max_bytes=1 << 20)  # the same pid again
+    log.append(_rec(77))
+    log.close()
+    lines = last.read_bytes().splitlines()
+    assert all(json.loads(x) for x in lines) and json.loads(lines[-1])["id"] == "r77"
+
+
+def test_selection_streams_the_log():
+    """select_traffic holds the records it keeps, not the log: peak memory over 20,000 streamed
+    records stays far below what holding them takes."""
+    import tracemalloc
+
+    def records():
+        for i in range(20_000):
+            yield {**_rec(i, accept=1.0 + (i % 7) / 10), "prompt_ids": list(range(40))}
+
+    select_traffic(records(), 1, set(), set(), max_length=64)  # imports done before measuring
+    tracemalloc.start()
+    got = select_traffic(records(), 8, set(), set(), max_length=64)
+    peak = tracemalloc.get_traced_memory()[1]
+    held = list(records())
+    whole = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert len(got) == 8 and {r["accept_len"] for r in got} == {1.0}
+    assert [r["id"] for r in got] == [f"r{7 * k}" for k in range(8)]  # oldest first among equals
+    assert peak < whole / 5, (peak, whole)
+    del held
 
 
 def test_selection_hardest_first_unused_not_heldout():
