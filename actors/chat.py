@@ -15,9 +15,21 @@ conversations through this module.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 Conversation = list[dict[str, str]]
+
+# transformers sets the Rust tokenizer's encode_special_tokens flag on every call, so two threads
+# tokenizing at once (the server tokenizes off its event loop) could swap each other's mode: a
+# content piece would then be parsed into control tokens. Every encode goes through `tokenize`.
+_ENCODE = threading.Lock()
+
+
+def tokenize(tokenizer: Any, text: str, *, literal: bool = False, **kw: Any) -> Any:
+    """``tokenizer(text, **kw)``, with control-token strings kept as text when ``literal``."""
+    with _ENCODE:
+        return tokenizer(text, split_special_tokens=literal, **kw)
 
 
 def check_chat_template(tokenizer: Any) -> None:
@@ -69,7 +81,7 @@ def encode_rendered(
     always did; otherwise the text is cut at the content spans and each content is encoded with
     special tokens split into plain text. A template that does not render content verbatim gives
     no spans to cut at, and then such content is refused (ValueError) rather than parsed."""
-    whole = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    whole = tokenize(tokenizer, text, add_special_tokens=False, return_offsets_mapping=True)
     spans = _content_spans(tokenizer, messages, text, add_generation_prompt)
     hits = _special_hits(tokenizer, text)
     if spans is None:
@@ -89,11 +101,12 @@ def encode_rendered(
         a, b = cuts[k], cuts[k + 1]
         if a == b:
             continue
-        enc = tokenizer(
+        enc = tokenize(
+            tokenizer,
             text[a:b],
+            literal=k % 2 == 1,  # odd pieces are message content
             add_special_tokens=False,
             return_offsets_mapping=True,
-            split_special_tokens=k % 2 == 1,  # odd pieces are message content
         )
         ids += enc["input_ids"]
         offsets += [(a + x, a + y) for x, y in enc["offset_mapping"]]
@@ -155,7 +168,9 @@ def user_turn_prefix(tokenizer: Any) -> list[int]:
             f"{getattr(tokenizer, 'name_or_path', '?')!r} does not render a user message verbatim; "
             "set data.self_prompts_per_round: 0"
         )
-    return list(tokenizer(text[: text.index(mark)], add_special_tokens=False)["input_ids"])
+    return list(
+        tokenize(tokenizer, text[: text.index(mark)], add_special_tokens=False)["input_ids"]
+    )
 
 
 def _assistant_spans(tokenizer: Any, messages: Conversation, text: str) -> list[tuple[int, int]]:

@@ -56,7 +56,7 @@ from serve.jobs import _Job, run_isolated
 from serve.sglang_server import DrafterRejected, deploy_sglang
 from serve.shapes import Shape
 from serve.startup import retry, start_serve, wait_http_ready
-from serve.validation import BadRequest, Limits, check_request, parse_body
+from serve.validation import BadRequest, Limits, check_request, parse_body, read_body
 
 log = logging.getLogger("ray.serve")
 
@@ -72,7 +72,7 @@ def _traffic_log(opts: dict[str, Any] | None, tokenizer: Any):
     defined below it would be missing in the replica."""
     if not opts:
         return None
-    from actors.chat import prompt_ids
+    from actors.chat import prompt_ids, tokenize
     from serve.traffic import TrafficLog, load_redactor
 
     def retokenize(rec: dict[str, Any]) -> list[int]:
@@ -80,7 +80,7 @@ def _traffic_log(opts: dict[str, Any] | None, tokenizer: Any):
             return prompt_ids(tokenizer, rec["messages"])
         p = rec["prompt"]
         p = p[0] if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list) else p
-        return list(tokenizer(p)["input_ids"]) if isinstance(p, str) else list(p)
+        return list(tokenize(tokenizer, p)["input_ids"]) if isinstance(p, str) else list(p)
 
     return TrafficLog(
         opts["dir"],
@@ -137,7 +137,8 @@ class SpecServer:
     def limits(self) -> Limits:
         """What requests are checked against (steps may change through reconfigure)."""
         e = self.engine
-        return Limits(e.target.vocab_size, self.max_context, e.steps, e.topk, e.num_draft_tokens)
+        cap = e.static.capacity if e.static is not None else 0
+        return Limits(e.target.vocab_size, self.max_context, e.steps, e.topk, e.num_draft_tokens, cap)  # fmt: skip
 
     # -- drafter management -----------------------------------------------------------------
     def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -251,9 +252,16 @@ class SpecServer:
                 max_tokens_each=[j.params.max_tokens for j in sub],
             )
 
-    def _job(self, body: dict[str, Any], chat: bool, stream: bool) -> _Job:
-        """A checked request (BadRequest names every bad field); only these join a batch."""
-        from actors.chat import prompt_ids
+    async def _job(self, body: dict[str, Any], chat: bool, stream: bool) -> _Job:
+        """A checked request (BadRequest names every bad field); only these join a batch. The
+        tokenizer runs in a thread: a long prompt must not stall the replica's event loop."""
+        job = await asyncio.to_thread(self._checked_job, body, chat)
+        if stream:
+            job.queue, job.loop = asyncio.Queue(), asyncio.get_running_loop()
+        return job
+
+    def _checked_job(self, body: dict[str, Any], chat: bool) -> _Job:
+        from actors.chat import prompt_ids, tokenize
 
         if not isinstance(body, dict):
             raise BadRequest("body: must be a JSON object")
@@ -261,21 +269,19 @@ class SpecServer:
             body,
             chat,
             self.limits,
-            encode=lambda text: self.tokenizer(text)["input_ids"],
+            encode=lambda text: tokenize(self.tokenizer, text)["input_ids"],
             apply_template=lambda messages: prompt_ids(self.tokenizer, messages),
         )
         speculative = req.speculative and not (self.plain and "speculative" not in body)
         job = _Job(req.prompt, req.params, speculative=speculative)
-        if self.traffic is not None and body.get("record", True) is not False:
+        if self.traffic is not None and req.record:
             job.record = {"chat": chat, "messages": body.get("messages") if chat else None,
                           "prompt": None if chat else body.get("prompt")}  # fmt: skip
-        if stream:
-            job.queue, job.loop = asyncio.Queue(), asyncio.get_running_loop()
         return job
 
     async def complete(self, body: dict[str, Any], chat: bool = True) -> dict[str, Any]:
         """One non-streaming request (also the handle API); returns the OpenAI response body."""
-        job = self._job(body, chat, stream=False)
+        job = await self._job(body, chat, stream=False)
         gen = await self._run(job)
         if isinstance(gen, Exception):
             raise gen  # this request alone failed (run_isolated retried it by itself)
@@ -394,11 +400,12 @@ class SpecServer:
 
     async def _http(self, request: Request, chat: bool):
         try:
-            body = parse_body(await request.body())
+            raw = await read_body(request.stream(), request.headers.get("content-length"))
+            body = parse_body(raw)
             stream = body.get("stream", False) is True
             if not stream:
                 return JSONResponse(await self.complete(body, chat))
-            job = self._job(body, chat, stream=True)
+            job = await self._job(body, chat, stream=True)
             opts = body.get("stream_options") or {}
             return StreamingResponse(
                 self._sse(job, chat, bool(opts.get("include_usage", False))),
@@ -406,7 +413,8 @@ class SpecServer:
             )
         except BadRequest as e:
             return JSONResponse(
-                {"error": {"message": str(e), "type": "invalid_request_error"}}, status_code=400
+                {"error": {"message": str(e), "type": "invalid_request_error"}},
+                status_code=e.status,
             )
 
     @app.post("/v1/chat/completions")
