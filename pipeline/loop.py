@@ -565,15 +565,11 @@ def _record(result: Any) -> dict[str, Any]:
 
 
 def _read_metrics(path: Path):
-    import json
+    from pipeline.train_worker import read_metrics
 
-    if not path.exists():
-        return
-    for line in path.read_text().splitlines():
-        if line.strip():
-            m = json.loads(line)
-            step = int(m.pop("step", 0))
-            yield step, {k: v for k, v in m.items() if isinstance(v, int | float)}
+    for m in read_metrics(path):
+        step = int(m.pop("step", 0))
+        yield step, {k: v for k, v in m.items() if isinstance(v, int | float)}
 
 
 def _rows(state: RunState) -> list[dict[str, Any]]:

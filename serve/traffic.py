@@ -41,6 +41,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from actors.files import fsync_dir
+
 VERSION = 1
 PATTERN = "traffic-*.jsonl"
 
@@ -140,7 +142,7 @@ class TrafficLog:
         if not new:
             _cut_torn_tail(self._fh)
         else:
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
         self._prune(keep=path)
 
     def _prune(self, keep: Path) -> None:
@@ -184,14 +186,6 @@ def _cut_torn_tail(fh: Any) -> None:
         fh.seek(pos)
         os.fsync(fh.fileno())
         log.warning("traffic log: cut a torn last line (%d bytes) off %s", size - pos, fh.name)
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_traffic(directory: str | Path) -> Iterator[dict[str, Any]]:
