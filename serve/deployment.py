@@ -204,8 +204,7 @@ class SpecServer:
         return None
 
     def drafter_info(self) -> dict[str, Any]:
-        import ray
-
+        """The full picture, for the driver through a handle (paths included)."""
         return {
             "path": self.drafter_path,
             "error": self.swap_error,
@@ -214,7 +213,18 @@ class SpecServer:
             "shape": self.shape_name(),  # what a request that names no shape gets
             "pid": os.getpid(),
             "app": serve.get_replica_context().app_name,
-            "ray_address": ray.get_runtime_context().gcs_address,  # for `serve.cli swap`
+        }
+
+    def public_drafter_info(self) -> dict[str, Any]:
+        """What `GET /drafter` tells any client: no filesystem path, no error text (it names
+        paths), no Ray address (whoever reaches the GCS port controls the cluster)."""
+        return {
+            "drafter": self.drafter_path is not None,
+            "swap_refused": self.swap_error is not None,
+            "swaps": self.swaps,
+            "steps": self.engine.steps,
+            "shape": self.shape_name(),
+            "app": serve.get_replica_context().app_name,
         }
 
     def spec(self) -> dict[str, Any]:
@@ -438,7 +448,7 @@ class SpecServer:
 
     @app.get("/drafter")
     def drafter(self) -> dict[str, Any]:
-        return self.drafter_info()
+        return self.public_drafter_info()
 
 
 # ----------------------------------------------------------------------------------------------
