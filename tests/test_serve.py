@@ -266,9 +266,9 @@ def test_a_refused_drafter_never_outlives_a_replica_restart(endpoint, drafters):
 
 
 def test_cli_swaps_the_drafter_of_a_running_server(endpoint, drafters):
-    from serve.cli import main
-
     import ray
+
+    from serve.cli import main
 
     pid = endpoint.info()["pid"]
     public = httpx.get(f"{endpoint.url}/drafter", timeout=60).text  # any client may ask

@@ -291,7 +291,12 @@ def test_server_that_dies_reports_its_log(tmp_path):
         "import sys; print('weights not found', flush=True); sys.exit(3)",
     ]
     srv = SGLangServer(
-        ServeConfig(engine="sglang", port=39999, env={"NCCL_PROTO": "LL"}, extra_args=["--api-key", "sk-planted"]),  # fmt: skip
+        ServeConfig(
+            engine="sglang",
+            port=39999,
+            env={"NCCL_PROTO": "LL"},
+            extra_args=["--api-key", "sk-planted"],
+        ),  # fmt: skip
         TargetConfig(model="/nowhere", backend="sglang"),
         tmp_path,
         start_timeout_s=30,

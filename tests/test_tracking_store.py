@@ -56,5 +56,7 @@ def test_tracking_credentials_never_reach_the_unknown_runs_message(tmp_path):
 
     tracker = Tracker(TrackingConfig(), tmp_path)
     with pytest.raises(UnknownRuns) as e:
-        tracker.check_known({"parent": "0" * 32}, "state.json", "https://me:hunter2@mlflow.example/")
+        tracker.check_known(
+            {"parent": "0" * 32}, "state.json", "https://me:hunter2@mlflow.example/"
+        )
     assert "https://me:***@mlflow.example/" in str(e.value) and "hunter2" not in str(e.value)
