@@ -8,6 +8,7 @@ import logging
 
 import pytest
 
+pytest.importorskip("pydantic")  # bare GPU host (torch only): skip
 from pipeline.state import RoundState, RunState
 from pipeline.train_worker import MetricsLog
 
