@@ -45,6 +45,7 @@ from actors.files import fsync_dir
 
 VERSION = 1
 PATTERN = "traffic-*.jsonl"
+MAX_RECORD_BYTES = 1 << 20  # a record over this is dropped (a bounded log, bounded lines)
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +63,6 @@ def load_redactor(spec: str | None) -> Redactor | None:
         return getattr(importlib.import_module(mod), fn)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"serve.traffic_redact: cannot load {spec!r} ({e})") from None
-
-
-MAX_RECORD_BYTES = 1 << 20
 
 
 class TrafficLog:
@@ -127,7 +125,8 @@ class TrafficLog:
         if rec is None:
             return None
         changed = any(rec.get(k) != record.get(k) for k in ("messages", "prompt"))
-        if changed and rec.get("prompt_ids") in (None, record.get("prompt_ids")):
+        stale = changed and rec.get("prompt_ids") == record.get("prompt_ids")
+        if stale or rec.get("prompt_ids") is None:
             if self.retokenize is None:
                 return None  # stale ids would still spell the masked text
             rec = {**rec, "prompt_ids": list(self.retokenize(rec))}
@@ -201,7 +200,12 @@ def read_traffic(directory: str | Path) -> Iterator[dict[str, Any]]:
                     rec = json.loads(raw)
                 except ValueError:
                     continue
-                if isinstance(rec, dict) and rec.get("v") == VERSION and rec.get("completion_ids"):
+                if (
+                    isinstance(rec, dict)
+                    and rec.get("v") == VERSION
+                    and rec.get("completion_ids")
+                    and isinstance(rec.get("prompt_ids"), list)
+                ):
                     yield rec
 
 
