@@ -1,7 +1,8 @@
 """The one atomic write: a file appears whole under its name or not at all.
 
 Readers of shards, sidecars, manifests, state.json and caches never see a half-written file: the
-bytes go to a hidden temp file beside the target (same filesystem) and `os.replace` swaps it in.
+bytes go to a hidden temp file beside the target (same filesystem) and `os.replace` swaps it in; with `fsync` (the default) the file and then its directory are synced, so what
+a resume reads survives a crash of the machine too.
 The temp name carries the process and thread, so concurrent writers of one name never share it.
 """
 
@@ -28,9 +29,20 @@ def atomic_file(path: str | Path, fsync: bool = True) -> Iterator[BinaryIO]:
             if fsync:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
+        if fsync:  # the rename itself is durable only once the directory is synced
+            fsync_dir(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def fsync_dir(d: str | Path) -> None:
+    """Sync a directory, so a file created or renamed in it survives a power loss."""
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def atomic_write(path: str | Path, data: bytes | str, fsync: bool = True) -> None:

@@ -18,6 +18,7 @@ from pipeline.budget import plan_vs_actual
 from pipeline.config import Config, dump_config
 from pipeline.layout import RunDir, round_tag
 from pipeline.preflight import preflight
+from pipeline.redact import redact
 from pipeline.round_plan import (
     check_budget,
     first_round_skips,
@@ -51,7 +52,7 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
     tracker.check_known(state.run_ids(), str(RunDir(run_dir).state), state.tracking_uri)
     if not state.parent_run_id:
         state.parent_run_id = tracker.start_run(cfg.name, params=cfg.model_dump(mode="json"))
-        state.tracking_uri = tracker.uri
+        state.tracking_uri = redact(tracker.uri)  # state.json holds no password
         state.save(run_dir)
     elif not state.stopped_because:
         tracker.reopen(state.parent_run_id)  # a failed earlier attempt resumes
@@ -323,7 +324,7 @@ def _traffic_for_round(
         return [json.loads(x) for x in chosen.read_text().splitlines() if x.strip()]
     used = {i for rs in state.rounds[:r] for i in (rs.done.get("generate") or {}).get("traffic_ids", [])}  # fmt: skip
     recs = select_traffic(
-        list(read_traffic(RunDir(run_dir).traffic)),
+        read_traffic(RunDir(run_dir).traffic),  # streamed, never whole in memory
         round(cfg.data.prompts_for_round(r) * share),
         used,
         {prompt_key(c) for c in evalset[0]},
@@ -565,15 +566,11 @@ def _record(result: Any) -> dict[str, Any]:
 
 
 def _read_metrics(path: Path):
-    import json
+    from pipeline.train_worker import read_metrics
 
-    if not path.exists():
-        return
-    for line in path.read_text().splitlines():
-        if line.strip():
-            m = json.loads(line)
-            step = int(m.pop("step", 0))
-            yield step, {k: v for k, v in m.items() if isinstance(v, int | float)}
+    for m in read_metrics(path):
+        step = int(m.pop("step", 0))
+        yield step, {k: v for k, v in m.items() if isinstance(v, int | float)}
 
 
 def _rows(state: RunState) -> list[dict[str, Any]]:

@@ -58,7 +58,7 @@ def _time_engine(cfg: Config, messages: list[dict[str, str]]) -> tuple[float, fl
     target loaded where the server loads it."""
     import torch
 
-    from actors.chat import render
+    from actors.chat import prompt_ids
     from serve.engine.loading import load_eagle, load_target, random_drafter
     from serve.engine.loop import SpecEngine
 
@@ -72,8 +72,7 @@ def _time_engine(cfg: Config, messages: list[dict[str, str]]) -> tuple[float, fl
     else:
         drafter = load_eagle(cfg.drafter.resolved_init(), lm)
     engine = SpecEngine(lm, drafter, steps=s.steps, topk=s.topk, num_draft_tokens=s.num_draft_tokens)  # fmt: skip
-    prompt = tok(render(tok, messages, add_generation_prompt=True), add_special_tokens=False)
-    ids = [list(prompt["input_ids"])]
+    ids = [prompt_ids(tok, messages)]
     engine.plain_generate(ids, _params(2))  # warm-ups: the first call of each path pays
     engine.generate(ids, _params(2))  # one-time costs a benchmark's warm-up request pays
     plain_s = _timed(lambda: engine.plain_generate(ids, _params(PLAIN_TOKENS)))

@@ -1,12 +1,16 @@
 """The run directory's persisted state: which stages of which round are done, with their outputs.
 
-`state.json` is rewritten atomically after every stage, so a killed loop resumes at the first
-stage not recorded as done, and reuses the MLflow run ids it created instead of making new ones.
+`state.json` is rewritten atomically and fsynced after every stage, so a killed loop resumes at
+the first stage not recorded as done, and reuses the MLflow run ids it created instead of making
+new ones. A copy, `state.json.bak`, is written first: a state.json found empty or torn (a disk
+that lost unsynced data) heals from it, or, without a good copy, is set aside and the state
+rebuilt from nothing (the stages run again), each with a warning naming the file.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -15,15 +19,17 @@ from typing import Any
 from actors.files import atomic_write
 from pipeline.layout import RunDir
 
+log = logging.getLogger(__name__)
+
 STAGES = ("generate", "train", "bench", "gate", "traffic")
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    atomic_write(path, text, fsync=False)
+    atomic_write(path, text)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    atomic_write(path, json.dumps(obj, indent=2, sort_keys=False, default=str), fsync=False)
+    atomic_write(path, json.dumps(obj, indent=2, sort_keys=False, default=str))
 
 
 @dataclass
@@ -69,7 +75,9 @@ class RunState:
         path = RunDir(run_dir).state
         if not path.exists():
             return cls(config_digest=digest)
-        raw = json.loads(path.read_text())
+        raw = _read_state(path)
+        if raw is None:
+            return cls(config_digest=digest)
         if raw["config_digest"] != digest:
             raise ValueError(
                 f"{path}: this run directory was made with another config (digest "
@@ -79,12 +87,48 @@ class RunState:
         return cls(**raw, rounds=rounds)
 
     def save(self, run_dir: Path) -> None:
-        write_json_atomic(RunDir(run_dir).state, asdict(self))
+        path = RunDir(run_dir).state
+        write_json_atomic(_backup(path), asdict(self))  # first: state.json is never the only copy
+        write_json_atomic(path, asdict(self))
 
     def round(self, i: int) -> RoundState:
         while len(self.rounds) <= i:
             self.rounds.append(RoundState(index=len(self.rounds)))
         return self.rounds[i]
+
+
+def _backup(path: Path) -> Path:
+    return path.with_name(path.name + ".bak")
+
+
+def _parse_state(path: Path) -> dict[str, Any] | None:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(raw, dict) and isinstance(raw.get("config_digest"), str)
+    return raw if ok and isinstance(raw.get("rounds"), list) else None
+
+
+def _read_state(path: Path) -> dict[str, Any] | None:
+    """state.json, else its backup when state.json is empty or torn, else None (rebuild)."""
+    raw = _parse_state(path)
+    if raw is not None:
+        return raw
+    bak = _backup(path)
+    raw = _parse_state(bak) if bak.exists() else None
+    if raw is not None:
+        log.warning("%s is empty or torn; resuming from its copy %s", path, bak)
+        return raw
+    aside = path.with_name(f"{path.name}.damaged-{int(time.time())}")
+    path.replace(aside)
+    log.warning(
+        "%s is empty or torn and has no good copy; set aside as %s, the run state is rebuilt "
+        "from nothing (finished stages run again)",
+        path,
+        aside,
+    )
+    return None
 
 
 class Clock:

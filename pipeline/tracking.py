@@ -74,9 +74,10 @@ class Tracker:
         if not unknown:
             return
         listed = ", ".join(f"{k} {v}" for k, v in unknown.items())
-        was = f" (it was made with {made_in})" if made_in and made_in != self.uri else ""
+        uri = redact(self.uri)  # a user:password@ in the URI never reaches a message
+        was = f" (it was made with {redact(made_in)})" if made_in and redact(made_in) != uri else ""
         raise UnknownRuns(
-            f"{source} names MLflow runs that the tracking store {self.uri} does not have: "
+            f"{source} names MLflow runs that the tracking store {uri} does not have: "
             f"{listed}{was}. Point tracking.tracking_uri at the store this run was tracked in "
             f"(--set tracking.tracking_uri=...), or start fresh MLflow runs for these results by "
             f"moving {source} aside or using a new --run-dir."

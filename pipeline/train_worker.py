@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from actors.files import atomic_write
 from eagle3.train_step import (
     ShardSet,
     SoftTargets,
@@ -236,7 +237,7 @@ def _fix_total(plan: Plan, step: int, secs: float, tc: TrainConfig, device, out:
     fits = step + int(max(0.0, tc.max_seconds - worst) / per_step)
     plan.total = max(step + 1, min(plan.total, fits))
     if torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True:
-        (out / BOXED).write_text(json.dumps({"total": plan.total, "s_per_step": per_step}))
+        atomic_write(out / BOXED, json.dumps({"total": plan.total, "s_per_step": per_step}))
         _say(
             f"[train] time box {tc.max_seconds:.0f}s at {per_step:.2f}s/step: {plan.total} steps "
             f"({plan.total / plan.steps_per_epoch:.2f} epochs)"
@@ -254,7 +255,7 @@ def _stop_early(step: int, stale: int, best: Best, out: Path, rank: int) -> int:
     """`train.patience` ran out: this step becomes the last one, kept in BOXED like a time box so a
     resumed attempt stops here too. Every rank decides alike (the eval sums are all-reduced)."""
     if rank == 0:
-        (out / BOXED).write_text(json.dumps({"total": step, "early_stop": True}))
+        atomic_write(out / BOXED, json.dumps({"total": step, "early_stop": True}))
         _say(
             f"[train] early stop at step {step}: {stale} evaluations without a new best "
             f"(best {best.score:.3f} at step {best.step})"
@@ -297,7 +298,7 @@ class Best:
         if self.enabled:  # save_drafter replaces the previous best atomically
             state = {k.removeprefix("drafter."): v for k, v in sd.items()}
             save_drafter(state, drafter.cfg, self.dir)
-            self.meta.write_text(json.dumps({"step": step, "sim_accept_len": score}))
+            atomic_write(self.meta, json.dumps({"step": step, "sim_accept_len": score}))
         return True
 
 
@@ -469,7 +470,36 @@ def _export(
         "metrics_file": str(mlog.path),
         "resumed_from": [e["start_step"] for e in mlog.events() if e["start_step"] > 0],
     }
-    (out / "result.json").write_text(json.dumps(rec, indent=1) + "\n")
+    atomic_write(out / "result.json", json.dumps(rec, indent=1) + "\n")
+
+
+RESUME = "resume_from"
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of <out>/metrics.jsonl as the last attempt left them: at each resume marker
+    the lines after its step are dropped (that attempt redid them); torn lines are skipped."""
+    if not path.exists():
+        return []
+    out: list[dict[str, Any]] = []
+    for line in path.read_text().splitlines():
+        try:
+            m = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(m, dict):
+            continue
+        if RESUME in m:
+            out = [x for x in out if x["step"] <= m[RESUME]]
+        elif "step" in m:
+            out.append(m)
+    return out
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with path.open("rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 class MetricsLog:
@@ -490,15 +520,15 @@ class MetricsLog:
         self.k, self.sim_steps, self.total, self.world = k, sim_steps, total, world
         if not enabled:
             return
-        kept = [m for m in self.read() if m["step"] <= start_step]  # drop lines a failure will redo
-        self.path.write_text("".join(json.dumps(m) + "\n" for m in kept))
+        # Appended, never rewritten: a resume marker tells readers to forget the lines after
+        # start_step (the steps this attempt redoes), so a crash here cannot lose earlier ones.
+        if self.path.exists() or start_step:
+            self._write({RESUME: start_step})
         with (out / "events.jsonl").open("a") as f:
             f.write(json.dumps({"start_step": start_step, "time": time.time()}) + "\n")
 
     def read(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        return [json.loads(x) for x in self.path.read_text().splitlines() if x.strip()]
+        return read_metrics(self.path)
 
     def events(self) -> list[dict[str, Any]]:
         p = self.path.parent / "events.jsonl"
@@ -508,6 +538,8 @@ class MetricsLog:
 
     def _write(self, rec: dict[str, Any]) -> None:
         with self.path.open("a") as f:
+            if f.tell() and not _ends_with_newline(self.path):
+                f.write("\n")  # a torn last line (a crash mid-write) stays apart, and is skipped
             f.write(json.dumps(rec) + "\n")
 
     def train(

@@ -31,6 +31,7 @@ cleanup() {
   # This head only (its process group), never `ray stop --force`, which kills every Ray here.
   [ -n "${RAY_PID:-}" ] && { kill -TERM -- "-$RAY_PID" 2>/dev/null; wait "$RAY_PID" 2>/dev/null; } || true
   [ -n "${MLFLOW_PID:-}" ] && kill "$MLFLOW_PID" 2>/dev/null || true
+  [ -n "${RUNTIME_ENV:-}" ] && rm -f "$RUNTIME_ENV" || true
 }
 trap cleanup EXIT
 
@@ -58,11 +59,14 @@ echo "Ray dashboard: http://127.0.0.1:$DASH_PORT"
 echo "MLflow UI:     http://127.0.0.1:$MLFLOW_PORT"
 echo "run dir:       $RUN_DIR"
 
-RUNTIME_ENV=$(python pipeline/run.py runtime-env "$CONFIG")
+# The runtime env (env vars included: tokens) goes in a file only this user reads, never on the
+# `ray job submit` command line, where `ps` shows it to everyone; removed on exit.
+RUNTIME_ENV=$(mktemp "${TMPDIR:-/tmp}/eagle-loop-runtime-env.XXXXXX.json")  # mode 600
+python pipeline/run.py runtime-env "$CONFIG" >"$RUNTIME_ENV"
 # A fresh head refuses jobs ("No available agent") until its job agent is up.
 for _ in $(seq 60); do ray job list --address "http://127.0.0.1:$DASH_PORT" >/dev/null 2>&1 && break; sleep 1; done
 sleep 3
-ray job submit --address "http://127.0.0.1:$DASH_PORT" --runtime-env-json "$RUNTIME_ENV" -- \
+ray job submit --address "http://127.0.0.1:$DASH_PORT" --runtime-env "$RUNTIME_ENV" -- \
   python pipeline/run.py --config "$CONFIG" --run-dir "$RUN_DIR" \
   --set "tracking.tracking_uri=http://127.0.0.1:$MLFLOW_PORT" "$@"
 

@@ -8,7 +8,7 @@
 
 `serve` starts a local Ray bound to 127.0.0.1 (or joins RAY_ADDRESS), deploys the engine and
 blocks until Ctrl-C. `swap` hot-swaps the drafter of that server: it asks the server (GET
-/drafter) for its app and Ray address, joins that Ray and swaps as the loop does (the replica
+/drafter) for its app, joins its Ray (`--address`, default the one on this machine) and swaps as the loop does (the replica
 checks the checkpoint first; a refused one exits 1 and the old drafter keeps serving). `bench`
 scores any OpenAI-compatible endpoint on every prompt of the files given (one domain per file)
 or on the held-out split of the built-in set (`--heldout`, `--seed`), and prints the summary,
@@ -85,7 +85,7 @@ def cmd_swap(args: argparse.Namespace) -> int:
     from serve.sglang_server import DrafterRejected
 
     info = httpx.get(f"{args.url.rstrip('/')}/drafter", timeout=60).json()
-    start_ray(address=info["ray_address"])  # join the server's own Ray
+    start_ray(address=args.address)  # the server's own Ray (GET /drafter never names it)
     adopt_app(info["app"])
     try:
         out = swap_drafter(Path(args.drafter).resolve(), info["app"])
@@ -203,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("swap", help="hot-swap the drafter of a running `serve`")
     w.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     w.add_argument("--drafter", required=True, help="EAGLE-3 checkpoint folder")
+    w.add_argument(
+        "--address",
+        default="auto",
+        help="the server's Ray (default: the Ray running on this machine); the server does not "
+        "publish it",
+    )
     w.set_defaults(func=cmd_swap)
 
     b = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint")

@@ -41,10 +41,14 @@ class ServeConfig(Strict):
     traffic_max_mb: float = Field(64.0, gt=0)
     """Size of one traffic file before it rotates to the next."""
     traffic_max_files: int = Field(8, ge=1)
-    """Traffic files kept per replica; the oldest is deleted beyond this."""
+    """Traffic files kept in the whole traffic directory (every replica and restart together),
+    so the log stays under traffic_max_files x traffic_max_mb; the oldest is deleted beyond this."""
     traffic_redact: str | None = None
     """`module:function` applied to each record (a dict) before it is written, e.g. to mask
-    user content; it returns the record to write, or None to drop it."""
+    user content; it returns the record to write, or None to drop it. User text lives in
+    `messages`, `prompt`, `prompt_ids` and `completion_ids` (docs/serving.md, "The traffic log
+    and user text"): a hook that masks the text but returns the prompt ids unchanged gets them
+    derived again from its text; completion ids are the hook's to mask or drop."""
     simulate_users: int = Field(0, ge=0)
     """After each round's benchmark (when another round follows), replay this many prompts from
     the simulated users' pool (`data.user_prompts`) against the live server, as users would send

@@ -57,7 +57,7 @@ from serve.jobs import _Job, run_isolated
 from serve.sglang_server import DrafterRejected, deploy_sglang
 from serve.shapes import Shape
 from serve.startup import retry, start_serve, wait_http_ready
-from serve.validation import BadRequest, Limits, check_request, parse_body
+from serve.validation import BadRequest, Limits, check_request, parse_body, read_body
 
 log = logging.getLogger("ray.serve")
 
@@ -66,13 +66,22 @@ APP_NAME = "eagle3"
 app = FastAPI()
 
 
-def _traffic_log(opts: dict[str, Any] | None):
-    """The replica's traffic log when recording is on (`serve.record_traffic`), else None.
+def _traffic_log(opts: dict[str, Any] | None, tokenizer: Any):
+    """The replica's traffic log when recording is on (`serve.record_traffic`), else None; a
+    record whose text the redaction hook changed gets its prompt ids from `tokenizer` again.
     Defined above the class: Serve serializes the class when it is decorated, and a helper
     defined below it would be missing in the replica."""
     if not opts:
         return None
+    from actors.chat import prompt_ids, tokenize
     from serve.traffic import TrafficLog, load_redactor
+
+    def retokenize(rec: dict[str, Any]) -> list[int]:
+        if rec.get("chat"):
+            return prompt_ids(tokenizer, rec["messages"])
+        p = rec["prompt"]
+        p = p[0] if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list) else p
+        return list(tokenize(tokenizer, p)["input_ids"]) if isinstance(p, str) else list(p)
 
     return TrafficLog(
         opts["dir"],
@@ -80,6 +89,7 @@ def _traffic_log(opts: dict[str, Any] | None):
         max_bytes=int(opts.get("max_bytes", 64 << 20)),
         max_files=int(opts.get("max_files", 8)),
         redact=load_redactor(opts.get("redact")),
+        retokenize=retokenize,
     )
 
 
@@ -119,7 +129,7 @@ class SpecServer:
         self.plain = False  # the serving shape is plain decoding: requests that do not ask
         # for `speculative` decode without the drafter (the benchmark still asks for shapes)
         self.configured = False  # Serve calls reconfigure once right after __init__
-        self.traffic = _traffic_log(options.get("traffic"))
+        self.traffic = _traffic_log(options.get("traffic"), self.tokenizer)
         self._run.set_max_batch_size(int(options.get("max_batch_size", 8)))
         log.info(
             "SpecServer: target %s loaded (%d layers)",
@@ -131,7 +141,8 @@ class SpecServer:
     def limits(self) -> Limits:
         """What requests are checked against (steps may change through reconfigure)."""
         e = self.engine
-        return Limits(e.target.vocab_size, self.max_context, e.steps, e.topk, e.num_draft_tokens)
+        cap = e.static.capacity if e.static is not None else 0
+        return Limits(e.target.vocab_size, self.max_context, e.steps, e.topk, e.num_draft_tokens, cap)  # fmt: skip
 
     # -- drafter management -----------------------------------------------------------------
     def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -197,8 +208,7 @@ class SpecServer:
         return None
 
     def drafter_info(self) -> dict[str, Any]:
-        import ray
-
+        """The full picture, for the driver through a handle (paths included)."""
         return {
             "path": self.drafter_path,
             "error": self.swap_error,
@@ -209,7 +219,18 @@ class SpecServer:
             "shape": self.shape_name(),  # what a request that names no shape gets
             "pid": os.getpid(),
             "app": serve.get_replica_context().app_name,
-            "ray_address": ray.get_runtime_context().gcs_address,  # for `serve.cli swap`
+        }
+
+    def public_drafter_info(self) -> dict[str, Any]:
+        """What `GET /drafter` tells any client: no filesystem path, no error text (it names
+        paths), no Ray address (whoever reaches the GCS port controls the cluster)."""
+        return {
+            "drafter": self.drafter_path is not None,
+            "swap_refused": self.swap_error is not None,
+            "swaps": self.swaps,
+            "steps": self.engine.steps,
+            "shape": self.shape_name(),
+            "app": serve.get_replica_context().app_name,
         }
 
     def spec(self) -> dict[str, Any]:
@@ -247,9 +268,16 @@ class SpecServer:
                 max_tokens_each=[j.params.max_tokens for j in sub],
             )
 
-    def _job(self, body: dict[str, Any], chat: bool, stream: bool) -> _Job:
-        """A checked request (BadRequest names every bad field); only these join a batch."""
-        from actors.chat import prompt_ids
+    async def _job(self, body: dict[str, Any], chat: bool, stream: bool) -> _Job:
+        """A checked request (BadRequest names every bad field); only these join a batch. The
+        tokenizer runs in a thread: a long prompt must not stall the replica's event loop."""
+        job = await asyncio.to_thread(self._checked_job, body, chat)
+        if stream:
+            job.queue, job.loop = asyncio.Queue(), asyncio.get_running_loop()
+        return job
+
+    def _checked_job(self, body: dict[str, Any], chat: bool) -> _Job:
+        from actors.chat import prompt_ids, tokenize
 
         if not isinstance(body, dict):
             raise BadRequest("body: must be a JSON object")
@@ -257,35 +285,34 @@ class SpecServer:
             body,
             chat,
             self.limits,
-            encode=lambda text: self.tokenizer(text)["input_ids"],
+            encode=lambda text: tokenize(self.tokenizer, text)["input_ids"],
             apply_template=lambda messages: prompt_ids(self.tokenizer, messages),
         )
         speculative = req.speculative and not (self.plain and "speculative" not in body)
         job = _Job(req.prompt, req.params, speculative=speculative)
-        if self.traffic is not None and body.get("record", True) is not False:
+        if self.traffic is not None and req.record:
             job.record = {"chat": chat, "messages": body.get("messages") if chat else None,
                           "prompt": None if chat else body.get("prompt")}  # fmt: skip
-        if stream:
-            job.queue, job.loop = asyncio.Queue(), asyncio.get_running_loop()
         return job
 
     async def complete(self, body: dict[str, Any], chat: bool = True) -> dict[str, Any]:
         """One non-streaming request (also the handle API); returns the OpenAI response body."""
-        job = self._job(body, chat, stream=False)
+        job = await self._job(body, chat, stream=False)
         gen = await self._run(job)
         if isinstance(gen, Exception):
             raise gen  # this request alone failed (run_isolated retried it by itself)
-        self._log_traffic(job, gen)
+        await self._log_traffic(job, gen)
         return self._response(gen, chat, job.speculative)
 
-    def _log_traffic(self, job: _Job, gen: Generation) -> None:
-        """Append the finished request to the traffic log (serve/traffic.py); a logging failure
-        costs the record, never the response."""
+    async def _log_traffic(self, job: _Job, gen: Generation) -> None:
+        """Append the finished request to the traffic log (serve/traffic.py), fsynced in a
+        thread (off the event loop) before the response goes out, so a crash loses only the
+        requests in flight; a logging failure costs the record, never the response."""
         if self.traffic is None or job.record is None:
             return
         st, p = gen.stats, job.params
         try:
-            self.traffic.append({
+            await asyncio.to_thread(self.traffic.append, {
                 "time": time.time(), "id": uuid.uuid4().hex, "replica": self.traffic.replica,
                 **job.record, "prompt_ids": list(job.prompt), "completion_ids": list(gen.token_ids),
                 "finish_reason": st.finish_reason, "temperature": p.temperature,
@@ -380,7 +407,7 @@ class SpecServer:
             yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
             yield "data: [DONE]\n\n"
             return
-        self._log_traffic(job, gen)
+        await self._log_traffic(job, gen)
         text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         yield chunk(text[len(sent) :] or None, finish=gen.stats.finish_reason)
         if include_usage:
@@ -389,11 +416,12 @@ class SpecServer:
 
     async def _http(self, request: Request, chat: bool):
         try:
-            body = parse_body(await request.body())
+            raw = await read_body(request.stream(), request.headers.get("content-length"))
+            body = parse_body(raw)
             stream = body.get("stream", False) is True
             if not stream:
                 return JSONResponse(await self.complete(body, chat))
-            job = self._job(body, chat, stream=True)
+            job = await self._job(body, chat, stream=True)
             opts = body.get("stream_options") or {}
             return StreamingResponse(
                 self._sse(job, chat, bool(opts.get("include_usage", False))),
@@ -401,7 +429,8 @@ class SpecServer:
             )
         except BadRequest as e:
             return JSONResponse(
-                {"error": {"message": str(e), "type": "invalid_request_error"}}, status_code=400
+                {"error": {"message": str(e), "type": "invalid_request_error"}},
+                status_code=e.status,
             )
 
     @app.post("/v1/chat/completions")
@@ -425,7 +454,7 @@ class SpecServer:
 
     @app.get("/drafter")
     def drafter(self) -> dict[str, Any]:
-        return self.drafter_info()
+        return self.public_drafter_info()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from actors.files import atomic_write
+from actors.redact import redact
 from actors.sglang_backend import SGLANG_VERSION
 
 if TYPE_CHECKING:
@@ -327,7 +328,7 @@ class SGLangServer:
         )
         t0 = time.monotonic()
         with open(self.log_file, "w") as fh:
-            fh.write("# " + " ".join(argv) + "\n")
+            fh.write("# " + " ".join(redact(argv)) + "\n")  # --api-key K -> ***
             fh.flush()
             self.proc = subprocess.Popen(
                 argv,

@@ -11,25 +11,43 @@ generation (actors/generate.py). A record:
      "seed": null, "speculative": true, "drafter": "/run/train/round-000/drafter",
      "accept_len": 2.4, "verify_ct": 31, "completion_tokens": 75}
 
-Each replica appends to its own file (`traffic-<replica>-<n>.jsonl`) and fsyncs every line, so
-a crash loses at most the request in flight and a torn last line is skipped by the reader.
-Files rotate at `max_bytes`; beyond `max_files` per replica the oldest is deleted. A redaction
-hook (`module:function`) sees each record first and returns what to write (or None to drop it).
-Benchmark requests (`"record": false`) are never written. With recording off nothing is opened.
+Each replica appends to its own file (`traffic-<replica>-<n>.jsonl`) and fsyncs every line
+(the server awaits it off its event loop before answering), so a crash loses at most the requests
+in flight; a replica that reuses a dead one's pid first cuts a torn last line off, and the reader
+skips any torn line. Files rotate at `max_bytes`; the whole directory keeps at most `max_files`
+files (every replica and restart together, oldest deleted first), so the log is bounded by
+`max_files × max_bytes`. A record over `max_record_bytes` is dropped. Benchmark requests
+(`"record": false`) are never written. With recording off nothing is opened.
+
+Fields that can hold user text: `messages`, `prompt`, `prompt_ids` (the same text as token
+ids) and `completion_ids` (the target's reply, which may quote it). A redaction hook
+(`module:function`) sees each whole record first, ids included, and returns what to write (or
+None to drop it). When it changes `messages`/`prompt` but returns `prompt_ids` unchanged (or
+leaves them out), the ids are derived again from the text it returned, so stale ids never carry
+the masked text; `completion_ids` are the hook's to mask or drop (a record without them is never
+trained on).
 """
 
 from __future__ import annotations
 
+import hashlib
+import heapq
 import importlib
 import json
+import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from actors.files import fsync_dir
+
 VERSION = 1
 PATTERN = "traffic-*.jsonl"
+MAX_RECORD_BYTES = 1 << 20  # a record over this is dropped (a bounded log, bounded lines)
+
+log = logging.getLogger(__name__)
 
 Redactor = Callable[[dict[str, Any]], dict[str, Any] | None]
 
@@ -48,7 +66,10 @@ def load_redactor(spec: str | None) -> Redactor | None:
 
 
 class TrafficLog:
-    """Append-only, fsynced, rotated JSONL log of one replica."""
+    """Append-only, fsynced, rotated JSONL log of one replica, in a directory bounded as a whole.
+
+    `retokenize(record) -> prompt_ids` re-derives the prompt ids from a redacted record's text
+    (the server passes its tokenizer); without it such a record is dropped."""
 
     def __init__(
         self,
@@ -57,15 +78,14 @@ class TrafficLog:
         max_bytes: int = 64 << 20,
         max_files: int = 8,
         redact: Redactor | None = None,
+        retokenize: Callable[[dict[str, Any]], list[int]] | None = None,
+        max_record_bytes: int = MAX_RECORD_BYTES,
     ):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.replica, self.max_bytes, self.max_files, self.redact = (
-            replica,
-            max_bytes,
-            max_files,
-            redact,
-        )
+        self.replica, self.max_bytes, self.max_files = replica, max_bytes, max_files
+        self.redact, self.retokenize = redact, retokenize
+        self.max_record_bytes = min(max_record_bytes, max_bytes)
         self._lock = threading.Lock()
         mine = sorted(self.dir.glob(f"traffic-{replica}-*.jsonl"))
         self._n = int(mine[-1].stem.rsplit("-", 1)[1]) if mine else 0
@@ -74,33 +94,97 @@ class TrafficLog:
     def _path(self, n: int) -> Path:
         return self.dir / f"traffic-{self.replica}-{n:06d}.jsonl"
 
-    def append(self, record: dict[str, Any]) -> None:
-        rec = self.redact(dict(record)) if self.redact else record
+    def append(self, record: dict[str, Any]) -> bool:
+        """Write one record (blocking: fsync). False when it was dropped (hook, size)."""
+        rec = self._redacted(record)
         if rec is None:
-            return
+            return False
         line = (json.dumps({"v": VERSION, **rec}, separators=(",", ":")) + "\n").encode()
+        if len(line) > self.max_record_bytes:
+            log.warning("traffic log: a %d-byte record dropped (cap %d)", len(line), self.max_record_bytes)  # fmt: skip
+            return False
         with self._lock:
+            if self._fh is not None and os.fstat(self._fh.fileno()).st_nlink == 0:
+                self._fh.close()  # another replica's pruning deleted our file: start it again
+                self._fh = None
             if self._fh is None:
-                self._fh = open(self._path(self._n), "ab")  # noqa: SIM115 - held open
-            if self._fh.tell() and self._fh.tell() + len(line) > self.max_bytes:
-                self._rotate()
+                self._open()  # first write, or another replica's pruning deleted our file
+            elif self._fh.tell() + len(line) > self.max_bytes:
+                self._fh.close()
+                self._n += 1
+                self._open()
             self._fh.write(line)
             self._fh.flush()
             os.fsync(self._fh.fileno())
+        return True
 
-    def _rotate(self) -> None:
-        self._fh.close()
-        self._n += 1
-        self._fh = open(self._path(self._n), "ab")  # noqa: SIM115
-        mine = sorted(self.dir.glob(f"traffic-{self.replica}-*.jsonl"))
-        for old in mine[: max(0, len(mine) - self.max_files)]:
-            old.unlink(missing_ok=True)
+    def _redacted(self, record: dict[str, Any]) -> dict[str, Any] | None:
+        if not self.redact:
+            return record
+        rec = self.redact(json.loads(json.dumps(record)))  # a deep copy: the hook may mutate
+        if rec is None:
+            return None
+        changed = any(rec.get(k) != record.get(k) for k in ("messages", "prompt"))
+        stale = changed and rec.get("prompt_ids") == record.get("prompt_ids")
+        if stale or rec.get("prompt_ids") is None:
+            if self.retokenize is None:
+                return None  # stale ids would still spell the masked text
+            rec = {**rec, "prompt_ids": list(self.retokenize(rec))}
+        return rec
+
+    def _open(self) -> None:
+        """Open the current file for appending: cut a torn tail a dead replica with our pid left,
+        sync the directory when the file is new, then prune the directory."""
+        path = self._path(self._n)
+        new = not path.exists()
+        self._fh = open(path, "ab")  # noqa: SIM115 - held open
+        if not new:
+            _cut_torn_tail(self._fh)
+        else:
+            fsync_dir(self.dir)
+        self._prune(keep=path)
+
+    def _prune(self, keep: Path) -> None:
+        files = sorted(self.dir.glob(PATTERN), key=_age)
+        old = [f for f in files if f != keep]
+        for f in old[: max(0, len(files) - self.max_files)]:
+            f.unlink(missing_ok=True)
 
     def close(self) -> None:
         with self._lock:
             if self._fh is not None:
                 self._fh.close()
                 self._fh = None
+
+
+def _age(p: Path) -> tuple[float, str]:
+    try:
+        return (p.stat().st_mtime, p.name)
+    except FileNotFoundError:  # pruned by another replica meanwhile
+        return (0.0, p.name)
+
+
+def _cut_torn_tail(fh: Any) -> None:
+    """Truncate a file opened for appending to just after its last newline."""
+    size = fh.seek(0, os.SEEK_END)
+    if not size:
+        return
+    with open(fh.name, "rb") as r:
+        pos = size
+        while pos > 0:
+            step = min(pos, 1 << 16)
+            r.seek(pos - step)
+            chunk = r.read(step)
+            nl = chunk.rfind(b"\n")
+            if nl >= 0:
+                pos = pos - step + nl + 1
+                break
+            pos -= step
+    if pos != size:
+        fh.truncate(pos)
+        fh.seek(pos)
+        os.fsync(fh.fileno())
+        log.warning("traffic log: cut a torn last line (%d bytes) off %s", size - pos, fh.name)
 
 
 def read_traffic(directory: str | Path) -> Iterator[dict[str, Any]]:
@@ -116,7 +200,12 @@ def read_traffic(directory: str | Path) -> Iterator[dict[str, Any]]:
                     rec = json.loads(raw)
                 except ValueError:
                     continue
-                if isinstance(rec, dict) and rec.get("v") == VERSION and rec.get("completion_ids"):
+                if (
+                    isinstance(rec, dict)
+                    and rec.get("v") == VERSION
+                    and rec.get("completion_ids")
+                    and isinstance(rec.get("prompt_ids"), list)
+                ):
                     yield rec
 
 
@@ -134,7 +223,7 @@ def prompt_text_key(rec: dict[str, Any]) -> str | None:
 
 
 def select_traffic(
-    records: list[dict[str, Any]],
+    records: Iterable[dict[str, Any]],
     n: int,
     used: set[str],
     exclude_keys: set[str],
@@ -143,16 +232,19 @@ def select_traffic(
     """The `n` records a round learns from: not used by an earlier round, not a held-out
     benchmark prompt, with room for a completion under `max_length`; lowest accept_len first
     (the requests the drafter served worst teach it most; a request served without a drafter
-    counts as 1.0), oldest first among equals. Duplicates of a prompt keep the first record."""
-    seen: set[str] = set()
-    pool = []
-    for rec in records:
-        key = prompt_text_key(rec) or json.dumps(rec.get("prompt_ids"))
-        if rec.get("id") in used or key in exclude_keys or key in seen:
-            continue
-        if len(rec.get("prompt_ids") or ()) >= max_length:
-            continue
-        seen.add(key)
-        pool.append(rec)
-    pool.sort(key=lambda r: (r.get("accept_len") or 1.0, r.get("time", 0.0)))
-    return pool[:n]
+    counts as 1.0), oldest first among equals. Duplicates of a prompt keep the first record.
+    `records` is streamed: memory holds the `n` kept and a digest per prompt seen."""
+    seen: set[bytes] = set()
+
+    def fresh() -> Iterator[dict[str, Any]]:
+        for rec in records:
+            key = prompt_text_key(rec) or json.dumps(rec.get("prompt_ids"))
+            if rec.get("id") in used or key in exclude_keys:
+                continue
+            digest = hashlib.sha1(key.encode("utf-8", "replace")).digest()
+            if digest in seen or len(rec.get("prompt_ids") or ()) >= max_length:
+                continue
+            seen.add(digest)
+            yield rec
+
+    return heapq.nsmallest(n, fresh(), key=lambda r: (r.get("accept_len") or 1.0, r.get("time", 0.0)))  # fmt: skip

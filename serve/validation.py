@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,22 +20,35 @@ from serve.engine import GenParams, tree_problem
 DEFAULT_MAX_TOKENS = 256
 MAX_STEPS = 16
 MAX_TOPK = 16
+MAX_BODY_BYTES = 16 << 20  # far above any context's worth of text; a bigger body is refused
+MESSAGE_KEYS = frozenset({"role", "content"})  # what the server reads and the traffic log keeps
 
 
 class BadRequest(ValueError):
-    """A request the server cannot serve; answered with HTTP 400."""
+    """A request the server cannot serve; answered with HTTP 400 (`status`)."""
+
+    status = 400
+
+
+class BodyTooLarge(BadRequest):
+    """A body over MAX_BODY_BYTES; answered with HTTP 413 before it is read whole."""
+
+    status = 413
 
 
 @dataclass(frozen=True)
 class Limits:
     """What the served model allows: token ids in [0, vocab_size), prompt + completion within
-    max_context (0 = unknown), and the engine's default drafting shape (for the tree check)."""
+    max_context (0 = unknown), and the engine's default drafting shape (for the tree check).
+    `static_capacity`: KV slots of the engine's static runner (0 = none), which must also hold
+    one verify pass beyond prompt + completion (serve/engine/loop.py `_check_fits`)."""
 
     vocab_size: int
     max_context: int
     steps: int
     topk: int
     num_draft_tokens: int | None
+    static_capacity: int = 0
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,21 @@ class CheckedRequest:
     speculative: bool
     stream: bool
     include_usage: bool
+    record: bool = True
+
+
+async def read_body(chunks: AsyncIterator[bytes], declared: str | None) -> bytes:
+    """The request body, refused (BodyTooLarge) past MAX_BODY_BYTES, whether the client declared
+    its length or not, without reading more than that."""
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise BodyTooLarge(f"body: {declared} bytes is over the limit of {MAX_BODY_BYTES}")
+    out, size = [], 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise BodyTooLarge(f"body: over the limit of {MAX_BODY_BYTES} bytes")
+        out.append(chunk)
+    return b"".join(out)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -112,9 +140,10 @@ def check_request(
             return default
         return v
 
-    max_tokens = opt_int("max_tokens", 1)
+    cap = limits.max_context or None  # no completion is longer than the context
+    max_tokens = opt_int("max_tokens", 1, cap)
     if chat and body.get("max_completion_tokens") is not None:
-        max_tokens = opt_int("max_completion_tokens", 1)
+        max_tokens = opt_int("max_completion_tokens", 1, cap)
     if max_tokens is None and not any(
         body.get(k) is not None for k in ("max_tokens", "max_completion_tokens")
     ):
@@ -152,6 +181,7 @@ def check_request(
     speculative = opt_bool("speculative", True)
     ignore_eos = opt_bool("ignore_eos", False)
     stream = opt_bool("stream", False)
+    record = opt_bool("record", True)
     opts = body.get("stream_options")
     include_usage = False
     if opts is not None:
@@ -164,6 +194,14 @@ def check_request(
             f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the "
             f"context of {limits.max_context}; shorten the prompt or lower max_tokens"
         )
+    if prompt and limits.static_capacity:
+        need = _kv_need(len(prompt), max_tokens, speculative, temperature, steps, topk, n_tokens, limits)  # fmt: skip
+        if need > limits.static_capacity:
+            problems.append(
+                f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) + one "
+                f"verify pass needs {need} KV slots, over the server's {limits.static_capacity}; "
+                "shorten the prompt or lower max_tokens"
+            )
     if problems:
         raise BadRequest("; ".join(problems))
     params = GenParams(
@@ -175,7 +213,25 @@ def check_request(
         topk=topk,
         num_draft_tokens=n_tokens,
     )
-    return CheckedRequest(prompt, params, speculative, stream, include_usage)
+    return CheckedRequest(prompt, params, speculative, stream, include_usage, record)
+
+
+def _kv_need(
+    n_prompt: int,
+    max_tokens: int,
+    speculative: bool,
+    temperature: float,
+    steps: int | None,
+    topk: int | None,
+    n_tokens: int | None,
+    limits: Limits,
+) -> int:
+    """KV slots the static runner needs for this request, as its `_check_fits` counts them:
+    prompt + completion + one verify pass (a tree's tokens, a chain's steps + 1, plain: 1) + 1."""
+    k, tk = steps or limits.steps, topk or limits.topk
+    tree = tk > 1 and temperature <= 0  # sampling always drafts chains
+    width = (n_tokens or limits.num_draft_tokens or k + 1) if tree else k + 1
+    return n_prompt + max_tokens + (width if speculative else 1) + 1
 
 
 def _prompt(
@@ -194,6 +250,9 @@ def _prompt(
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 problems.append(f"messages[{i}]: must be an object with a string role")
+                return []
+            if extra := sorted(set(m) - MESSAGE_KEYS):
+                problems.append(f"messages[{i}]: unsupported key(s) {extra}; send role and content only")  # fmt: skip
                 return []
             content = m.get("content")
             if not isinstance(content, str) or not _utf8(content) or not _utf8(m["role"]):

@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from actors.redact import redact
 from serve.sglang_server import (
     BaselineCache,
     DrafterRejected,
@@ -366,7 +367,7 @@ class VLLMServer:
         )
         t0 = time.monotonic()
         with open(self.log_file, "w") as fh:
-            fh.write("# " + " ".join(argv) + "\n")
+            fh.write("# " + " ".join(redact(argv)) + "\n")  # --api-key K -> ***
             fh.flush()
             self.proc = subprocess.Popen(
                 argv,

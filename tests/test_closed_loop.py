@@ -95,7 +95,11 @@ def test_summary_and_mlflow_carry_domains_and_promotion(closed_run):
     rows = summary["rounds"]
     assert [r["round"] for r in rows] == [0, 1]
     assert all(set(r["domains"]) == {"builtin"} for r in rows)
-    assert rows[0]["promoted"] is True and isinstance(rows[1]["promoted"], bool)
+    assert rows[0]["promoted"] is True  # the first drafter has nothing to beat
+    # round 1 is promoted exactly when it beats round 0 on the same prompts (margin 0)
+    gate = json.loads((run_dir / "state.json").read_text())["rounds"][1]["done"]["gate"]
+    assert gate["champion_accept_len"] == rows[0]["accept_len"] and gate["champion_round"] == 0
+    assert rows[1]["promoted"] is gate["promoted"] is (rows[1]["accept_len"] > rows[0]["accept_len"])  # fmt: skip
     champ = summary["champion"]
     best = max(rows, key=lambda r: r["accept_len"] if r["promoted"] else 0)
     assert champ["round"] == best["round"] and champ["accept_len"] == best["accept_len"]

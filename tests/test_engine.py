@@ -521,9 +521,16 @@ def test_sampling_is_reproducible_with_a_seed(target, prompts):
     engine = SpecEngine(
         target, random_drafter(target, draft_vocab_size=500, aux_layer_ids=AUX), steps=K
     )
-    a = engine.generate(prompts[:3], GenParams(max_tokens=8, temperature=1.0, seed=7))
-    b = engine.generate(prompts[:3], GenParams(max_tokens=8, temperature=1.0, seed=7))
-    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+
+    def sample(seed: int | None, torch_seed: int, temperature: float = 1.0) -> list:
+        torch.manual_seed(torch_seed)  # the global RNG moves between calls: the seed must rule
+        params = GenParams(max_tokens=8, temperature=temperature, seed=seed)
+        return [g.token_ids for g in engine.generate(prompts[:3], params)]
+
+    a = sample(7, torch_seed=0)
+    assert sample(7, torch_seed=1) == a  # the seed, not the global RNG, decides
+    assert sample(8, torch_seed=0) != a  # a sampler that ignores the seed gives one answer
+    assert sample(7, torch_seed=0, temperature=0.0) != a  # and it does sample (not argmax)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -94,14 +94,17 @@ def _submit(
         [sys.executable, "pipeline/run.py", "runtime-env", str(config)],
         cwd=REPO, env=head["env"], capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
+    renv_file = config.with_name("runtime-env.json")  # a file, as scripts/demo.sh passes it:
+    renv_file.write_text(renv)  # never on the command line, where `ps` shows its env vars
+    renv_file.chmod(0o600)
     cmd = [
         str(head["bin"] / "ray"),
         "job",
         "submit",
         "--address",
         head["address"],
-        "--runtime-env-json",
-        renv,
+        "--runtime-env",
+        str(renv_file),
     ]
     if not wait:
         cmd.append("--no-wait")

@@ -147,13 +147,23 @@ def test_bad_requests_get_400(endpoint):
             ("/v1/chat/completions", dict(CHAT, temperature="hot"), "temperature"),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0]"),
             ("/v1/completions", {"prompt": [1, 10**7], "max_tokens": 3}, "outside the vocabulary"),
-            ("/v1/completions", {"prompt": "hi", "max_tokens": 2000}, "exceeds the context"),
+            ("/v1/completions", {"prompt": "hi", "max_tokens": 2000}, "max_tokens: 2000"),
+            ("/v1/completions", {"prompt": [5] * 1000, "max_tokens": 30}, "exceeds the context"),
+            ("/v1/chat/completions", dict(CHAT, record="yes"), "record: 'yes'"),
+            (
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "x", "name": "n"}]},
+                "unsupported key(s) ['name']",
+            ),
         ):
             r = c.post(path, json=body)
             assert r.status_code == 400 and field in r.json()["error"]["message"], (body, r.text)
         raw = b'{"prompt": "\xff\xfe", "max_tokens": 3}'
         r = c.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
         assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"]
+        big = b'{"prompt": "' + b"x" * (16 << 20) + b'"}'  # over serve.validation.MAX_BODY_BYTES
+        r = c.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "over the limit" in r.json()["error"]["message"]
 
 
 def test_a_bad_request_never_fails_the_valid_ones_batched_with_it(endpoint):
@@ -256,9 +266,14 @@ def test_a_refused_drafter_never_outlives_a_replica_restart(endpoint, drafters):
 
 
 def test_cli_swaps_the_drafter_of_a_running_server(endpoint, drafters):
+    import ray
+
     from serve.cli import main
 
     pid = endpoint.info()["pid"]
+    public = httpx.get(f"{endpoint.url}/drafter", timeout=60).text  # any client may ask
+    gcs = ray.get_runtime_context().gcs_address
+    assert gcs not in public and gcs.split(":")[-1] not in public and "/" not in public, public
     assert main(["swap", "--url", endpoint.url, "--drafter", drafters["good2"]]) == 0
     info = endpoint.info()
     assert info["path"] == drafters["good2"] and info["pid"] == pid  # in place

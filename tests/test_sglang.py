@@ -291,7 +291,12 @@ def test_server_that_dies_reports_its_log(tmp_path):
         "import sys; print('weights not found', flush=True); sys.exit(3)",
     ]
     srv = SGLangServer(
-        ServeConfig(engine="sglang", port=39999, env={"NCCL_PROTO": "LL"}),
+        ServeConfig(
+            engine="sglang",
+            port=39999,
+            env={"NCCL_PROTO": "LL"},
+            extra_args=["--api-key", "sk-planted"],
+        ),  # fmt: skip
         TargetConfig(model="/nowhere", backend="sglang"),
         tmp_path,
         start_timeout_s=30,
@@ -302,6 +307,7 @@ def test_server_that_dies_reports_its_log(tmp_path):
     assert "weights not found" in str(err.value)
     logged = (tmp_path / "sglang-000.log").read_text()
     assert "--speculative-draft-model-path /drafter" in logged.splitlines()[0]
+    assert "--api-key ***" in logged and "sk-planted" not in logged + str(err.value)
     # sglang derives its gRPC port as port + 10000
     with pytest.raises(ValueError, match="serve.port: 60000 .* SGLANG_GRPC_PORT"):
         SGLangServer(ServeConfig(engine="sglang", port=60000), srv.target_cfg, tmp_path)

@@ -47,3 +47,16 @@ def test_default_store_is_the_run_dirs_and_unknown_runs_are_an_error(
     assert f"parent {state['parent_run_id']}" in msg and "tracking.tracking_uri" in msg
     assert f"it was made with sqlite:///{run_dir}/mlflow.db" in msg
     assert json.loads((run_dir / "state.json").read_text()) == state  # untouched
+
+
+def test_tracking_credentials_never_reach_the_unknown_runs_message(tmp_path):
+    """A state.json from before the fix may hold `user:password@`; the message masks it."""
+    from pipeline.config import TrackingConfig
+    from pipeline.tracking import Tracker
+
+    tracker = Tracker(TrackingConfig(), tmp_path)
+    with pytest.raises(UnknownRuns) as e:
+        tracker.check_known(
+            {"parent": "0" * 32}, "state.json", "https://me:hunter2@mlflow.example/"
+        )
+    assert "https://me:***@mlflow.example/" in str(e.value) and "hunter2" not in str(e.value)

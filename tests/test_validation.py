@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.chat import prompt_ids
-from serve.deployment import _Job, run_isolated
+from serve.deployment import _Job
 from serve.engine import GenParams, SpecEngine, random_drafter
 from serve.validation import BadRequest, Limits, check_request, parse_body
 
@@ -87,6 +87,9 @@ def test_valid_requests_are_settled():
         ({"prompt": 5}, "prompt: a non-empty"),
         ({"prompt": "\ud800"}, "prompt: not a valid UTF-8 string"),
         ({"prompt": [1] * 60, "max_tokens": 10}, "exceeds the context of 64"),
+        ({"prompt": [1], "max_tokens": 65}, "max_tokens: 65 must be an integer in [1, 64]"),
+        ({"prompt": [1], "record": "no"}, "record: 'no' must be true or false"),
+        ({"prompt": [1], "record": 0}, "record: 0"),
     ],
 )
 def test_each_bad_field_is_named(body, field):
@@ -99,8 +102,33 @@ def test_chat_fields_and_all_problems_at_once():
     assert "messages[0].content" in problem({"messages": [{"role": "user"}]}, chat=True)
     bad_utf8 = [{"role": "user", "content": "a\udcff"}]
     assert "messages[0].content" in problem({"messages": bad_utf8}, chat=True)
+    extra = [{"role": "user", "content": "hi", "tool_calls": [{"x": "y" * 99}]}]
+    assert "messages[0]: unsupported key(s) ['tool_calls']" in problem({"messages": extra}, chat=True)  # fmt: skip
     msg = problem({"prompt": [1], "max_tokens": 0, "steps": 0, "top_p": 0.3})
     assert all(f in msg for f in ("max_tokens", "steps", "top_p"))
+
+
+def test_a_body_over_the_limit_is_refused_without_reading_it_whole():
+    import asyncio
+
+    from serve.validation import MAX_BODY_BYTES, BodyTooLarge, read_body
+
+    read: list[int] = []
+
+    async def chunks(n: int):
+        for _ in range(n):
+            read.append(1)
+            yield b"x" * (1 << 20)
+
+    async def body(n: int, declared: str | None) -> bytes:
+        return await read_body(chunks(n), declared)
+
+    assert asyncio.run(body(2, "2097152")) == b"x" * (2 << 20)
+    for declared in (str(MAX_BODY_BYTES + 1), None):
+        read.clear()
+        with pytest.raises(BodyTooLarge, match="body:") as e:
+            asyncio.run(body(1000, declared))
+        assert e.value.status == 413 and len(read) <= (MAX_BODY_BYTES >> 20) + 1
 
 
 def test_body_must_be_utf8_json_object():
@@ -126,30 +154,77 @@ def test_real_tokenizer_and_template(tok):
     assert r.prompt == prompt_ids(tok, MSG)
 
 
-def test_a_failing_request_is_retried_alone_and_others_are_unhurt(tiny_target):
+def test_a_failing_request_is_retried_alone_and_others_are_unhurt(tiny_target, caplog):
+    """The deployment's own batch path (SpecServer._job, _run_sync, _generate, run_isolated), no
+    Serve: checked requests are tokenized off the event loop; one request that got past the gate
+    and breaks the engine fails alone, and its streaming batchmates get exactly their sequential
+    greedy output, streamed once."""
+    import asyncio
+    import threading
+
+    import actors.chat
+    from serve.deployment import SpecServer
+
     torch.set_num_threads(1)
-    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
-    engine = SpecEngine(
-        target, random_drafter(target, draft_vocab_size=2000, aux_layer_ids=[0, 1, 2]), steps=3
-    )
-    params = GenParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    prompts = [[5, 6, 7], [10**6, 1], [8, 9, 10, 11], [12, 13]]  # 10**6: not in the vocabulary
-    calls: list[int] = []
+    plain_class = SpecServer.func_or_class.__mro__[1]  # the class under Serve's ASGI wrapper
+    srv = plain_class({"model": str(tiny_target)}, {"steps": 3})
+    srv.engine.set_drafter(random_drafter(srv.engine.target.model, draft_vocab_size=2000, aux_layer_ids=[0, 1, 2]))  # fmt: skip
+    threads: set[int] = set()
+    real = actors.chat.tokenize
 
-    def run(sub: list[_Job]):
-        calls.append(len(sub))
-        return engine.generate([j.prompt for j in sub], params)
+    def tokenize(*a, **kw):
+        threads.add(threading.get_ident())
+        return real(*a, **kw)
 
-    jobs = [_Job(p, params, speculative=True) for p in prompts]
-    out = run_isolated(run, jobs)
-    assert calls == [4, 1, 1, 1, 1]  # the batch, then each alone
-    assert isinstance(out[1], Exception)
-    for p, g in zip(prompts, out, strict=True):
-        if p[0] != 10**6:
-            alone = engine.generate([p], params)[0]
-            assert g.token_ids == alone.token_ids and len(g.token_ids) == 6
+    actors.chat.tokenize = tokenize
+    bodies = [{"messages": [{"role": "user", "content": f"q {i}"}], "max_tokens": 6,
+               "temperature": 0, "ignore_eos": True} for i in range(3)]  # fmt: skip
+
+    async def run():
+        jobs = [await srv._job(b, chat=True, stream=True) for b in bodies]
+        broken = _Job([10**6, 1], jobs[0].params, speculative=True)  # what the gate missed
+        jobs.insert(1, broken)
+        out = await asyncio.to_thread(srv._run_sync, jobs)
+        streams = []
+        for j in jobs:
+            got = []
+            while j is not broken and (item := await j.queue.get()) is not None:
+                got += item
+            streams.append(got)
+        return jobs, out, streams
+
+    try:
+        with caplog.at_level("WARNING", logger="ray.serve"):
+            jobs, out, streams = asyncio.run(run())
+    finally:
+        actors.chat.tokenize = real
+    assert threads and threading.get_ident() not in threads  # never on the event loop
+    assert "a batch of 4 failed" in caplog.text and isinstance(out[1], Exception)
+    for j, g, streamed in zip(jobs, out, streams, strict=True):
+        if j.prompt[0] != 10**6:
+            alone = srv.engine.generate([j.prompt], j.params)[0]
+            assert g.token_ids == alone.token_ids == streamed and len(streamed) == 6
 
 
 def test_deeply_nested_json_is_a_bad_request():
     with pytest.raises(BadRequest, match="nested too deeply"):
         parse_body(b"[" * 100_000 + b"]" * 100_000)
+
+
+def test_the_gate_counts_the_static_kv_cache_as_the_engine_does(tiny_target):
+    """On GPU the static runner holds fewer slots (static_capacity) than the model's context: a
+    request the engine would refuse inside a batch (a 500 there) is a 400 at the gate, and one
+    slot less is served."""
+    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    drafter = random_drafter(target, draft_vocab_size=2000, aux_layer_ids=[0, 1, 2])
+    engine = SpecEngine(target, drafter, steps=3, runner="static", static_capacity=48)
+    limits = Limits(1000, 1024, 3, 1, None, static_capacity=engine.static.capacity)
+    for spec in (True, False):
+        room = 48 - 10 - (4 if spec else 1) - 1  # prompt 10, one verify pass, one spare
+        fits = check({"prompt": [5] * 10, "max_tokens": room, "speculative": spec, "temperature": 0}, limits=limits)  # fmt: skip
+        gen = engine.generate([fits.prompt], fits.params, speculative=spec)[0]
+        assert len(gen.token_ids) >= 1
+        with pytest.raises(BadRequest, match="KV slots, over the server's 48"):
+            check({"prompt": [5] * 10, "max_tokens": room + 1, "speculative": spec}, limits=limits)  # fmt: skip
+        with pytest.raises(ValueError, match="static KV cache capacity"):
+            engine.generate([[5] * 10], GenParams(max_tokens=room + 1, temperature=0.0), speculative=spec)  # fmt: skip

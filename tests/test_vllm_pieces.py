@@ -12,6 +12,7 @@ from pipeline.config import ServeConfig, TargetConfig, parse_config  # noqa: E40
 from serve.bench import _level, extract_stats
 from serve.vllm_server import (
     SpecCounters,
+    VLLMServer,
     build_server_args,
     level_from_counters,
     parse_spec_counters,
@@ -138,3 +139,17 @@ def test_job_runtime_env_points_at_the_vllm_venv_without_uploading_it(tmp_path):
     py.write_text("")
     env = job_runtime_env(str(cfg), str(tmp_path))
     assert env["env_vars"]["EAGLE_LOOP_VLLM_PYTHON"] == str(py)
+
+
+def test_the_logged_command_line_hides_a_secret_argument(tmp_path):
+    """`serve.extra_args: [--api-key, K]` reaches vLLM, never `<log_dir>/vllm-*.log`."""
+    import sys
+
+    crash = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    cfg = ServeConfig(engine="vllm", port=39998, extra_args=["--api-key", "sk-planted"])
+    srv = VLLMServer(cfg, TargetConfig(model="/nowhere"), tmp_path, start_timeout_s=30,
+                     launch=crash, model_dir="/nowhere")  # fmt: skip
+    with pytest.raises(RuntimeError) as err:
+        srv.start(None)
+    logged = (tmp_path / "vllm-000.log").read_text()
+    assert "--api-key ***" in logged and "sk-planted" not in logged + str(err.value)
