@@ -53,6 +53,12 @@ def _artifact_root(uri: str) -> str | None:
     return (Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts").as_uri()
 
 
+# MLflow 3's UI opens an experiment without a kind in its GenAI view (traces, an assistant panel),
+# where this project logs nothing; "custom_model_development" ("Machine learning") opens it on
+# its runs. A kind someone set by hand is left alone.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+
+
 class Tracker:
     def __init__(self, cfg: TrackingConfig, run_dir: str | Path | None = None):
         self.cfg = cfg
@@ -66,6 +72,8 @@ class Tracker:
                 cfg.experiment, artifact_location=_artifact_root(self.uri)
             )
         )
+        if exp is None or EXPERIMENT_KIND[0] not in exp.tags:
+            self.client.set_experiment_tag(self.experiment_id, *EXPERIMENT_KIND)
 
     def check_known(self, run_ids: dict[str, str | None], source: str, made_in: str | None) -> None:
         """Raise UnknownRuns when any of `run_ids` (what -> id, from `source`) is not an active run

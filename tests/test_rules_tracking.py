@@ -76,6 +76,21 @@ def test_tracker_with_an_outer_run_active(tmp_path):
     assert t.client.get_model_version_by_alias("m", "champion").run_id == child
 
 
+def test_the_experiment_opens_on_its_runs_and_a_kind_set_by_hand_stays(tmp_path):
+    """MLflow 3's UI opens an experiment with no kind in its GenAI view, where there are no runs."""
+    from pipeline.tracking import EXPERIMENT_KIND
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    t = Tracker(TrackingConfig(tracking_uri=uri, experiment="e"))
+    assert (
+        t.client.get_experiment(t.experiment_id).tags[EXPERIMENT_KIND[0]]
+        == "custom_model_development"
+    )
+    t.client.set_experiment_tag(t.experiment_id, EXPERIMENT_KIND[0], "finetuning")
+    again = Tracker(TrackingConfig(tracking_uri=uri, experiment="e"))  # a resume
+    assert again.client.get_experiment(again.experiment_id).tags[EXPERIMENT_KIND[0]] == "finetuning"
+
+
 def test_the_stop_rules_budget_question_counts_the_users_still_to_run(tmp_path):
     """After round 0's gate, round 1 is planned into what is left minus the simulated users that
     still run before it (80 s planned): 183 s left after them is short of round 1's benchmark
