@@ -43,6 +43,9 @@ MLFLOW_PID=$!
 
 # Every port of this head is a free one (Ray's fixed defaults clash with any other Ray here);
 # --block in its own session, so the cleanup above stops exactly these processes.
+# Ray's own components log at warning: at info, its runtime-env agent writes every job's runtime
+# env, env vars (tokens) included, into runtime_env_agent.log (seen with a planted HF_TOKEN).
+RAY_LOGGER_LEVEL=${RAY_LOGGER_LEVEL:-warning} \
 RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 setsid ray start --head --block --node-ip-address 127.0.0.1 \
   --port "$(free_port)" --ray-client-server-port "$(free_port)" \
   --dashboard-agent-listen-port "$(free_port)" --num-cpus "${RAY_NUM_CPUS:-4}" --dashboard-host 127.0.0.1 \
@@ -55,8 +58,9 @@ for _ in $(seq 120); do grep -q "Ray runtime started" "$RUN_DIR/ray-start.log" &
 http_ok() { python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)" "$1" 2>/dev/null; }
 for _ in $(seq 90); do http_ok "http://127.0.0.1:$MLFLOW_PORT/health" && break; sleep 1; done
 http_ok "http://127.0.0.1:$MLFLOW_PORT/health" || { echo "MLflow did not start: $RUN_DIR/mlflow.log"; exit 1; }
-echo "Ray dashboard: http://127.0.0.1:$DASH_PORT"
-echo "MLflow UI:     http://127.0.0.1:$MLFLOW_PORT"
+echo "Ray dashboard: http://127.0.0.1:$DASH_PORT   (it asks for a token: \`ray get-auth-token\` prints it)"
+EXPERIMENT=$(python -c "import sys; from pipeline.config import load_config; print(load_config(sys.argv[1]).tracking.experiment)" "$CONFIG")
+echo "MLflow UI:     http://127.0.0.1:$MLFLOW_PORT   (the loop's runs: Experiments, then $EXPERIMENT)"
 echo "run dir:       $RUN_DIR"
 
 # The runtime env (env vars included: tokens) goes in a file only this user reads, never on the
