@@ -143,14 +143,12 @@ def decode_anchor(model, device: torch.device, res: Results, iters: int, ctx: in
 
 
 def main() -> None:
-    ap = parser(__doc__, device="cuda")
-    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap = parser(__doc__, device="cuda", shapes=SHAPES, shape="llama-3.1-8b", iters=5)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--n", type=int, default=32, help="sequences per capture run")
     ap.add_argument("--per-shard", default="4", help="sequences per shard; a comma list runs each")
     ap.add_argument("--threads", default="4", help="writer threads; a comma list runs each")
     ap.add_argument("--sync", default="fsync", help="write_shard sync modes to run (fsync,none)")
-    ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out-dir", default=None, help="shard directory (default: a temp dir)")
     ap.add_argument("--pool-slots", type=int, default=16, help="0 = no PinnedPool")
     ap.add_argument("--io-mb", type=int, default=256, help="file size of the host I/O probe")

@@ -143,11 +143,9 @@ def profile_step(runner: StaticTargetRunner, ids, pos, ones, res: Results, label
 
 @torch.inference_mode()
 def main() -> None:
-    ap = parser(__doc__, device="cuda")
-    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap = parser(__doc__, device="cuda", shapes=SHAPES, shape="llama-3.1-8b", iters=30)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--widths", default="1,2,4,5,8")
-    ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--capacity", type=int, default=2048)
     args = ap.parse_args()

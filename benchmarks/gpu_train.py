@@ -451,11 +451,9 @@ def run_optim(shape: str, s: DrafterShape, T: int) -> None:
 
 
 def main() -> None:
-    ap = parser(__doc__, device="cuda")
-    ap.add_argument("--shape", default="kimi-k2", choices=list(SHAPES))
+    ap = parser(__doc__, device="cuda", shapes=SHAPES, shape="kimi-k2", iters=10)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--what", default="parity,ref,fast,specforge,mix")
-    ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--mix-samples", type=int, default=48)
     ap.add_argument(
         "--budget-s", type=float, default=1e9, help="skip sections once this much time has passed"

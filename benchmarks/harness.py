@@ -26,9 +26,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def parser(doc: str | None, device: str | None = None) -> argparse.ArgumentParser:
-    """A parser whose help is the script's docstring; with `device` ("cuda", "cpu" or "auto":
-    CUDA where torch sees it) also `--device`."""
+def parser(
+    doc: str | None,
+    device: str | None = None,
+    shapes: dict[str, Any] | None = None,
+    shape: str | None = None,
+    iters: int | None = None,
+) -> argparse.ArgumentParser:
+    """A parser whose help is the script's docstring, with the flags the scripts share where
+    asked for: `--device` (`device` is its default: "cuda", "cpu" or "auto", CUDA where torch
+    sees it), `--shape` (one of `shapes`, default `shape`), `--iters` (timed calls, default
+    `iters`)."""
     head, _, rest = (doc or "").partition("\n\n")
     ap = argparse.ArgumentParser(
         description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -41,7 +49,23 @@ def parser(doc: str | None, device: str | None = None) -> argparse.ArgumentParse
             default=default,
             help=f"where to run (default {default}); cpu with the smallest shape is a smoke test",
         )
+    if shapes:
+        ap.add_argument("--shape", choices=sorted(shapes), default=shape or next(iter(shapes)))
+    if iters:
+        ap.add_argument("--iters", type=int, default=iters, help="timed calls per measurement")
     return ap
+
+
+def add_training_args(
+    ap: argparse.ArgumentParser, tokens_per_batch: int, ttt: int, threads: int
+) -> None:
+    """The recipe's flags shared by the scripts that train (epochs, lr, batch, TTT, samples)."""
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--tokens-per-batch", type=int, default=tokens_per_batch)
+    ap.add_argument("--ttt", type=int, default=ttt, help="TTT length k")
+    ap.add_argument("--train-samples", type=int, default=0, help="train on the first N (0: all)")
+    ap.add_argument("--threads", type=int, default=threads, help="torch threads (0: torch's own)")
 
 
 def pick_device(name: str) -> torch.device:

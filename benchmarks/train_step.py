@@ -201,8 +201,7 @@ def checkpoint_round_trip(module, opt, sched) -> float:
 
 
 def main() -> None:
-    ap = parser(__doc__, device="auto")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    ap = parser(__doc__, device="auto", shapes=SHAPES, shape="smollm2")
     ap.add_argument(
         "--draft-vocab", type=int, default=None, help="override the shape's draft vocab"
     )
