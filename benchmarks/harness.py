@@ -92,19 +92,21 @@ def sync(device: torch.device | str) -> None:
         torch.cuda.synchronize()
 
 
+def clocked(fn: Callable[[], Any], device: torch.device | str) -> tuple[Any, float]:
+    """fn()'s result and its seconds: the host clock around a call synchronized with the device
+    before and after (for calls of milliseconds and more)."""
+    sync(device)
+    t = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - t
+
+
 def timed_ms(fn: Callable[[], Any], device: torch.device | str, iters: int, warm: int = 0) -> list[float]:  # fmt: skip
-    """ms of each of `iters` calls after `warm` untimed ones: the host clock around a call that
-    is synchronized with the device before and after (for calls of milliseconds and more)."""
+    """ms of each of `iters` clocked calls after `warm` untimed ones."""
     for _ in range(warm):
         fn()
-    out = []
-    for _ in range(iters):
-        sync(device)
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        out.append((time.perf_counter() - t) * 1000)
-    return out
+    return [clocked(fn, device)[1] * 1000 for _ in range(iters)]
 
 
 def median_ms(fn: Callable[[], Any], device: torch.device | str, iters: int, warm: int = 3) -> float:  # fmt: skip
