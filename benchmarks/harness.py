@@ -23,8 +23,6 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def parser(
     doc: str | None,
