@@ -203,6 +203,30 @@ def test_the_cycle_check_finds_planted_circles(tmp_path):
     ]
 
 
+def bypassing_the_harness(files: list[Path], root: Path = ROOT) -> list[str]:
+    """Benchmark scripts that print results themselves instead of through benchmarks/harness.py
+    (one JSON line with the environment, kept under $OUT): no harness import, or a
+    `print(json.dumps(...))` of their own."""
+    bad = []
+    for f in files:
+        text = f.read_text()
+        if '__name__ == "__main__"' not in text:
+            continue  # a module the scripts import, not a script
+        rel = f.relative_to(root).as_posix()
+        if "benchmarks.harness" not in {m for _, m in imported_modules(f, root)}:
+            bad.append(f"{rel}: does not import benchmarks.harness")
+        if "print(json.dumps(" in text:
+            bad.append(f"{rel}: prints JSON itself (use harness.Results)")
+    return bad
+
+
+def test_benchmarks_print_through_the_harness():
+    scripts = sorted((ROOT / "benchmarks").glob("*.py"))
+    assert len(scripts) > 10, scripts
+    bad = bypassing_the_harness(scripts)
+    assert not bad, "\n".join(bad)
+
+
 def _calls(files: list[Path], dotted: str) -> list[str]:
     """`file:line` of every call of `dotted` (e.g. `os.replace`) in `files`."""
     obj, attr = dotted.rsplit(".", 1)
