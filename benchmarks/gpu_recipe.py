@@ -5,11 +5,13 @@ prompts and E epochs take the SmolLM2 drafter on held-out real prompts (tree and
         --pool pool.jsonl --eval chat.jsonl --eval everyday.jsonl --out $OUT \
         --run real1280:1280:4 --run real2560:2560:3 --run builtin1280:b1280:4
 
-`--pool`: training prompts, one `{"messages": [...]}` per line, in draw order (the loop's own
-split: write it with `actors.prompts.plan_prompts`). A run `name:N:E` generates the first N (the
-data is shared: a longer run reuses the shorter runs' shards), trains a scratch drafter E epochs
-with the demo's training settings, exports it, and scores it in-process with `SpecEngine` on each
-eval file (tree 5/4/12 and chain 3, greedy, 96 tokens, end at EOS). `bN` draws from `--builtin`.
+`--pool`: training prompts, one `{"messages": [...]}` per line (.jsonl or .jsonl.gz, as
+benchmarks/base_pool.py writes them), in draw order (the loop's own split: write it with
+`actors.prompts.plan_prompts`). A run `name:N:E` generates the first N (the data is shared: a
+longer run reuses the shorter runs' shards), trains a scratch drafter E epochs with the demo's
+training settings (benchmarks/recipe.py), exports it, and scores it in-process with `SpecEngine`
+on each eval file (any format `data.source: jsonl` reads; tree 5/4/12 and chain 3, greedy, 96
+tokens, end at EOS). `bN` draws from `--builtin`.
 Generation and training run on the GPU; scoring runs on the host's CPU in fp32 (the engine's
 bf16 CPU path needs AVX512-BF16). Prints one JSON line per run.
 """
@@ -27,16 +29,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.config import DataConfig, TargetConfig  # noqa: E402
+from actors.pool import read_pool  # noqa: E402
+from actors.prompts import load_jsonl_prompts  # noqa: E402
 from actors.shards import ShardInfo, write_manifest  # noqa: E402
 from actors.target import TargetWorker  # noqa: E402
 from benchmarks.harness import Results, parser, pick_device  # noqa: E402
 from benchmarks.recipe import train_on_shards  # noqa: E402
 
 BATCH = 128
-
-
-def read_jsonl(path: str) -> list[list[dict[str, str]]]:
-    return [json.loads(x)["messages"] for x in Path(path).read_text().splitlines() if x.strip()]
 
 
 def generate(worker: TargetWorker, prompts: list, out: Path, first: int) -> list:
@@ -91,7 +91,7 @@ def score(drafter: Path, target: str, evals: list[str], limit: int, threads: int
                 "chain3": GenParams(max_tokens=96, steps=3, topk=1)}  # fmt: skip
     out = {}
     for f in evals:
-        ids = [prompt_ids(tok, c) for c in read_jsonl(f)[:limit]]
+        ids = [prompt_ids(tok, p.messages) for p in load_jsonl_prompts(Path(f))[:limit]]
         for name, p in settings.items():
             lens = [g.stats.accept_len for g in (engine.generate([x], p)[0] for x in ids)]
             out[f"{Path(f).stem}/{name}"] = round(sum(lens) / len(lens), 3)
@@ -116,7 +116,7 @@ def main() -> None:
     device = pick_device(a.device)
     res = Results("gpu_recipe", device)
     worker = None
-    pools = {"": read_jsonl(a.pool), "b": read_jsonl(a.builtin) if a.builtin else []}
+    pools = {k: [r["messages"] for r in read_pool(p)] if p else [] for k, p in [("", a.pool), ("b", a.builtin)]}  # fmt: skip
     runs = []
     for spec in a.run:
         name, n, epochs, *rest = spec.split(":")
