@@ -29,7 +29,10 @@ from typing import Any
 
 from actors.config import DataConfig
 
-Conversation = list[dict[str, str]]
+# Conversation, Prompt and prompt_key live in actors/prompt_record.py (the readers in
+# actors/sources.py need them too) and stay importable from here, where callers take them.
+from actors.prompt_record import Conversation, Prompt, prompt_key
+from actors.sources import READERS, sharegpt_prompts
 
 ACCEPTED_FORMATS = (
     '{"conversations": [{"role": "user", "content": "..."}, ...]} (or "messages"), '
@@ -110,16 +113,6 @@ class PromptFormatError(ValueError):
 
 
 @dataclass(frozen=True)
-class Prompt:
-    """A conversation with the benchmark domain it counts toward and the source it came from."""
-
-    messages: Conversation
-    domain: str
-    source: str
-    reply: str | None = None  # the source's own answer to the last turn, where it has one
-
-
-@dataclass(frozen=True)
 class PromptPlan:
     """The prompts of a run, split once: per source a seeded training order, the held-out
     benchmark prompts (interleaved across domains, so any prefix covers them all) and the
@@ -142,8 +135,6 @@ def load_prompts(data: DataConfig) -> list[Conversation]:
 
 def load_source(source: str, data: DataConfig) -> list[Prompt]:
     """The prompts of one source, tagged with their domain."""
-    from actors.sources import READERS, sharegpt_prompts
-
     if source == "sharegpt":
         return sharegpt_prompts(data.max_prompt_chars)
     if source in READERS:
@@ -244,11 +235,6 @@ def mixed_round(
             )
         out += [pool[(start + i) % len(pool)] for i in range(k)]
     return out, counts
-
-
-def prompt_key(conv: Conversation) -> str:
-    """The text that makes two prompts the same (roles and contents)."""
-    return "\n".join(f"{m['role']}: {m['content']}" for m in conv)
 
 
 def split_prompts(

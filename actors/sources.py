@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from actors.prompts import Prompt, prompt_key
+from actors.prompt_record import Prompt, prompt_key
 
 MAX_CONTEXT_CHARS = 2000  # a turn's prompt with its earlier turns; longer ones are left out
 MIN_TURN_CHARS = 8

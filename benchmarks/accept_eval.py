@@ -8,16 +8,20 @@ Greedy, batch 1, each request ending at EOS or `--max-tokens`, with the target i
 demo serves (`--dtype auto`). accept_len is the mean of per-request figures (completion tokens
 per verify pass, as SGLang counts it and as the loop's benchmark reports it); `pooled` divides
 all tokens by all verify passes. No HTTP and no Ray: the same `SpecEngine` the deployment runs,
-so the figures match `serve.cli bench` up to timing. Prints one JSON object.
+so the figures match `serve.cli bench` up to timing. Prints one JSON line (benchmarks/harness.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import Results, parser  # noqa: E402
 
 
 def _prompts(path: Path) -> list:
@@ -41,7 +45,7 @@ def score(engine, prompts: list[list[int]], params) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--drafter", required=True)
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--dtype", default="auto")
@@ -77,7 +81,7 @@ def main() -> None:
         engine.generate(ids[:1], GenParams(max_tokens=4))  # warm-up
         out["files"][Path(f).stem] = {name: score(engine, ids, p) for name, p in settings.items()}
     out["seconds"] = round(time.perf_counter() - t0, 1)
-    print(json.dumps(out, indent=2))
+    Results("accept_eval", model.device).emit(out)
 
 
 if __name__ == "__main__":

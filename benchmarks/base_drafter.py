@@ -35,12 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.batch_decode import BatchDecoder  # noqa: E402
 from actors.pool import read_pool  # noqa: E402
+from benchmarks.harness import Results, add_training_args, parser  # noqa: E402
 
 AUX = None  # SGLang's default ids for the target ([1, 14, 26] for SmolLM2's 30 layers)
 
 
 def log(**kw) -> None:
-    print(json.dumps(kw), flush=True)
+    Results("base_drafter", "cuda" if torch.cuda.is_available() else "cpu").emit(kw)
 
 
 def load_target(target: str):
@@ -131,23 +132,8 @@ def _batch(dec: BatchDecoder, aux: list[int], seqs: list[dict]):
 
 
 def train(a: argparse.Namespace) -> None:
-    from eagle3.checkpoint import save_drafter
-    from eagle3.config import Eagle3Config
-    from eagle3.target_weights import load_target_tensors
-    from eagle3.train_step import (
-        SoftTargets,
-        eval_metrics,
-        eval_step,
-        make_optimizer,
-        make_scheduler,
-        pack,
-        parallelize,
-        scratch_drafter,
-        train_step,
-    )
-    from eagle3.vocab import build_vocab_map
-    from pipeline.config import DrafterConfig
-    from pipeline.train import _scratch_config
+    from benchmarks.recipe import epoch_order, scratch_trainee  # pipeline.config: pydantic
+    from eagle3.train_step import make_optimizer, make_scheduler, pack, train_step
 
     blob = torch.load(a.out / "samples.pt")
     aux, samples = blob["aux"], [s for s in blob["samples"] if s["reply"]]
@@ -162,12 +148,8 @@ def train(a: argparse.Namespace) -> None:
     # the vocabulary from every reply made (counting needs no capture), not only the trained ones
     vd, cov, counts = _vocab(samples, t.vocab_size, a.coverage, a.max_vocab)
     log(vocab={"draft_vocab_size": vd, "coverage": round(cov, 4), "train_samples": len(tr), "heldout": len(held)})  # fmt: skip
-    cfg = Eagle3Config(**_scratch_config(DrafterConfig(draft_vocab_size=vd), t.info().arch, aux))
-    tens = load_target_tensors(str(a.target))
-    d2t, t2d = build_vocab_map(counts.long(), vd)
-    drafter = scratch_drafter(cfg, tens["embed"], tens["lm_head"], tens["norm"], d2t, t2d, 0).to(dev)  # fmt: skip
-    module, autocast, dt = parallelize(drafter, dev, "auto")
-    soft = SoftTargets(tens["lm_head"], drafter.d2t, drafter.t2d, dt or torch.float32, dev)
+    trainee = scratch_trainee(str(a.target), t.info().arch, aux, vd, counts.long(), dev)
+    module, soft, autocast = trainee.module, trainee.soft, trainee.autocast
     longest = max(len(s["prompt"]) + len(s["reply"]) for s in samples)
     dec = BatchDecoder(t.model, 1, longest + 1, blob["eos"])  # its forward only: capture
     bins = pack([len(s["prompt"]) + len(s["reply"]) for s in tr], a.tokens_per_batch, 0)
@@ -177,24 +159,14 @@ def train(a: argparse.Namespace) -> None:
     held_batches = [_batch(dec, aux, [held[j] for j in b]) for b in pack([len(s["prompt"]) + len(s["reply"]) for s in held], a.tokens_per_batch, 1)]  # fmt: skip
 
     def evaluate() -> dict:
-        module.eval()
-        sums = sum(eval_step(module, b, soft, a.ttt, autocast).cpu() for b in held_batches)
-        module.train()
-        m = eval_metrics(sums, a.ttt, 3)
+        m = trainee.evaluate(held_batches, a.ttt)
         return {"sim_accept_len": round(m["sim_accept_len"], 4), "acc": [round(m[f"acc_{i}"], 3) for i in range(a.ttt)]}  # fmt: skip
-
-    def export(where: Path) -> float:
-        state = {k.removeprefix("drafter."): v.detach().cpu() for k, v in module.state_dict().items()}  # fmt: skip
-        save_drafter(state, drafter.cfg, where)
-        return round((where / "model.safetensors").stat().st_size / 2**20, 2)
 
     curve = sorted(int(x) for x in a.curve.split(",") if x)
     seen, step, best, t0, trained_tokens = 0, 0, -1.0, time.perf_counter(), 0
     results = {"curve": [], "epochs": []}
     for epoch in range(a.epochs):
-        order = list(range(len(bins)))
-        random.Random(epoch).shuffle(order)
-        for b in order:
+        for b in epoch_order(len(bins), epoch):
             if a.seconds and time.perf_counter() - t0 > a.seconds:
                 break
             batch = _batch(dec, aux, [tr[j] for j in bins[b]])
@@ -205,7 +177,7 @@ def train(a: argparse.Namespace) -> None:
                 log(step=step, of=steps, loss=round(out.loss, 4), tok_s=round(trained_tokens / el), s=round(el))  # fmt: skip
             while epoch == 0 and curve and seen >= curve[0]:
                 n = curve.pop(0)
-                point = {"samples": n, **evaluate(), "mb": export(a.out / f"curve-{n}")}
+                point = {"samples": n, **evaluate(), "mb": trainee.export(a.out / f"curve-{n}")}
                 results["curve"].append(point)
                 log(curve=point)
         m = {"epoch": epoch, "steps": step, "samples_seen": seen, **evaluate(),
@@ -216,7 +188,7 @@ def train(a: argparse.Namespace) -> None:
             )
         if m["sim_accept_len"] > best:
             best = m["sim_accept_len"]
-            m["mb"] = export(a.export)
+            m["mb"] = trainee.export(a.export)
         results["epochs"].append(m)
         log(epoch=m)
     results.update(draft_vocab_size=vd, coverage=cov, ttt=a.ttt, lr=a.lr, tokens_per_batch=a.tokens_per_batch,
@@ -226,7 +198,7 @@ def train(a: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("phase", choices=["gen", "train"])
     ap.add_argument("--target", required=True, type=Path)
     ap.add_argument("--out", required=True, type=Path)
@@ -238,13 +210,10 @@ def main() -> None:
     ap.add_argument("--heldout", type=int, default=512)
     ap.add_argument("--coverage", type=float, default=0.99)
     ap.add_argument("--max-vocab", type=int, default=12288, help="25 MB in bf16 at SmolLM2's shape")
-    ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument(
         "--seconds", type=float, default=0, help="stop training after this (0: no limit)"
     )
-    ap.add_argument("--ttt", type=int, default=5)
-    ap.add_argument("--tokens-per-batch", type=int, default=16384)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    add_training_args(ap, tokens_per_batch=16384, ttt=5, threads=0)
     ap.add_argument("--curve", default="2000,8000,32000")
     ap.add_argument("--export", type=Path, default=Path("drafters/smollm2-135m-base"))
     ap.add_argument(
@@ -253,9 +222,7 @@ def main() -> None:
         default=0,
         help="train only on samples whose prompt is at most this long (0: all)",
     )
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (CPU builds)")
     ap.add_argument("--log-every", type=int, default=100)
-    ap.add_argument("--train-samples", type=int, default=0, help="train on the first N (0: all)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)

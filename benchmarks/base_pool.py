@@ -12,7 +12,6 @@ left out and why. One `{"messages": [...], "domain": ..., "source": ...}` per li
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import sys
@@ -21,11 +20,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.pool import CONTEXT_CHARS, TURN_CHARS, build_pool, demo_prompt_keys  # noqa: E402
+from benchmarks.harness import Results, parser  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--config", default="configs/smollm2-cpu.yaml")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--turn-chars", type=int, default=TURN_CHARS)
@@ -43,12 +43,12 @@ def main() -> None:
     with (gzip.open if a.out.suffix == ".gz" else open)(a.out, "wt", encoding="utf-8") as f:
         f.write(lines)
     chars = sorted(sum(len(m["content"]) for m in p.messages) for p in pool.prompts)
-    print(json.dumps({
+    Results("base_pool").emit({
         "out": str(a.out), "total": len(pool.prompts), "sources": pool.counts,
         "left_out": sum(pool.left_out.values()), "left_out_by_source": pool.left_out,
         "excluded_keys": len(excluded), "duplicates_dropped": pool.duplicates,
         "prompt_chars_p50": chars[len(chars) // 2], "prompt_chars_p99": chars[int(len(chars) * 0.99)],
-    }))  # fmt: skip
+    })  # fmt: skip
 
 
 if __name__ == "__main__":

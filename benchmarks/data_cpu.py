@@ -5,13 +5,12 @@
     .venv/bin/python benchmarks/data_cpu.py --hf-baseline 16,32   # plain HF generate, for reference
 
 The stage run is the real one (Ray actors, capture, shards on disk). The load average is printed
-with the figures: on a shared machine other processes take CPU time, and wall-clock tok/s drop.
+with the figures (benchmarks/harness.py: one JSON line a result): on a shared machine other processes take CPU time, and wall-clock tok/s drop.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -20,22 +19,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness import Results, parser  # noqa: E402
+
 
 def stage(args: argparse.Namespace) -> dict:
     import ray
 
+    from actors.cluster import start_ray
     from actors.generate import run_generate
     from actors.prompts import builtin_prompts
     from pipeline.config import DataConfig, TargetConfig
 
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(
-        address="local",
-        num_cpus=os.cpu_count(),
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-    )
+    start_ray(num_cpus=os.cpu_count())
     data = DataConfig(
         batch_size=args.batch_size,
         num_actors=args.actors,
@@ -49,7 +44,6 @@ def stage(args: argparse.Namespace) -> dict:
         r = run_generate(TargetConfig(dtype=args.dtype), data, prompts, Path(out), "bench")
     ray.shutdown()
     return {
-        "bench": "data_stage_cpu",
         "model": "smollm2",
         "prompts": args.prompts,
         "max_new_tokens": args.max_new_tokens,
@@ -91,16 +85,14 @@ def hf_baseline(batch_sizes: list[int], args: argparse.Namespace) -> list[dict]:
             next((i + 1 for i, x in enumerate(r) if x in eos), len(r))
             for r in out[:, enc["input_ids"].shape[1] :].tolist()
         )
-        rows.append({"bench": "hf_generate_cpu", "batch_size": bs, "max_new_tokens": args.max_new_tokens,
+        rows.append({"batch_size": bs, "max_new_tokens": args.max_new_tokens,
                      "threads": torch.get_num_threads(), "tokens": n, "tok_per_s": round(n / dt, 1),
                      "loadavg": round(os.getloadavg()[0], 2)})  # fmt: skip
     return rows
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = parser(__doc__)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--actors", type=int, default=2)
@@ -118,9 +110,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.hf_baseline:
         for row in hf_baseline([int(b) for b in args.hf_baseline.split(",")], args):
-            print(json.dumps(row), flush=True)
+            Results("hf_generate_cpu").emit(row)
     else:
-        print(json.dumps(stage(args)), flush=True)
+        Results("data_stage_cpu").emit(stage(args))
 
 
 if __name__ == "__main__":

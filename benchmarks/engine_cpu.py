@@ -11,7 +11,7 @@ Measures, on held-out built-in prompts:
     --topk) the tree: decode time outside the target's forward passes and the drafter's
     (`EagleDraft._prenorm`, `_tree_step`, its LM head), i.e. tree building, acceptance, KV cache
     bookkeeping and Python; also in decode-step units, and the plain loop's own overhead.
-Prints one JSON object.
+Prints one JSON line (benchmarks/harness.py).
 
   .venv/bin/python benchmarks/engine_cpu.py --max-tokens 64 --prompts 4 --steps 3
   .venv/bin/python benchmarks/engine_cpu.py --dtype auto --draft-vocab 4096 --threads 1 \
@@ -20,13 +20,17 @@ Prints one JSON object.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import Results, parser  # noqa: E402
 
 
 def interleaved_ms(fns: dict, reps: int) -> dict[str, dict[str, float]]:
@@ -162,7 +166,7 @@ def overhead_plain(engine, prompts: list[list[int]], params) -> dict[str, float]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3)
@@ -266,7 +270,7 @@ def main() -> None:
         engine.drafter = keep
         for v in out["overhead"].values():
             v["overhead_in_decode_steps"] = v["overhead_ms"] / decode_ms
-    print(json.dumps(out, indent=2))
+    Results("engine_cpu", "cpu").emit(out)
 
 
 if __name__ == "__main__":

@@ -16,17 +16,15 @@ runs them. Needs pydantic (pipeline.config), not Ray.
 
     python benchmarks/gpu_capture.py --worker .devtok --shape llama-3.1-8b --seq 2048 --n 48
 
-Prints one JSON line per measurement (also to $OUT/capture.jsonl when $OUT is set).
+Prints one JSON line per measurement (benchmarks/harness.py; also to $OUT/capture.jsonl when $OUT
+is set).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -39,30 +37,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.hf_backend import HFTarget, PinnedPool  # noqa: E402
 from actors.shards import Sample, ShardWriter, bytes_per_token, read_shard  # noqa: E402
+from benchmarks.harness import Results, median_ms, parser, pick_device, sync  # noqa: E402
+
+
+def llama_shape(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: int, head_dim: int, **more) -> dict:  # fmt: skip
+    """LlamaConfig arguments of a target shape."""
+    return dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                head_dim=head_dim, **more)  # fmt: skip
+
 
 SHAPES = {
-    "llama-3.1-8b": dict(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
+    "llama-3.1-8b": llama_shape(
+        128256,
+        4096,
+        14336,
+        32,
+        32,
+        8,
+        128,
         rope_theta=500000.0,
         max_position_embeddings=8192,
         rms_norm_eps=1e-5,
-    ),
-    "tiny": dict(
-        vocab_size=4096,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-    ),
+    ),  # fmt: skip
+    "tiny": llama_shape(4096, 64, 128, 4, 4, 2, 16, max_position_embeddings=4096),
 }
 
 
@@ -82,31 +80,6 @@ def build_target(shape: str, device: torch.device, dtype: torch.dtype) -> torch.
     finally:
         torch.set_default_dtype(prev)
     return model.to(device, dtype).eval()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn, device: torch.device, iters: int) -> list[float]:
-    """ms of each call, host clock around a synchronized call (the calls are 10s of ms)."""
-    out = []
-    for _ in range(iters):
-        sync(device)
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        out.append((time.perf_counter() - t) * 1000)
-    return out
-
-
-def emit(rec: dict, base: dict) -> None:
-    line = json.dumps({**base, **rec})
-    print(line, flush=True)
-    if os.environ.get("OUT"):
-        with open(Path(os.environ["OUT"]) / "capture.jsonl", "a") as f:
-            f.write(line + "\n")
 
 
 def run_capture(
@@ -150,7 +123,7 @@ def run_capture(
     return time.perf_counter() - t, forward_s, infos
 
 
-def decode_anchor(model, device: torch.device, base: dict, iters: int, ctx: int = 512) -> None:
+def decode_anchor(model, device: torch.device, res: Results, iters: int, ctx: int = 512) -> None:
     """Plain HF eager, batch 1, DynamicCache holding `ctx` tokens: forwards of 1, 4 and 8 new
     tokens (the cache is cropped back after each, so every call sees the same `ctx`)."""
     from transformers import DynamicCache
@@ -165,21 +138,17 @@ def decode_anchor(model, device: torch.device, base: dict, iters: int, ctx: int 
             model(input_ids=x, past_key_values=cache, logits_to_keep=q)
             cache.crop(-q)  # back to ctx (negative = drop that many; both 5.17 and 5.24)
 
-        timed(step, device, 3)
-        ms = statistics.median(timed(step, device, max(iters, 10)))
-        emit({"what": "hf_eager_decode", "ctx": ctx, "q": q, "ms": round(ms, 3)}, base)
+        ms = median_ms(step, device, max(iters, 10), warm=3)
+        res.emit({"what": "hf_eager_decode", "ctx": ctx, "q": q, "ms": round(ms, 3)})
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
-    ap.add_argument("--device", default="cuda")
+    ap = parser(__doc__, device="cuda", shapes=SHAPES, shape="llama-3.1-8b", iters=5)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--n", type=int, default=32, help="sequences per capture run")
     ap.add_argument("--per-shard", default="4", help="sequences per shard; a comma list runs each")
     ap.add_argument("--threads", default="4", help="writer threads; a comma list runs each")
     ap.add_argument("--sync", default="fsync", help="write_shard sync modes to run (fsync,none)")
-    ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out-dir", default=None, help="shard directory (default: a temp dir)")
     ap.add_argument("--pool-slots", type=int, default=16, help="0 = no PinnedPool")
     ap.add_argument("--io-mb", type=int, default=256, help="file size of the host I/O probe")
@@ -187,21 +156,14 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16, help="--worker: sequences per batch")
     ap.add_argument("--slots", default="3", help="--worker: CAPTURE_SLOTS values to run")
     args = ap.parse_args()
-    device = torch.device(args.device)
+    device = pick_device(args.device)
     dtype = torch.bfloat16
-    base = {
-        "bench": "capture",
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "date": datetime.date.today().isoformat(),
-        "shape": args.shape,
-        "seq": args.seq,
-        "torch": torch.__version__,
-    }
+    res = Results("capture", device, {"shape": args.shape, "seq": args.seq})
     t0 = time.perf_counter()
     model = build_target(args.shape, device, dtype)
-    emit({"what": "build", "s": round(time.perf_counter() - t0, 1)}, base)
+    res.emit({"what": "build", "s": round(time.perf_counter() - t0, 1)})
     if args.worker:
-        worker_stage(model, args, base)
+        worker_stage(model, args, res)
         return
     L = model.config.num_hidden_layers
     aux_ids = [1, L // 2 - 1, L - 4]  # SGLang's default for Llama
@@ -217,15 +179,12 @@ def main() -> None:
             ("hf_forward_hidden_states", {"output_hidden_states": True}),
             ("hf_forward_no_cache_keep1", {"use_cache": False, "logits_to_keep": 1}),
         ]:
-            timed(lambda kw=kw: model(input_ids=x, **kw), device, 2)
-            ms = statistics.median(
-                timed(lambda kw=kw: model(input_ids=x, **kw), device, args.iters)
-            )
-            emit({"what": name, "ms": round(ms, 2), "tok_s": round(args.seq / ms * 1000)}, base)
+            ms = median_ms(lambda kw=kw: model(input_ids=x, **kw), device, args.iters, warm=2)
+            res.emit({"what": name, "ms": round(ms, 2), "tok_s": round(args.seq / ms * 1000)})
             if name == "hf_forward":
                 plain_tok_s = args.seq / ms * 1000
 
-        decode_anchor(model, device, base, args.iters)
+        decode_anchor(model, device, res, args.iters)
 
     target = HFTarget.from_model(model, model_id=f"random-{args.shape}")
     width = bytes_per_token(model.config.hidden_size)
@@ -247,14 +206,13 @@ def main() -> None:
                     p.wait()
                     p.release()
             s = time.perf_counter() - t
-            emit(
+            res.emit(
                 {
                     "what": "capture_forward_only",
                     "host_buffers": name,
                     "tok_s": round(tokens / s),
                     "ms_per_seq": round(s / args.n * 1000, 2),
-                },
-                base,
+                }
             )
 
     root = Path(args.out_dir) if args.out_dir else Path(tempfile.mkdtemp(prefix="capture_"))
@@ -269,7 +227,7 @@ def main() -> None:
                         target, seqs, aux_ids, out_dir, per_shard, threads, pool, sync_mode
                     )
                     nbytes = sum(i.bytes for i in infos)
-                    emit(
+                    res.emit(
                         {
                             "what": "capture_stage",
                             "writer_threads": threads,
@@ -285,8 +243,7 @@ def main() -> None:
                             "shard_GB_s": round(nbytes / s / 1e9, 3),
                             "bytes_per_token": width,
                             "shards": len(infos),
-                        },
-                        base,
+                        }
                     )
                     if rep == 1:  # the shards hold the right numbers
                         got = read_shard(out_dir / infos[0].file)
@@ -294,7 +251,7 @@ def main() -> None:
                         ok = torch.equal(got["aux_hidden"][: args.seq], want[0]) and torch.equal(
                             got["final_hidden"][: args.seq], want[1]
                         )
-                        emit({"what": "shard_check", "equal": bool(ok)}, base)
+                        res.emit({"what": "shard_check", "equal": bool(ok)})
                     shutil.rmtree(out_dir)
 
     # The writer alone on CPU tensors (disk + hash bandwidth ceiling of this host).
@@ -317,20 +274,19 @@ def main() -> None:
                 futs = [w.submit(out_dir / f"w{i}.safetensors", fake) for i in range(8)]
                 nbytes = sum(f.result().bytes for f in futs)
             s = time.perf_counter() - t
-            emit(
+            res.emit(
                 {
                     "what": "writer_only",
                     "writer_threads": threads,
                     "sync": sync_mode,
                     "GB_s": round(nbytes / s / 1e9, 3),
-                },
-                base,
+                }
             )
             shutil.rmtree(out_dir)
-    host_io(root, base, args.io_mb << 20)
+    host_io(root, res, args.io_mb << 20)
 
 
-def worker_stage(model, args: argparse.Namespace, base: dict) -> None:
+def worker_stage(model, args: argparse.Namespace, res: Results) -> None:
     """The data stage's capture phase as it runs: `TargetWorker.capture_batch` on `.gen.jsonl`
     sidecars, two calls in flight (the actor's max_concurrency=2), against the plain forward of
     the worker's own model. Also the capture-then-write path the SGLang backend keeps
@@ -361,17 +317,16 @@ def worker_stage(model, args: argparse.Namespace, base: dict) -> None:
     data = DataConfig(capture="forward", max_length=args.seq, batch_size=args.batch_size)
     worker = TargetWorker(target, data)
     shutil.rmtree(model_dir)  # loaded: free the disk for the shards
-    emit({"what": "worker_load", "s": round(time.perf_counter() - t0, 1)}, base)
+    res.emit({"what": "worker_load", "s": round(time.perf_counter() - t0, 1)})
     model = worker.backend.model
     V = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(3, V, (args.seq,), generator=g).tolist() for _ in range(args.n)]
     x = torch.tensor([seqs[0]], device=device)
     with torch.inference_mode():
-        timed(lambda: model(input_ids=x), device, 2)
-        ms = statistics.median(timed(lambda: model(input_ids=x), device, args.iters))
+        ms = median_ms(lambda: model(input_ids=x), device, args.iters, warm=2)
     plain_tok_s = args.seq / ms * 1000
-    emit({"what": "hf_forward", "ms": round(ms, 2), "tok_s": round(plain_tok_s)}, base)
+    res.emit({"what": "hf_forward", "ms": round(ms, 2), "tok_s": round(plain_tok_s)})
 
     B = args.batch_size
     batches = [seqs[i : i + B] for i in range(0, len(seqs), B)]
@@ -418,7 +373,7 @@ def worker_stage(model, args: argparse.Namespace, base: dict) -> None:
         shards = [(sh.file, sh.sha256) for r in results for sh in r.shards]
         records = [(out / f"b{i:05d}.json").read_bytes() for i in range(len(batches))]
         first = first or (shards, records)
-        emit(
+        res.emit(
             {
                 "what": "worker_stage",
                 "path": name,
@@ -437,8 +392,7 @@ def worker_stage(model, args: argparse.Namespace, base: dict) -> None:
                 # same names and sha256, same sidecar bytes as run 0 (streamed)
                 "same_shards_as_run0": shards == first[0],
                 "same_sidecars_as_run0": records == first[1],
-            },
-            base,
+            }
         )
         if rep == 0:  # the shard holds what a direct capture gives
             got = read_shard(out / shards[0][0])
@@ -446,11 +400,11 @@ def worker_stage(model, args: argparse.Namespace, base: dict) -> None:
             ok = torch.equal(got["aux_hidden"][: args.seq], want[0]) and torch.equal(
                 got["final_hidden"][: args.seq], want[1]
             )
-            emit({"what": "shard_check", "equal": bool(ok)}, base)
+            res.emit({"what": "shard_check", "equal": bool(ok)})
         shutil.rmtree(out)
 
 
-def host_io(root: Path, base: dict, nbytes: int = 256 << 20, files: int = 6) -> None:
+def host_io(root: Path, res: Results, nbytes: int = 256 << 20, files: int = 6) -> None:
     """What the host's hashing and file writing cost on their own (GB/s): sha256 on one thread;
     writing `files` files of `nbytes` one after another without and with fsync; the same from
     `files` threads at once; and the same into /dev/shm (no disk)."""
@@ -460,13 +414,12 @@ def host_io(root: Path, base: dict, nbytes: int = 256 << 20, files: int = 6) -> 
     buf = memoryview(os.urandom(1 << 20) * (nbytes >> 20))
     t = time.perf_counter()
     hashlib.sha256(buf).digest()
-    emit(
+    res.emit(
         {
             "what": "host_io",
             "op": "sha256",
             "GB_s": round(nbytes / (time.perf_counter() - t) / 1e9, 3),
-        },
-        base,
+        }
     )
 
     def write(path: Path, mode: str) -> None:
@@ -498,7 +451,7 @@ def host_io(root: Path, base: dict, nbytes: int = 256 << 20, files: int = 6) -> 
                     for th in ths:
                         th.join()
                 s = time.perf_counter() - t
-                emit(
+                res.emit(
                     {
                         "what": "host_io",
                         "op": "write",
@@ -506,8 +459,7 @@ def host_io(root: Path, base: dict, nbytes: int = 256 << 20, files: int = 6) -> 
                         "sync": mode,
                         "threads": par,
                         "GB_s": round(files * nbytes / s / 1e9, 3),
-                    },
-                    base,
+                    }
                 )
                 for i in range(files):
                     (d / f"f{i}").unlink()

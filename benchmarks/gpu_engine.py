@@ -18,17 +18,14 @@ Builds a random-weight target of a real shape on the GPU (no download) and, in o
     python benchmarks/gpu_engine.py --shape llama-3.1-8b --ctx 512
     python benchmarks/gpu_engine.py --device cpu --shape tiny --ctx 64 --iters 3   # smoke test
 
-Prints one JSON line per measurement (also to $OUT/engine.jsonl when $OUT is set).
+Prints one JSON line per measurement (benchmarks/harness.py; also to $OUT/engine.jsonl when $OUT
+is set).
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import copy
-import datetime
-import json
-import os
 import statistics
 import sys
 import time
@@ -38,34 +35,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gpu_capture import build_target, sync  # noqa: E402
+from benchmarks.gpu_capture import SHAPES, build_target  # noqa: E402
+from benchmarks.harness import Results, median_ms, parser, pick_device, sync  # noqa: E402
 from serve.engine import (  # noqa: E402
     GenParams,
     SpecEngine,
     StaticTargetRunner,
     random_drafter,
 )
-
-
-def emit(rec: dict, base: dict) -> None:
-    line = json.dumps({**base, **rec})
-    print(line, flush=True)
-    if os.environ.get("OUT"):
-        with open(Path(os.environ["OUT"]) / "engine.jsonl", "a") as f:
-            f.write(line + "\n")
-
-
-def median_ms(fn, device: torch.device, iters: int, warm: int = 3) -> float:
-    for _ in range(warm):
-        fn()
-    sync(device)
-    out = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        out.append((time.perf_counter() - t) * 1000)
-    return statistics.median(out)
 
 
 def replay_ms(graph, iters: int = 50) -> float:
@@ -104,7 +81,7 @@ def reference_logits(
     return out
 
 
-def host_breakdown(runner: StaticTargetRunner, ids, pos, ones, base: dict, iters: int) -> None:
+def host_breakdown(runner: StaticTargetRunner, ids, pos, ones, res: Results, iters: int) -> None:
     """Where a graphed decode step's host-clock time goes (medians, ms): packing the inputs; the
     whole `forward` call on the host (no sync); one replay waited for (launch + GPU); the full
     synchronized `forward`."""
@@ -121,7 +98,7 @@ def host_breakdown(runner: StaticTargetRunner, ids, pos, ones, base: dict, iters
         return statistics.median(out)
 
     graph = runner._graphs[1, runner._span(1), True].graph
-    emit(
+    res.emit(
         {
             "what": "host_breakdown",
             "q": 1,
@@ -133,12 +110,11 @@ def host_breakdown(runner: StaticTargetRunner, ids, pos, ones, base: dict, iters
             "forward_waited_ms": round(
                 host(lambda: runner.forward(ids, pos, ones, aux=True), True), 4
             ),
-        },
-        base,
+        }
     )
 
 
-def profile_step(runner: StaticTargetRunner, ids, pos, ones, base: dict, label: str) -> None:
+def profile_step(runner: StaticTargetRunner, ids, pos, ones, res: Results, label: str) -> None:
     """Kernel count and GPU time of one forward, by kernel name (top 30)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -153,7 +129,7 @@ def profile_step(runner: StaticTargetRunner, ids, pos, ones, base: dict, label: 
             by_name[e.name].append(e.time_range.elapsed_us())
     total = sum(sum(v) for v in by_name.values())
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:30]
-    emit(
+    res.emit(
         {
             "what": "profile",
             "variant": label,
@@ -161,32 +137,21 @@ def profile_step(runner: StaticTargetRunner, ids, pos, ones, base: dict, label: 
             "kernels": sum(len(v) for v in by_name.values()),
             "kernel_ms": round(total / 1000, 3),
             "top": [[n[:60], len(v), round(sum(v) / 1000, 3)] for n, v in top],
-        },
-        base,
+        }
     )
 
 
 @torch.inference_mode()
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="llama-3.1-8b")
-    ap.add_argument("--device", default="cuda")
+    ap = parser(__doc__, device="cuda", shapes=SHAPES, shape="llama-3.1-8b", iters=30)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--widths", default="1,2,4,5,8")
-    ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--capacity", type=int, default=2048)
     args = ap.parse_args()
-    device = torch.device(args.device)
+    device = pick_device(args.device)
     dtype = torch.bfloat16
-    base = {
-        "bench": "engine",
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "date": datetime.date.today().isoformat(),
-        "shape": args.shape,
-        "ctx": args.ctx,
-        "torch": torch.__version__,
-    }
+    res = Results("engine", device, {"shape": args.shape, "ctx": args.ctx})
     model = build_target(args.shape, device, dtype)
     V = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -198,7 +163,7 @@ def main() -> None:
 
     def parity(name: str, q: int, logits: torch.Tensor) -> None:
         fp32 = ref["fp32"][q]
-        emit(
+        res.emit(
             {
                 "what": "parity",
                 "variant": name,
@@ -208,8 +173,7 @@ def main() -> None:
                 "argmax_eq_fp32": round(
                     float((logits.argmax(-1) == fp32.argmax(-1)).float().mean()), 3
                 ),
-            },
-            base,
+            }
         )
 
     for q in widths:
@@ -228,7 +192,7 @@ def main() -> None:
             cache.crop(-q)
 
         ms = median_ms(hf_step, device, args.iters)
-        emit({"what": "hf_eager", "q": q, "ms": round(ms, 3)}, base)
+        res.emit({"what": "hf_eager", "q": q, "ms": round(ms, 3)})
 
     aux_ids = [1, model.config.num_hidden_layers // 2 - 1, model.config.num_hidden_layers - 4]
     cuda = device.type == "cuda"
@@ -270,7 +234,7 @@ def main() -> None:
             if graphs:
                 graph = r._graphs[q, r._span(q), True].graph
                 rec["replay_ms"] = round(replay_ms(graph), 3)
-            emit(rec, base)
+            res.emit(rec)
             if not graphs and cuda:  # the same code at the graphs' bucketed span
                 span = StaticTargetRunner.MIN_BUCKET
                 while span < args.ctx + q:
@@ -280,10 +244,10 @@ def main() -> None:
         if cuda and name == "static_graph_compiled":
             ones = torch.ones(1, 1, dtype=torch.bool)
             pos = torch.tensor([[args.ctx]])
-            host_breakdown(r, new[1], pos, ones, base, args.iters)
-            profile_step(r, new[1], pos, ones, base, "graph replay")
+            host_breakdown(r, new[1], pos, ones, res, args.iters)
+            profile_step(r, new[1], pos, ones, res, "graph replay")
             r.use_graphs = False  # the same compiled functions launched one by one
-            profile_step(r, new[1], pos, ones, base, "compiled, no graph")
+            profile_step(r, new[1], pos, ones, res, "compiled, no graph")
         del r
     # Same inputs, two paths: what the graphs and the compiled functions change.
     pairs = [
@@ -296,7 +260,7 @@ def main() -> None:
         for q in widths:
             if (a, q) in logits_of and (b, q) in logits_of:
                 x, y = logits_of[a, q], logits_of[b, q]
-                emit(
+                res.emit(
                     {
                         "what": "pair",
                         "a": a,
@@ -305,8 +269,7 @@ def main() -> None:
                         "rel_err": round(rel_err(x, y), 6),
                         "bitwise_equal": bool(torch.equal(x, y)),
                         "argmax_equal": bool(torch.equal(x.argmax(-1), y.argmax(-1))),
-                    },
-                    base,
+                    }
                 )
 
     # The engine end to end at batch 1 (auto runner: static + graphs on CUDA).
@@ -317,14 +280,13 @@ def main() -> None:
     t = time.perf_counter()
     plain = engine.plain_generate([prompt], params)[0]
     s = time.perf_counter() - t
-    emit(
+    res.emit(
         {
             "what": "engine_plain",
             "tokens": n,
             "ms_per_token": round(s * 1000 / n, 3),
             "verify_ms_per_token": round(plain.stats.verify_ms / (n - 1), 3),
-        },
-        base,
+        }
     )
     engine.set_drafter(random_drafter(model, draft_vocab_size=32000, aux_layer_ids=aux_ids))
     engine.generate([prompt], params)
@@ -332,7 +294,7 @@ def main() -> None:
     spec = engine.generate([prompt], params)[0]
     s = time.perf_counter() - t
     st = spec.stats
-    emit(
+    res.emit(
         {
             "what": "engine_spec_random_drafter",
             "tokens": n,
@@ -341,8 +303,7 @@ def main() -> None:
             "verify_ms_per_cycle": round(st.verify_ms / st.spec_verify_ct, 3),
             "draft_ms_per_cycle": round(st.draft_ms / st.spec_verify_ct, 3),
             "same_tokens_as_plain": spec.token_ids == plain.token_ids,
-        },
-        base,
+        }
     )
 
 

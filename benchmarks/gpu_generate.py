@@ -15,10 +15,8 @@ Prints one JSON line per measurement and a table last.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,6 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.batch_decode import BatchDecoder  # noqa: E402
 from actors.pool import read_pool  # noqa: E402
+from benchmarks.harness import Results, clocked, parser  # noqa: E402
+
+DEVICE = "cuda"  # a GPU script: the batched decoder's figures are for the GPU
 
 
 def load(target: str):
@@ -47,19 +48,11 @@ def load(target: str):
     return load_target(target)
 
 
-def timed(fn) -> tuple[object, float]:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, time.perf_counter() - t0
-
-
 def ours(model, prompts, new, eos, rows, compiled=False) -> dict:
     cap = max(len(p) for p in prompts) + new
     dec = BatchDecoder(model, rows, -(-cap // 64) * 64, eos, compiled=compiled)
     dec.generate(prompts[: min(len(prompts), rows)], 8)  # graph capture and warm-up
-    (outs, st), s = timed(lambda: dec.generate(prompts, new))
+    (outs, st), s = clocked(lambda: dec.generate(prompts, new), DEVICE)
     torch.cuda.empty_cache()
     return {"tokens": st.tokens, "s": round(s, 2), "tok_s": round(st.tokens / s), "steps": st.steps,
             "prefills": st.prefills, "outs": outs}  # fmt: skip
@@ -81,7 +74,7 @@ def hf_static(model, prompts, new, pad, fixed: bool, batch: int) -> dict:
             w = max(len(p) for p in chunk)
             ids = torch.tensor([[pad] * (w - len(p)) + p for p in chunk], device="cuda")
             mask = (torch.arange(w, device="cuda")[None] >= torch.tensor([w - len(p) for p in chunk], device="cuda")[:, None]).long()  # fmt: skip
-            out, s = timed(lambda ids=ids, mask=mask: model.generate(input_ids=ids, attention_mask=mask, **kw))  # fmt: skip
+            out, s = clocked(lambda ids=ids, mask=mask: model.generate(input_ids=ids, attention_mask=mask, **kw), DEVICE)  # fmt: skip
             if warm:
                 break
             total += s
@@ -93,7 +86,7 @@ def hf_static(model, prompts, new, pad, fixed: bool, batch: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--target", required=True, help="a model, or `random` (SmolLM2-135M-shaped)")
     ap.add_argument("--pool", default=None)
     ap.add_argument("--real", type=int, default=4096)
@@ -104,11 +97,11 @@ def main() -> None:
     t = load(a.target)
     model, eos = t.model, list(t.info().eos_token_ids)
     rows: list[dict] = []
+    res = Results("gpu_generate", DEVICE)
 
     def emit(**r) -> None:
         r.pop("outs", None)
-        rows.append(r)
-        print(json.dumps(r), flush=True)
+        rows.append(res.emit(r))
 
     g = torch.Generator().manual_seed(0)
     fixed = [torch.randint(100, 40000, (128,), generator=g).tolist() for _ in range(1024)]
@@ -122,7 +115,7 @@ def main() -> None:
         except Exception as e:  # a compile failure is a figure too
             emit(what="fixed", engine="batch_decode+compile", batch=512, error=repr(e)[:300])
     if "hf_loop" not in skip:
-        (_, s) = timed(lambda: t.generate(fixed[:256], 64))
+        _, s = clocked(lambda: t.generate(fixed[:256], 64), DEVICE)
         emit(what="fixed", engine="hf_loop", batch=256, new=64, tok_s=round(256 * 64 / s), s=round(s, 2))  # fmt: skip
     if "hf_static" not in skip:
         emit(what="fixed", engine="hf_generate_static", batch=512, **hf_static(model, fixed[:1024], 192, t.pad_id, True, 512))  # fmt: skip
@@ -144,15 +137,13 @@ def main() -> None:
     dec = BatchDecoder(model, 8, cap + 1, eos)
     seqs = [p + o for p, o in zip(prompts, outs, strict=True)]
     dec.capture(seqs[:64], [1, 14, 26])
-    _, s = timed(lambda: dec.capture(seqs, [1, 14, 26]))
+    _, s = clocked(lambda: dec.capture(seqs, [1, 14, 26]), DEVICE)
     n = sum(map(len, seqs))
     emit(what="capture", engine="batch_decode", tokens=n, s=round(s, 2), tok_s=round(n / s))
     table(rows, a.out)
 
 
 def table(rows: list[dict], out: Path | None) -> None:
-    rows.append({"what": "env", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                 "date": time.strftime("%Y-%m-%d %H:%M")})  # fmt: skip
     if out:
         out.write_text("".join(json.dumps(x) + "\n" for x in rows))
     print(f"{'what':8} {'engine':24} {'batch':>5} {'tok/s':>9}")

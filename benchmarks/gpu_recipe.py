@@ -5,21 +5,21 @@ prompts and E epochs take the SmolLM2 drafter on held-out real prompts (tree and
         --pool pool.jsonl --eval chat.jsonl --eval everyday.jsonl --out $OUT \
         --run real1280:1280:4 --run real2560:2560:3 --run builtin1280:b1280:4
 
-`--pool`: training prompts, one `{"messages": [...]}` per line, in draw order (the loop's own
-split: write it with `actors.prompts.plan_prompts`). A run `name:N:E` generates the first N (the
-data is shared: a longer run reuses the shorter runs' shards), trains a scratch drafter E epochs
-with the demo's training settings, exports it, and scores it in-process with `SpecEngine` on each
-eval file (tree 5/4/12 and chain 3, greedy, 96 tokens, end at EOS). `bN` draws from `--builtin`.
+`--pool`: training prompts, one `{"messages": [...]}` per line (.jsonl or .jsonl.gz, as
+benchmarks/base_pool.py writes them), in draw order (the loop's own split: write it with
+`actors.prompts.plan_prompts`). A run `name:N:E` generates the first N (the data is shared: a
+longer run reuses the shorter runs' shards), trains a scratch drafter E epochs with the demo's
+training settings (benchmarks/recipe.py), exports it, and scores it in-process with `SpecEngine`
+on each eval file (any format `data.source: jsonl` reads; tree 5/4/12 and chain 3, greedy, 96
+tokens, end at EOS). `bN` draws from `--builtin`.
 Generation and training run on the GPU; scoring runs on the host's CPU in fp32 (the engine's
 bf16 CPU path needs AVX512-BF16). Prints one JSON line per run.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -29,35 +29,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.config import DataConfig, TargetConfig  # noqa: E402
-from actors.shards import ShardInfo, verify_manifest, write_manifest  # noqa: E402
+from actors.pool import read_pool  # noqa: E402
+from actors.prompts import load_jsonl_prompts  # noqa: E402
+from actors.shards import ShardInfo, write_manifest  # noqa: E402
 from actors.target import TargetWorker  # noqa: E402
-from eagle3.checkpoint import save_drafter  # noqa: E402
-from eagle3.config import Eagle3Config  # noqa: E402
-from eagle3.target_weights import load_target_tensors, read_target_info  # noqa: E402
-from eagle3.train_step import (  # noqa: E402
-    ShardSet,
-    SoftTargets,
-    TTTModule,
-    eval_metrics,
-    eval_step,
-    make_optimizer,
-    make_scheduler,
-    pack,
-    parallelize,
-    scratch_drafter,
-    split_eval,
-    token_counts,
-    train_step,
-)
-from eagle3.vocab import build_vocab_map  # noqa: E402
-from pipeline.config import DrafterConfig  # noqa: E402
-from pipeline.train import _scratch_config  # noqa: E402
+from benchmarks.harness import Results, parser, pick_device  # noqa: E402
+from benchmarks.recipe import train_on_shards  # noqa: E402
 
 BATCH = 128
-
-
-def read_jsonl(path: str) -> list[list[dict[str, str]]]:
-    return [json.loads(x)["messages"] for x in Path(path).read_text().splitlines() if x.strip()]
 
 
 def generate(worker: TargetWorker, prompts: list, out: Path, first: int) -> list:
@@ -84,46 +63,20 @@ def train(
     `dirs`, with `over` replacing any of its settings (path "reference" forces the reference
     TTT forward on the GPU, to check the fast path's figures)."""
     r = {**RECIPE, **over}
-    vocab, bs, ttt = int(r["vocab"]), int(r["bs"]), int(r["ttt"])
-    paths, ids, aux = [], [], None
-    for d in dirs:
-        m = verify_manifest(d)
-        paths += [str(p) for p in m.shard_paths()]
-        ids += [s.sha256 for s in m.shards]
-        aux = list(m.aux_layer_ids)
-    info = read_target_info(target)
-    cfg = Eagle3Config(**_scratch_config(DrafterConfig(draft_vocab_size=vocab), info, aux))
-    tens = load_target_tensors(target)
-    d2t, t2d = build_vocab_map(token_counts(paths, info.vocab_size), vocab)
-    drafter = scratch_drafter(cfg, tens["embed"], tens["lm_head"], tens["norm"], d2t, t2d, 0)
-    drafter = drafter.to(device)
-    module, autocast, dt = parallelize(drafter, device, "auto")
-    if r["path"] == "reference":  # the CPU path's numerics (bf16 autocast), on the GPU
-        module, autocast = TTTModule(drafter, "reference"), dt
-    data = ShardSet(paths, ids)
-    tr, held = split_eval(data.samples, 0.05)
-    bins = pack([x.length for x in tr], bs, 0)
-    opt = make_optimizer(module, float(r["lr"]), 0.0)
-    sched = make_scheduler(opt, len(bins) * epochs, float(r["warmup"]))
-    soft = SoftTargets(tens["lm_head"], drafter.d2t, drafter.t2d, dt or torch.float32, device)
-    t0, evals = time.perf_counter(), []
-    for epoch in range(epochs):
-        order = list(range(len(bins)))
-        random.Random(epoch).shuffle(order)
-        for b in order:
-            batch = data.load([tr[j] for j in bins[b]], bs).to(device)
-            train_step(module, batch, soft, opt, sched, ttt, 0.5, autocast)
-        sums = torch.zeros(3 * ttt, dtype=torch.float64)
-        module.eval()
-        for b in pack([x.length for x in held], 2048, 0):
-            sums += eval_step(module, data.load([held[j] for j in b], 2048).to(device), soft, ttt, autocast).cpu()  # fmt: skip
-        module.train()
-        m = eval_metrics(sums, ttt, 3)
+    ttt, evals, facts = int(r["ttt"]), [], {}
+
+    def epoch_done(epoch: int, f: dict) -> None:
+        m = f["eval"]
         evals.append([round(m["sim_accept_len"], 3), [round(m[f"acc_{i}"], 3) for i in range(ttt)]])
-    state = {k.removeprefix("drafter."): v.detach().cpu() for k, v in module.state_dict().items()}
-    save_drafter(state, drafter.cfg, out)
-    return {"train_s": round(time.perf_counter() - t0, 1), "samples": len(tr),
-            "tokens": sum(r.length for r in tr), "sim_accept_by_epoch": evals}  # fmt: skip
+        facts.update(f)
+
+    t = train_on_shards(
+        dirs, target, epochs, device, epoch_done, lr=float(r["lr"]), tokens_per_batch=int(r["bs"]),
+        ttt=ttt, vocab=int(r["vocab"]), path=str(r["path"]), warmup=float(r["warmup"]),
+    )  # fmt: skip
+    t.export(out)
+    return {"train_s": round(facts["seconds"], 1), "samples": facts["train_samples"],
+            "tokens": facts["train_tokens"], "sim_accept_by_epoch": evals}  # fmt: skip
 
 
 def score(drafter: Path, target: str, evals: list[str], limit: int, threads: int) -> dict:
@@ -138,7 +91,7 @@ def score(drafter: Path, target: str, evals: list[str], limit: int, threads: int
                 "chain3": GenParams(max_tokens=96, steps=3, topk=1)}  # fmt: skip
     out = {}
     for f in evals:
-        ids = [prompt_ids(tok, c) for c in read_jsonl(f)[:limit]]
+        ids = [prompt_ids(tok, p.messages) for p in load_jsonl_prompts(Path(f))[:limit]]
         for name, p in settings.items():
             lens = [g.stats.accept_len for g in (engine.generate([x], p)[0] for x in ids)]
             out[f"{Path(f).stem}/{name}"] = round(sum(lens) / len(lens), 3)
@@ -146,7 +99,7 @@ def score(drafter: Path, target: str, evals: list[str], limit: int, threads: int
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, device="cuda")
     ap.add_argument("--target", required=True)
     ap.add_argument("--pool", required=True)
     ap.add_argument("--builtin", default=None)
@@ -158,12 +111,12 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--limit", type=int, default=24, help="first N prompts of each eval file")
-    ap.add_argument("--device", default="cuda")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    device = torch.device(a.device)
+    device = pick_device(a.device)
+    res = Results("gpu_recipe", device)
     worker = None
-    pools = {"": read_jsonl(a.pool), "b": read_jsonl(a.builtin) if a.builtin else []}
+    pools = {k: [r["messages"] for r in read_pool(p)] if p else [] for k, p in [("", a.pool), ("b", a.builtin)]}  # fmt: skip
     runs = []
     for spec in a.run:
         name, n, epochs, *rest = spec.split(":")
@@ -201,7 +154,7 @@ def main() -> None:
         write_manifest(sub, info["target"], info["aux_layer_ids"], name, [ShardInfo(**s) for s in shards])  # fmt: skip
         results[name] = {"run": name, "prompts": n, "epochs": epochs, "gen_s_pool": gen_s[kind],
                          "over": over, **train([sub], a.target, epochs, a.out / name, device, **over)}  # fmt: skip
-        print(json.dumps(results[name]), flush=True)
+        res.emit(results[name])
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
@@ -212,7 +165,7 @@ def main() -> None:
             for name in results
         }
         for name, fut in futs.items():
-            print(json.dumps({**results[name], **fut.result()}), flush=True)
+            res.emit({**results[name], **fut.result()})
 
 
 if __name__ == "__main__":

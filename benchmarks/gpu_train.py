@@ -6,15 +6,13 @@ packed vs padded batches on a realistic length mix. Synthetic inputs, bf16 weigh
 
 One step = target soft labels from the target's final hidden state (the frozen target lm_head) +
 7-step TTT forward + backward; the optimizer update is timed apart (`optim`). Prints one JSON line
-per measurement (and appends them to $OUT/results.jsonl when OUT is set). MFU counts
+per measurement (benchmarks/harness.py; appended to $OUT/gpu_train.jsonl when OUT is set). MFU counts
 6 × (matmul MACs per token per TTT step × steps + fc) per token over 790 TFLOP/s (bf16 peak
 measured on the H200 we use); attention scores and the teacher's matmul are not counted.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import gc
 import json
 import math
@@ -27,44 +25,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from eagle3.config import Eagle3Config  # noqa: E402
+from benchmarks.harness import DrafterShape, Results, parser, pick_device, sync  # noqa: E402
 from eagle3.fast import fast_soft_labels, fast_ttt_forward, split_lm_head  # noqa: E402
 from eagle3.model import Eagle3Drafter, rope_parameters  # noqa: E402
+from eagle3.train_step import train_flops_per_token  # noqa: E402
 from eagle3.vocab import target_soft_labels  # noqa: E402
 
 PEAK_TFLOPS = 790.0
 SHAPES = {
-    "kimi-k2": dict(
-        hidden=7168,
-        inter=18432,
-        heads=64,
-        kv_heads=8,
-        head_dim=128,
-        vocab=163840,
-        draft_vocab=32000,
-        ttt=7,
-    ),
-    "llama-3.1-8b": dict(
-        hidden=4096,
-        inter=14336,
-        heads=32,
-        kv_heads=8,
-        head_dim=128,
-        vocab=128256,
-        draft_vocab=32000,
-        ttt=7,
-    ),
-    "tiny": dict(
-        hidden=64, inter=128, heads=4, kv_heads=2, head_dim=16, vocab=1000, draft_vocab=300, ttt=3
-    ),
+    "kimi-k2": DrafterShape(7168, 18432, 64, 8, 128, 163840, 32000),
+    "llama-3.1-8b": DrafterShape(4096, 14336, 32, 8, 128, 128256, 32000),
+    "tiny": DrafterShape(64, 128, 4, 2, 16, 1000, 300, ttt=3),
 }
 START = time.time()
 DEV = "cuda"  # --device cpu runs the tiny shape as a smoke test of this script
-
-
-def sync() -> None:
-    if DEV == "cuda":
-        torch.cuda.synchronize()
 
 
 def elapsed_ms(fn) -> float:
@@ -86,29 +60,20 @@ def peak_bytes() -> int:
 
 
 def emit(rec: dict) -> None:
-    name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
-    rec = {"device": name, "date": datetime.date.today().isoformat(), **rec}
-    line = json.dumps(rec)
-    print(line, flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "results.jsonl"), "a") as f:
-            f.write(line + "\n")
+    Results("gpu_train", DEV).emit(rec)
 
 
-def flops_per_token(s: dict) -> float:
-    H, inter, hd = s["hidden"], s["inter"], s["head_dim"]
-    q, kv = s["heads"] * hd, s["kv_heads"] * hd
-    per_step = 2 * H * (q + 2 * kv) + q * H + 3 * H * inter + H * s["draft_vocab"]
-    return 6.0 * (s["ttt"] * per_step + 3 * H * H)
+def flops_per_token(s: DrafterShape) -> float:
+    return float(train_flops_per_token(s.config(), s.ttt))
 
 
 # ----------------------------------------------------------------------------------------------
 # Synthetic inputs
 
 
-def make_inputs(s: dict, T: int, seed: int = 0) -> dict:
+def make_inputs(s: DrafterShape, T: int, seed: int = 0) -> dict:
     g = torch.Generator(device=DEV).manual_seed(seed)
-    H, V, Vd = s["hidden"], s["vocab"], s["draft_vocab"]
+    H, V, Vd = s.hidden, s.vocab, s.draft_vocab
     bf = dict(device=DEV, dtype=torch.bfloat16)
     used = torch.randperm(V, generator=g, device=DEV)[:Vd].sort().values
     t2d = torch.zeros(V, dtype=torch.bool, device=DEV)
@@ -127,13 +92,8 @@ def make_inputs(s: dict, T: int, seed: int = 0) -> dict:
     )
 
 
-def make_drafter(s: dict, inputs: dict, seed: int = 0) -> Eagle3Drafter:
-    cfg = Eagle3Config(
-        hidden_size=s["hidden"], intermediate_size=s["inter"], num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], vocab_size=s["vocab"],
-        draft_vocab_size=s["draft_vocab"], target_hidden_size=s["hidden"], aux_layer_ids=[1, 2, 3],
-        rms_norm_eps=1e-5,
-    )  # fmt: skip
+def make_drafter(s: DrafterShape, inputs: dict, seed: int = 0) -> Eagle3Drafter:
+    cfg = s.config(rms_norm_eps=1e-5)
     torch.manual_seed(seed)
     with torch.device(DEV):
         model = Eagle3Drafter(cfg, embed_weight=inputs.pop("embed"))  # the drafter keeps its copy
@@ -185,12 +145,12 @@ def our_step(model: Eagle3Drafter, inp: dict, fast: bool, ttt: int):
 def timed(step, warmup: int, iters: int) -> dict:
     t0 = time.time()
     step()
-    sync()
+    sync(DEV)
     first = time.time() - t0
     for _ in range(warmup - 1):
         step()
     step()  # after free(): the allocator's cache refills outside the timed runs
-    sync()
+    sync(DEV)
     if DEV == "cuda":
         torch.cuda.reset_peak_memory_stats()
     ms, host = [], []
@@ -210,9 +170,9 @@ def timed(step, warmup: int, iters: int) -> dict:
     )  # fmt: skip
 
 
-def report(shape: str, s: dict, variant: str, T: int, t: dict, **extra) -> None:
+def report(shape: str, s: DrafterShape, variant: str, T: int, t: dict, **extra) -> None:
     tok_s = T / (t["ms_median"] / 1e3)
-    emit(dict(shape=shape, variant=variant, seq=T, batch=1, ttt=s["ttt"], tok_s=round(tok_s),
+    emit(dict(shape=shape, variant=variant, seq=T, batch=1, ttt=s.ttt, tok_s=round(tok_s),
               mfu=round(tok_s * flops_per_token(s) / (PEAK_TFLOPS * 1e12), 3), **t, **extra))  # fmt: skip
 
 
@@ -220,13 +180,13 @@ def report(shape: str, s: dict, variant: str, T: int, t: dict, **extra) -> None:
 # Sections
 
 
-def run_parity(shape: str, s: dict, T: int) -> None:
+def run_parity(shape: str, s: DrafterShape, T: int) -> None:
     """Reference and fast path on the same batch and weights: loss and gradient agreement."""
     inp = make_inputs(s, T)
     model = make_drafter(s, inp)
-    ref = our_step(model, inp, fast=False, ttt=s["ttt"])()
+    ref = our_step(model, inp, fast=False, ttt=s.ttt)()
     g_ref = {n: p.grad.float() for n, p in model.named_parameters()}
-    out = our_step(model, inp, fast=True, ttt=s["ttt"])()
+    out = our_step(model, inp, fast=True, ttt=s.ttt)()
     rel = {
         n: ((p.grad.float() - g_ref[n]).norm() / g_ref[n].norm().clamp(min=1e-30)).item()
         for n, p in model.named_parameters()
@@ -239,11 +199,11 @@ def run_parity(shape: str, s: dict, T: int) -> None:
     free()
 
 
-def run_ours(shape: str, s: dict, T: int, fast: bool, iters: int) -> None:
+def run_ours(shape: str, s: DrafterShape, T: int, fast: bool, iters: int) -> None:
     inp = make_inputs(s, T)
     model = make_drafter(s, inp)
     free()
-    step = our_step(model, inp, fast=fast, ttt=s["ttt"])
+    step = our_step(model, inp, fast=fast, ttt=s.ttt)
     t = timed(step, warmup=2 if fast else 1, iters=iters)
     import eagle3.fast
 
@@ -257,7 +217,7 @@ def run_ours(shape: str, s: dict, T: int, fast: bool, iters: int) -> None:
     free()
 
 
-def run_specforge(shape: str, s: dict, T: int, iters: int, backend: str) -> None:
+def run_specforge(shape: str, s: DrafterShape, T: int, iters: int, backend: str) -> None:
     from benchmarks.specforge_anchor import build_step, specforge_version
 
     inp = make_inputs(s, T)
@@ -305,17 +265,17 @@ def rows_for(lengths: list[int], T: int, packed: bool) -> list[dict]:
     return out
 
 
-def run_mix(shape: str, s: dict, T: int, n_samples: int) -> None:
+def run_mix(shape: str, s: DrafterShape, T: int, n_samples: int) -> None:
     """P1c: the same samples fed packed vs padded to T; effective (non-pad) tokens per second."""
     lengths = lognormal_lengths(n_samples, 700.0, T, seed=0)
     inp = make_inputs(s, T)
     model = make_drafter(s, inp)
-    step = our_step(model, inp, fast=True, ttt=s["ttt"])
+    step = our_step(model, inp, fast=True, ttt=s.ttt)
     res = {}
     for mode in ("packed", "padded"):
         rows = rows_for(lengths, T, packed=mode == "packed")
         step(rows[0])
-        sync()
+        sync(DEV)
         sec = elapsed_ms(lambda rows=rows, step=step: [step(r) for r in rows]) / 1e3
         real = sum(r["real"] for r in rows)
         res[mode] = real / sec
@@ -328,20 +288,20 @@ def run_mix(shape: str, s: dict, T: int, n_samples: int) -> None:
     free()
 
 
-def run_profile(shape: str, s: dict, T: int) -> None:
+def run_profile(shape: str, s: DrafterShape, T: int) -> None:
     inp = make_inputs(s, T)
     model = make_drafter(s, inp)
-    step = our_step(model, inp, fast=True, ttt=s["ttt"])
+    step = our_step(model, inp, fast=True, ttt=s.ttt)
     step()
     step()
-    sync()
+    sync(DEV)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(
         activities=[ProfilerActivity.CUDA if DEV == "cuda" else ProfilerActivity.CPU]
     ) as prof:
         step()
-        sync()
+        sync(DEV)
     rows = []
     for e in prof.key_averages():
         t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
@@ -358,10 +318,10 @@ def run_profile(shape: str, s: dict, T: int) -> None:
     free()
 
 
-def run_gemm_floor(shape: str, s: dict, T: int) -> None:
+def run_gemm_floor(shape: str, s: DrafterShape, T: int) -> None:
     """Time of the step's matrix products alone (fwd, dgrad, wgrad per use): the floor."""
-    H, inter, hd, Vd = s["hidden"], s["inter"], s["head_dim"], s["draft_vocab"]
-    q, kv = s["heads"] * hd, s["kv_heads"] * hd
+    H, inter, hd, Vd = s.hidden, s.inter, s.head_dim, s.draft_vocab
+    q, kv = s.heads * hd, s.kv_heads * hd
     lin = {
         "qkv": (2 * H, q + 2 * kv),
         "o": (q, H),
@@ -383,24 +343,24 @@ def run_gemm_floor(shape: str, s: dict, T: int) -> None:
 
         for _ in range(3):
             three()
-        sync()
+        sync(DEV)
         ms = elapsed_ms(lambda three=three: [three() for _ in range(10)]) / 10
         res[name] = dict(ms_fwd_bwd=round(ms, 3), tflops=round(6 * T * K * N / ms / 1e9, 1))
-        total += s["ttt"] * ms
-        flop += s["ttt"] * 6 * T * K * N
+        total += s.ttt * ms
+        flop += s.ttt * 6 * T * K * N
     emit(dict(shape=shape, variant="gemm-floor", seq=T, per_linear=res, ttt_gemm_ms=round(total, 2),
               ttt_gemm_tflops=round(flop / total / 1e9, 1), tok_s_if_only_gemms=round(T / (total / 1e3))))  # fmt: skip
     free()
 
 
-def run_flexbench(shape: str, s: dict, T: int) -> None:
+def run_flexbench(shape: str, s: DrafterShape, T: int) -> None:
     """The step-0 attention alone (flex, document-causal, lse returned and differentiated), fwd+bwd,
     under a few kernel_options, to pick FLEX_KERNEL_OPTIONS."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     from eagle3.fast import doc_causal_block_mask, doc_ids
 
-    n_q, n_kv, d = s["heads"], s["kv_heads"], s["head_dim"]
+    n_q, n_kv, d = s.heads, s.kv_heads, s.head_dim
     g = torch.Generator(device=DEV).manual_seed(0)
     bf = dict(device=DEV, dtype=torch.bfloat16)
     q = torch.randn(T, n_q, d, generator=g, **bf).requires_grad_()
@@ -442,7 +402,7 @@ def run_flexbench(shape: str, s: dict, T: int) -> None:
             json.dump(variants[min(timed_ok, key=timed_ok.get)], f)
 
 
-def run_fast_best(shape: str, s: dict, T: int, iters: int, path: str) -> None:
+def run_fast_best(shape: str, s: DrafterShape, T: int, iters: int, path: str) -> None:
     """The full fast step with the flex kernel_options that flexbench found best (if not default)."""
     import eagle3.fast
 
@@ -461,7 +421,7 @@ def run_fast_best(shape: str, s: dict, T: int, iters: int, path: str) -> None:
         eagle3.fast.FLEX_KERNEL_OPTIONS = None
 
 
-def run_optim(shape: str, s: dict, T: int) -> None:
+def run_optim(shape: str, s: DrafterShape, T: int) -> None:
     """AdamW over fp32 master weights of the bf16 drafter (SpecForge's BF16Optimizer scheme)."""
     inp = make_inputs(s, T)
     model = make_drafter(s, inp)
@@ -491,17 +451,12 @@ def run_optim(shape: str, s: dict, T: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="kimi-k2", choices=list(SHAPES))
+    ap = parser(__doc__, device="cuda", shapes=SHAPES, shape="kimi-k2", iters=10)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--what", default="parity,ref,fast,specforge,mix")
-    ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--mix-samples", type=int, default=48)
     ap.add_argument(
         "--budget-s", type=float, default=1e9, help="skip sections once this much time has passed"
-    )
-    ap.add_argument(
-        "--device", default="cuda", help="cpu: smoke-test this script with --shape tiny"
     )
     ap.add_argument(
         "--flex-options", default="", help='JSON kernel_options, e.g. {"USE_TMA": true}'
@@ -511,11 +466,8 @@ def main() -> None:
     )
     args = ap.parse_args()
     global DEV
-    DEV = args.device
+    DEV = pick_device(args.device).type
     s, T = SHAPES[args.shape], args.seq
-    import transformers
-
-    emit(dict(variant="env", torch=torch.__version__, transformers=transformers.__version__))
     sections = {
         "parity": lambda: run_parity(args.shape, s, T),
         "ref": lambda: run_ours(args.shape, s, T, fast=False, iters=3),

@@ -19,7 +19,6 @@ Prints one JSON line per stage, then a table.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from actors.shards import iter_samples, read_shard  # noqa: E402
+from benchmarks.harness import Results, parser  # noqa: E402
 from pipeline.config import Config, load_config  # noqa: E402
 
 
@@ -178,7 +178,7 @@ def serve_stage(cfg: Config, bench: dict, drafter_dir: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--run-dir", required=True, type=Path)
     ap.add_argument("--round", type=int, default=0)
     ap.add_argument("--skip", default="", help="comma list of: data,train,serve")
@@ -197,13 +197,11 @@ def main() -> None:
         rows.append(train_stage(cfg, train, sum(lens) // max(1, len(lens)), Path(train["drafter_dir"])))  # fmt: skip
     if "serve" not in a.skip:
         rows.append(serve_stage(cfg, bench, train["drafter_dir"]))
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    res = Results("pipeline_stages", "cuda" if torch.cuda.is_available() else "cpu")
     lines = []
     for r in rows:
-        r = {"bench": "pipeline_stages", "device": device, "round": a.round, **r,
-             "ratio": r["pipeline_tok_per_s"] / r["standalone_tok_per_s"]}  # fmt: skip
+        r = res.emit({"round": a.round, **r, "ratio": r["pipeline_tok_per_s"] / r["standalone_tok_per_s"]})  # fmt: skip
         lines.append(json.dumps(r))
-        print(lines[-1], flush=True)
     if a.out:
         a.out.write_text("".join(x + "\n" for x in lines))
     print(f"\n{'stage':10} {'standalone':>12} {'pipeline':>12} {'ratio':>7}")

@@ -44,7 +44,7 @@ def specforge_version() -> str | None:
 
 
 def build_step(
-    shape: dict, inputs: dict, attention_backend: str = "flex_attention"
+    shape, inputs: dict, attention_backend: str = "flex_attention"
 ) -> Callable[[], float]:
     """One SpecForge training step (teacher from hidden states + 7-step TTT forward + backward) on
     the same synthetic inputs as our paths; returns a closure that runs it and gives the loss."""
@@ -54,13 +54,13 @@ def build_step(
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(
-        hidden_size=shape["hidden"], intermediate_size=shape["inter"],
-        num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
-        head_dim=shape["head_dim"], vocab_size=shape["vocab"], max_position_embeddings=8192,
+        hidden_size=shape.hidden, intermediate_size=shape.inter,
+        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim, vocab_size=shape.vocab, max_position_embeddings=8192,
         rms_norm_eps=1e-5, hidden_act="silu", pretraining_tp=1, tie_word_embeddings=False,
     )  # fmt: skip
-    cfg.draft_vocab_size = shape["draft_vocab"]
-    cfg.target_hidden_size = shape["hidden"]
+    cfg.draft_vocab_size = shape.draft_vocab
+    cfg.target_hidden_size = shape.hidden
     cfg.rope_scaling = None  # transformers 5 default rope dict -> SpecForge's plain RoPE branch
     with torch.device("cuda"):
         model = LlamaForCausalLMEagle3(cfg, attention_backend=attention_backend)
@@ -70,7 +70,7 @@ def build_step(
         model.t2d.copy_(inputs["t2d"])
         model.d2t.copy_(inputs["d2t"])
     model.embed_tokens.weight.requires_grad_(False)  # frozen, as SpecForge trains it
-    eagle = OnlineEagle3Model(model, length=shape["ttt"], attention_backend=attention_backend)
+    eagle = OnlineEagle3Model(model, length=shape.ttt, attention_backend=attention_backend)
     T = inputs["ids"].shape[0]
     ids = inputs["ids"][None]
     attention_mask = torch.ones(1, T, dtype=torch.long, device="cuda")

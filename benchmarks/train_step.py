@@ -11,7 +11,7 @@ included). Each synthetic batch is visited twice: `first` is the first epoch (so
 full target vocab), `steady` the later epochs (the "argmax in draft vocab" bit is cached per sample,
 so soft labels only need the draft rows).
 
-Prints one JSON object: device, date, shape, tokens/s (total over workers), MFU and peak memory.
+Prints one JSON line (benchmarks/harness.py: device, date, versions, cpu count, load): shape, tokens/s (total over workers), MFU and peak memory.
 MFU = 6 × (matmul MACs per token per TTT step × k + fc) × tokens/s over the peak of one dense
 matmul in the compute dtype measured on the same device and thread count (attention scores and
 the target's soft-label matmul are not counted).
@@ -20,10 +20,7 @@ the target's soft-label matmul are not counted).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import resource
 import socket
 import sys
@@ -33,6 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.harness import DrafterShape, Results, parser, sync, timed_ms  # noqa: E402
 from eagle3.config import Eagle3Config  # noqa: E402
 from eagle3.train_step import (  # noqa: E402
     Batch,
@@ -51,55 +49,13 @@ from eagle3.train_step import (  # noqa: E402
 )
 from eagle3.vocab import build_vocab_map, draft_ids  # noqa: E402
 
-# Drafter shapes (SGLang LlamaForCausalLMEagle3 configs): SpecForge's Kimi-K2 and Llama-3.1-8B
-# drafters, and the one this project trains for the embedded SmolLM2-135M target.
+# Drafter shapes: SpecForge's Kimi-K2 and Llama-3.1-8B drafters, and the one this project trains
+# for the embedded SmolLM2-135M target.
 SHAPES = {
-    "kimi-k2": dict(
-        hidden=7168,
-        inter=18432,
-        heads=64,
-        kv=64,
-        head_dim=128,
-        vocab=163840,
-        draft=32000,
-        target_hidden=7168,
-    ),
-    "llama31-8b": dict(
-        hidden=4096,
-        inter=14336,
-        heads=32,
-        kv=8,
-        head_dim=128,
-        vocab=128256,
-        draft=32000,
-        target_hidden=4096,
-    ),
-    "smollm2": dict(
-        hidden=576,
-        inter=1536,
-        heads=9,
-        kv=3,
-        head_dim=64,
-        vocab=49152,
-        draft=8192,
-        target_hidden=576,
-    ),
+    "kimi-k2": DrafterShape(7168, 18432, 64, 64, 128, 163840, 32000),
+    "llama31-8b": DrafterShape(4096, 14336, 32, 8, 128, 128256, 32000),
+    "smollm2": DrafterShape(576, 1536, 9, 3, 64, 49152, 8192),
 }
-
-
-def drafter_cfg(shape: str, draft_vocab: int | None) -> Eagle3Config:
-    s = SHAPES[shape]
-    return Eagle3Config(
-        hidden_size=s["hidden"],
-        intermediate_size=s["inter"],
-        num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv"],
-        head_dim=s["head_dim"],
-        vocab_size=s["vocab"],
-        draft_vocab_size=draft_vocab or s["draft"],
-        target_hidden_size=s["target_hidden"],
-        aux_layer_ids=[1, 2, 3],
-    )
 
 
 def synthetic_batches(
@@ -144,20 +100,9 @@ def matmul_peak_tflops(device: torch.device, dtype: torch.dtype) -> float:
     n = 8192 if device.type == "cuda" else 2048
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(2):
-        a @ b
-    sync(device)
     reps = 20 if device.type == "cuda" else 5
-    t = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    sync(device)
-    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e12
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    ms = sum(timed_ms(lambda: [a @ b for _ in range(reps)], device, 1, warm=1))
+    return 2 * n**3 * reps / ms / 1e9
 
 
 def worker(rank: int, args: argparse.Namespace, port: int, results) -> None:
@@ -169,7 +114,7 @@ def worker(rank: int, args: argparse.Namespace, port: int, results) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         backend = "nccl" if device.type == "cuda" else "gloo"
         torch.distributed.init_process_group(backend, rank=rank, world_size=args.workers)
-    cfg = drafter_cfg(args.shape, args.draft_vocab)
+    cfg = SHAPES[args.shape].config(args.draft_vocab)
     g = torch.Generator().manual_seed(0)
     embed = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=g) * 0.02
     lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=g) * 0.02
@@ -256,8 +201,7 @@ def checkpoint_round_trip(module, opt, sched) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    ap = parser(__doc__, device="auto", shapes=SHAPES, shape="smollm2")
     ap.add_argument(
         "--draft-vocab", type=int, default=None, help="override the shape's draft vocab"
     )
@@ -272,9 +216,6 @@ def main() -> None:
     )
     ap.add_argument(
         "--threads", type=int, default=None, help="torch threads per worker (default cores/workers)"
-    )
-    ap.add_argument(
-        "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
     ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto")
     ap.add_argument("--path", choices=["auto", "reference", "fast"], default="auto")
@@ -299,7 +240,7 @@ def main() -> None:
         )
     rs = sorted((results.get() for _ in range(args.workers)), key=lambda r: r["rank"])
 
-    cfg = drafter_cfg(args.shape, args.draft_vocab)
+    cfg = SHAPES[args.shape].config(args.draft_vocab)
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     dt = compute_dtype(args.precision, device) or torch.float32
     torch.set_num_threads(args.threads)
@@ -311,13 +252,6 @@ def main() -> None:
 
     first, steady = rate("first"), rate("steady")
     out = {
-        "bench": "train_step",
-        "device": torch.cuda.get_device_name(0)
-        if device.type == "cuda"
-        else f"cpu:{platform.processor() or platform.machine()}",
-        "cpu_count": os.cpu_count(),
-        "loadavg_1m": os.getloadavg()[0],
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "shape": args.shape,
         "hidden": cfg.hidden_size,
         "draft_vocab": cfg.draft_vocab_size,
@@ -340,7 +274,7 @@ def main() -> None:
         "mfu": round(steady * flops_tok / 1e12 / peak, 4),
         "peak_mem_gib": round(max(r["peak_gib"] for r in rs), 3),
     }
-    print(json.dumps(out))
+    Results("train_step", device).emit(out)
 
 
 if __name__ == "__main__":

@@ -6,18 +6,21 @@
 - data stage: generation tok/s of `VLLMTarget.generate` (vLLM) vs `HFTarget.generate` (HF) on
   the same batch of prompts.
 Optionally `--drafter DIR`: the same with speculation (accept_len from vLLM's per-request
-metrics and from the embedded engine). Prints one JSON object.
+metrics and from the embedded engine). Prints one JSON line (benchmarks/harness.py).
 
   .venv/bin/python benchmarks/vllm_cpu.py --prompts 16 --max-tokens 96 [--drafter DIR]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import Results, parser  # noqa: E402
 
 
 def vllm_requests(url: str, prompts: list[list[int]], max_tokens: int, parallel: int) -> dict:
@@ -47,7 +50,7 @@ def vllm_requests(url: str, prompts: list[list[int]], max_tokens: int, parallel:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--dtype", default="auto")
@@ -135,7 +138,7 @@ def main() -> None:
             out["generate_same_tokens"] = sum(x == y for x, y in zip(new, new_v, strict=True))
     finally:
         vt.close()
-    print(json.dumps(out, indent=2))
+    Results("vllm_cpu", "cpu").emit(out)
 
 
 if __name__ == "__main__":  # vLLM spawns processes: keep module import side-effect free
