@@ -22,6 +22,7 @@ from eagle3.target_weights import load_target_tensors
 from eagle3.train_step import SoftTargets
 from pipeline.config import parse_config
 from pipeline.train import TrainInputError, prepare, run_train
+from pipeline.train_worker import read_metrics
 
 AUX = [0, 1, 2]
 
@@ -206,7 +207,9 @@ def test_two_workers_learn_survive_a_crash_and_export(ray_local, target_and_data
     assert (out / ".crashed-at-10").exists()
     assert [e["start_step"] for e in read_jsonl(out / "events.jsonl")] == [0, 8]
     assert res.resumed_from == (8,)
-    lines = read_jsonl(Path(res.metrics_file))
+    # metrics.jsonl keeps both attempts' lines (appended, with a resume marker); the reader
+    # gives the steps as the resumed attempt left them
+    lines = read_metrics(Path(res.metrics_file))
     train = [m for m in lines if "loss" in m]
     evals = [m for m in lines if "eval_loss" in m]
     assert [m["step"] for m in train] == list(range(1, res.steps + 1)) and res.steps == 32
@@ -274,7 +277,7 @@ def test_two_workers_learn_survive_a_crash_and_export(ray_local, target_and_data
     assert [p.name for p in ckpt.parent.parent.glob("step-*")] == ["step-0000032"]
     res2 = run_train(config(target), [data], out)
     assert [e["start_step"] for e in read_jsonl(out / "events.jsonl")] == [0, 8]
-    assert read_jsonl(Path(res2.metrics_file)) == lines
+    assert read_metrics(Path(res2.metrics_file)) == lines
     assert torch.equal(load_drafter(res2.drafter_dir)[1]["fc.weight"], state["fc.weight"])
 
 
