@@ -60,8 +60,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from actors.cluster import start_ray
 
-    # inside `ray job submit` the job's runtime_env (see job_runtime_env) applies
-    start_ray(cfg.runtime_env, num_cpus=local_num_cpus(cfg), join_with_runtime_env=False)
+    # inside `ray job submit` the job's runtime_env (see job_runtime_env) applies; a local Ray
+    # started here gets the secrets through this process's environment, which it inherits
+    runtime_env, secrets = split_secrets(cfg.runtime_env)
+    if not os.environ.get("RAY_ADDRESS"):
+        os.environ.update(secrets)
+    start_ray(runtime_env, num_cpus=local_num_cpus(cfg), join_with_runtime_env=False)
 
     from pipeline.budget import BudgetError
     from pipeline.loop import run_loop
@@ -84,11 +88,26 @@ UPLOAD_EXCLUDES = [".venv/", ".venv-vllm/", ".git/", "runs/", "demo-run/", "*.db
                    ".carry/", ".whl/", ".gl/"]  # fmt: skip
 
 
+def split_secrets(runtime_env: dict) -> tuple[dict, dict[str, str]]:
+    """(runtime_env without its secret env vars, those vars: tokens, passwords, keys, by
+    actors/redact.py's rule). Ray puts a job's env_vars on its workers' command lines, where
+    `ps` shows them, and logs them at info in runtime_env_agent.log (both seen with a planted
+    HF_TOKEN); secrets reach workers through the nodes' environment instead, which Ray's
+    processes inherit from `ray start` (scripts/demo.sh: `node-env` below)."""
+    from actors.redact import is_secret
+
+    vars_ = dict(runtime_env.get("env_vars") or {})
+    secrets = {k: str(v) for k, v in vars_.items() if is_secret(k)}
+    env = {**runtime_env, "env_vars": {k: v for k, v in vars_.items() if k not in secrets}}
+    return env, secrets
+
+
 def job_runtime_env(config: str, working_dir: str = ".") -> dict:
     """The runtime_env to submit a job with: the config's own plus the working dir, without the
-    local virtualenv and run outputs (they must not be uploaded)."""
+    local virtualenv and run outputs (they must not be uploaded), and without secret env vars
+    (`split_secrets`: give them to the cluster's nodes)."""
     cfg = load_config(config)
-    env = dict(cfg.runtime_env)
+    env, _ = split_secrets(dict(cfg.runtime_env))
     env.setdefault("working_dir", working_dir)
     env.setdefault(
         "excludes",
@@ -107,5 +126,17 @@ def job_runtime_env(config: str, working_dir: str = ".") -> dict:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "runtime-env":  # used by scripts/demo.sh
         print(json.dumps(job_runtime_env(sys.argv[2])))
+        left = sorted(split_secrets(load_config(sys.argv[2]).runtime_env)[1])
+        if left:
+            print(f"runtime_env.env_vars: {', '.join(left)} left out of the job's runtime env "
+                  "(Ray would show them in `ps` and its logs); give them to the nodes' "
+                  "environment: `source <(python pipeline/run.py node-env CONFIG)` before "
+                  "`ray start`", file=sys.stderr)  # fmt: skip
+        sys.exit(0)
+    if len(sys.argv) > 1 and sys.argv[1] == "node-env":  # shell exports of the secret env vars
+        import shlex
+
+        for k, v in split_secrets(load_config(sys.argv[2]).runtime_env)[1].items():
+            print(f"export {k}={shlex.quote(v)}")
         sys.exit(0)
     sys.exit(main())

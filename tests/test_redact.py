@@ -58,3 +58,26 @@ def test_config_dump_and_mlflow_params_hold_no_secret(tmp_path):
     assert not [k for k, v in params.items() if TOKEN in v]
     assert params["runtime_env.env_vars.HF_TOKEN"] == MASK
     assert params["data.max_new_tokens"] == "256"  # was masked too: "token" matched anywhere
+
+
+def test_secret_env_vars_never_travel_in_a_jobs_runtime_env(tmp_path):
+    """Ray puts a job's env_vars on its workers' command lines (`ps`) and in its runtime-env
+    agent's log: secrets go to the nodes' environment (`node-env`), the rest with the job."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    from pipeline.run import job_runtime_env
+
+    cfg = tmp_path / "c.yaml"
+    env = {"HF_TOKEN": "hf_planted", "MLFLOW_TRACKING_PASSWORD": "pw planted", "NCCL_PROTO": "LL"}
+    cfg.write_text(yaml.safe_dump({"runtime_env": {"env_vars": env}}))
+    job = job_runtime_env(str(cfg), str(tmp_path))
+    assert job["env_vars"]["NCCL_PROTO"] == "LL"
+    assert "hf_planted" not in json.dumps(job) and "pw planted" not in json.dumps(job)
+    run = Path(__file__).resolve().parents[1] / "pipeline" / "run.py"
+    out = subprocess.run([sys.executable, str(run), "node-env", str(cfg)], capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert out.splitlines() == ["export HF_TOKEN=hf_planted", "export MLFLOW_TRACKING_PASSWORD='pw planted'"]  # fmt: skip
