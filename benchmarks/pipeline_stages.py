@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from actors.shards import iter_samples, read_shard  # noqa: E402
-from benchmarks.harness import Results, parser  # noqa: E402
+from benchmarks.harness import Results, clocked, parser  # noqa: E402
 from pipeline.config import Config, load_config  # noqa: E402
 
 
@@ -53,30 +52,24 @@ def split(ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
     return ids[:first], ids[first:]
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def data_stages(cfg: Config, rec: dict, batches: list) -> list[dict]:
     from actors.target import Generated, TargetWorker, write_generated
 
     worker = TargetWorker(cfg.target, cfg.data)
-    d = cfg.data
-    new_tokens, same, seconds, gens = 0, 0, 0.0, []
+    d, device = cfg.data, worker.backend.device
+    new_tokens, same, seconds = 0, 0, 0.0
     for i, batch in enumerate(batches):
         prompts, replies = zip(*(split(ids, m) for ids, m in batch), strict=True)
-        sync()
-        t0 = time.perf_counter()
-        new = worker.backend.generate(list(prompts), d.max_new_tokens, d.temperature, d.seed + i)
-        sync()
-        seconds += time.perf_counter() - t0
+        new, took = clocked(
+            lambda: worker.backend.generate(list(prompts), d.max_new_tokens, d.temperature, d.seed + i),  # noqa: B023
+            device,
+        )  # fmt: skip
+        seconds += took
         new_tokens += sum(map(len, new))
         same += sum(list(r) == list(n)[: len(r)] for r, n in zip(replies, new, strict=True))
-        gens.append(batch)
     n = sum(map(len, batches))
     wall = rec.get("wall_s") or rec["seconds"]
-    yield_gen = {
+    gen_row = {
         "stage": "generate",
         "standalone_tok_per_s": new_tokens / seconds,
         "pipeline_tok_per_s": rec["gen_tok_per_s"],
@@ -89,25 +82,24 @@ def data_stages(cfg: Config, rec: dict, batches: list) -> list[dict]:
     }
     tokens, cap_s = 0, 0.0
     with tempfile.TemporaryDirectory() as tmp:
-        for i, batch in enumerate(gens):
+        for i, batch in enumerate(batches):
             g = Generated([x for x, _ in batch], [m for _, m in batch], len(batch), 0, 0, 0.0)
             write_generated(tmp, i, f"k{i}", g)
             r = worker.capture_batch(tmp, i, f"k{i}")
             tokens, cap_s = tokens + r.capture_tokens, cap_s + r.capture_seconds
-    yield_cap = {
+    cap_row = {
         "stage": "capture",
         "standalone_tok_per_s": tokens / cap_s,
         "pipeline_tok_per_s": rec["capture_tok_per_s"],
         "tokens": tokens,
     }
-    worker.close()
-    del worker
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return [yield_gen, yield_cap]
+    worker.close()  # its model is freed on return, before the serve stage loads another
+    return [gen_row, cap_row]
 
 
 def train_stage(cfg: Config, rec: dict, mean_len: int, drafter_dir: Path) -> dict:
+    from pipeline.train_worker import read_metrics
+
     tc = cfg.train
     vocab = json.loads((drafter_dir / "config.json").read_text()).get("draft_vocab_size")
     cmd = [sys.executable, str(Path(__file__).with_name("train_step.py")), "--shape", "smollm2",
@@ -118,7 +110,7 @@ def train_stage(cfg: Config, rec: dict, mean_len: int, drafter_dir: Path) -> dic
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     got = json.loads(out.strip().splitlines()[-1])
     # the workers' steps after the first (which compiles), as the standalone times its steps
-    steps = [json.loads(x) for x in Path(rec["metrics_file"]).read_text().splitlines() if '"step_s"' in x]  # fmt: skip
+    steps = [m for m in read_metrics(Path(rec["metrics_file"])) if "step_s" in m]
     steady = statistics.median(m["tok_per_s"] for m in steps[1:]) if len(steps) > 1 else 0.0
     return {
         "stage": "train",
@@ -137,12 +129,13 @@ def train_stage(cfg: Config, rec: dict, mean_len: int, drafter_dir: Path) -> dic
 
 def serve_stage(cfg: Config, bench: dict, drafter_dir: str) -> dict:
     from actors.chat import prompt_ids
+    from actors.cluster import reserved_device
     from actors.prompts import plan_prompts
     from pipeline.loop import _eval_set as eval_set  # the loop's own held-out set
     from serve.engine import GenParams, SpecEngine, eos_ids, load_eagle, load_target
 
     t = cfg.target
-    device = "cuda" if cfg.serve.num_gpus > 0 else None
+    device = reserved_device(cfg.serve.num_gpus, "serve.num_gpus")  # where the replica ran
     lm, tok = load_target(t.model, t.gguf_file, t.dtype, t.revision, t.trust_remote_code, device)
     s = cfg.serve
     engine = SpecEngine(lm, steps=s.steps, stop_ids=eos_ids(lm) | {tok.eos_token_id},
@@ -151,34 +144,39 @@ def serve_stage(cfg: Config, bench: dict, drafter_dir: str) -> dict:
     messages, _ = eval_set(cfg, plan_prompts(cfg.data))
     prompts = [prompt_ids(tok, m) for m in messages]
     shape = bench.get("shape") or {}
-    spec = GenParams(cfg.bench.max_tokens)  # the configured shape, as the benchmark measures it
-    plain = GenParams(cfg.bench.max_tokens)
+    configured = GenParams(cfg.bench.max_tokens)  # the benchmark's own shape (the config's)
+    served = GenParams(cfg.bench.max_tokens, steps=shape.get("steps"), topk=shape.get("topk"),
+                       num_draft_tokens=shape.get("num_draft_tokens"))  # fmt: skip
+    runs = {
+        "plain": lambda p: engine.plain_generate([p], configured),
+        "configured": lambda p: engine.generate([p], configured),
+        "served": lambda p: engine.generate([p], served),
+    }
     for p in prompts[: cfg.bench.warmup]:  # the benchmark's warm-up requests
-        engine.plain_generate([p], plain)
-        engine.generate([p], spec)
+        for run in runs.values():
+            run(p)
 
     def rate(run, n: int) -> float:
         toks, secs = 0, 0.0
         for p in prompts[cfg.bench.warmup : cfg.bench.warmup + n]:
-            sync()
-            t0 = time.perf_counter()
-            toks += len(run(p)[0].token_ids)
-            sync()
-            secs += time.perf_counter() - t0
+            gens, took = clocked(lambda: run(p), device)  # noqa: B023
+            toks, secs = toks + len(gens[0].token_ids), secs + took
         return toks / secs
 
-    n_base = cfg.bench.baseline_prompts or len(prompts)
-    plain_tps = rate(lambda p: engine.plain_generate([p], plain), n_base)
-    spec_tps = rate(lambda p: engine.generate([p], spec), len(prompts))
-    plain_served = shape.get("served") == "plain"  # the shape chooser found drafting slower
+    plain_tps = rate(runs["plain"], cfg.bench.baseline_prompts or len(prompts))
+    conf_tps = rate(runs["configured"], len(prompts))
+    if shape.get("served") == "plain":  # the shape chooser found drafting slower
+        served_tps = plain_tps
+    else:
+        served_tps = rate(runs["served"], len(prompts)) if shape else conf_tps
     return {
         "stage": "serve",
-        "standalone_tok_per_s": plain_tps if plain_served else spec_tps,
+        "standalone_tok_per_s": served_tps,
         "pipeline_tok_per_s": shape.get("served_tok_per_s") or bench["tok_per_s"],
         "shape": shape.get("served"),
         "standalone_plain_tok_per_s": plain_tps,
         "pipeline_plain_tok_per_s": bench["baseline_tok_per_s"],
-        "standalone_configured_shape_tok_per_s": spec_tps,
+        "standalone_configured_shape_tok_per_s": conf_tps,
         "pipeline_configured_shape_tok_per_s": bench["tok_per_s"],
     }
 
