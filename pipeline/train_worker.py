@@ -523,6 +523,9 @@ class MetricsLog:
         # Appended, never rewritten: a resume marker tells readers to forget the lines after
         # start_step (the steps this attempt redoes), so a crash here cannot lose earlier ones.
         if self.path.exists() or start_step:
+            with self.path.open("a") as f:  # only an earlier attempt's crash can tear a line
+                if f.tell() and not _ends_with_newline(self.path):
+                    f.write("\n")  # keep the torn line apart: readers skip it
             self._write({RESUME: start_step})
         with (out / "events.jsonl").open("a") as f:
             f.write(json.dumps({"start_step": start_step, "time": time.time()}) + "\n")
@@ -538,8 +541,6 @@ class MetricsLog:
 
     def _write(self, rec: dict[str, Any]) -> None:
         with self.path.open("a") as f:
-            if f.tell() and not _ends_with_newline(self.path):
-                f.write("\n")  # a torn last line (a crash mid-write) stays apart, and is skipped
             f.write(json.dumps(rec) + "\n")
 
     def train(
