@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-Conversation = list[dict[str, str]]
+from actors.prompt_record import Conversation  # noqa: F401  (the one definition; re-exported)
 
 # transformers sets the Rust tokenizer's encode_special_tokens flag on every call, so two threads
 # tokenizing at once (the server tokenizes off its event loop) could swap each other's mode: a
@@ -81,7 +81,6 @@ def encode_rendered(
     always did; otherwise the text is cut at the content spans and each content is encoded with
     special tokens split into plain text. A template that does not render content verbatim gives
     no spans to cut at, and then such content is refused (ValueError) rather than parsed."""
-    whole = tokenize(tokenizer, text, add_special_tokens=False, return_offsets_mapping=True)
     spans = _content_spans(tokenizer, messages, text, add_generation_prompt)
     hits = _special_hits(tokenizer, text)
     if spans is None:
@@ -93,6 +92,7 @@ def encode_rendered(
                 "it cannot be kept as literal text; remove the control-token text"
             )
     if spans is None or not any(a < e and s < b for a, b in hits for s, e in spans):
+        whole = tokenize(tokenizer, text, add_special_tokens=False, return_offsets_mapping=True)
         return list(whole["input_ids"]), [tuple(o) for o in whole["offset_mapping"]]
     ids: list[int] = []
     offsets: list[tuple[int, int]] = []

@@ -1,8 +1,9 @@
 """The one atomic write: a file appears whole under its name or not at all.
 
 Readers of shards, sidecars, manifests, state.json and caches never see a half-written file: the
-bytes go to a hidden temp file beside the target (same filesystem) and `os.replace` swaps it in; with `fsync` (the default) the file and then its directory are synced, so what
-a resume reads survives a crash of the machine too.
+bytes go to a hidden temp file beside the target (same filesystem) and `os.replace` swaps it in;
+with `fsync` (the default) the file and then its directory are synced, so what a resume reads
+survives a crash of the machine too.
 The temp name carries the process and thread, so concurrent writers of one name never share it.
 """
 
