@@ -41,14 +41,14 @@ MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow server --workers 1 --host 127.0.
   >"$RUN_DIR/mlflow.log" 2>&1 &
 MLFLOW_PID=$!
 
-# Every port of this head is a free one (Ray's fixed defaults clash with any other Ray here);
-# --block in its own session, so the cleanup above stops exactly these processes.
 # Secret env vars of the config's runtime_env (tokens, passwords) reach the job through this
 # head's environment, which Ray's processes inherit, never through the job's runtime env: Ray
 # shows that on its workers' command lines (pipeline/run.py split_secrets).
 source <(python pipeline/run.py node-env "$CONFIG")
 # Ray's own components log at warning: at info, its runtime-env agent writes every job's runtime
 # env, env vars (tokens) included, into runtime_env_agent.log (seen with a planted HF_TOKEN).
+# Every port of this head is a free one (Ray's fixed defaults clash with any other Ray here);
+# --block in its own session, so the cleanup above stops exactly these processes.
 RAY_LOGGER_LEVEL=${RAY_LOGGER_LEVEL:-warning} \
 RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 setsid ray start --head --block --node-ip-address 127.0.0.1 \
   --port "$(free_port)" --ray-client-server-port "$(free_port)" \

@@ -8,7 +8,7 @@
 # On the GPU host, once per part, in the order made (parts wait in /tmp/carry):
 #   bash scripts/gpu_host.sh stash DIR     # move DIR/bundle.part.* to /tmp/carry
 #   bash scripts/gpu_host.sh install       # the wheels into /tmp/site (a few seconds)
-#   source <(bash scripts/gpu_host.sh env) # PYTHONPATH, PATH (ray, mlflow, python)
+#   source <(bash scripts/gpu_host.sh env) # PYTHONPATH, PATH (the ray and mlflow commands)
 # Then: CONFIG=configs/smollm2-1gpu.yaml RAY_NUM_CPUS=16 bash scripts/demo.sh
 set -euo pipefail
 SITE=/tmp/site
