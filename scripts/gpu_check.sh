@@ -40,5 +40,6 @@ cols = [c for c in ("run_id", "tags.mlflow.runName", "status", "metrics.bench/ac
                     "metrics.bench/tok_per_s", "metrics.gate/promoted") if c in runs.columns]
 print(runs[cols].to_string())
 PY
-step pytest pytest-gpu.log timeout 1200 python3 -m pytest -q -m gpu -p no:cacheprovider tests
+# PYTEST_ARGS narrows it (e.g. "-m gpu -k capture_auto" for one new test)
+step pytest pytest-gpu.log timeout 1200 python3 -m pytest -q ${PYTEST_ARGS:--m gpu} -p no:cacheprovider tests
 echo "$(date +%T) all done" >>"$DIR/progress"
