@@ -22,6 +22,9 @@ MAX_STEPS = 16
 MAX_TOPK = 16
 MAX_BODY_BYTES = 16 << 20  # far above any context's worth of text; a bigger body is refused
 MESSAGE_KEYS = frozenset({"role", "content"})  # what the server reads and the traffic log keeps
+# Below this a draw is the greedy token anyway, and the sampler's logits / temperature overflows
+# float32 far enough down (1e-40: NaN probabilities, a 500): such a temperature is served as 0.
+MIN_TEMPERATURE = 1e-5
 
 
 class BadRequest(ValueError):
@@ -160,6 +163,8 @@ def check_request(
         or not 0 <= temperature <= 2
     ):
         problems.append(f"temperature: {temperature!r} must be a number in [0, 2]")
+        temperature = 0.0
+    elif temperature < MIN_TEMPERATURE:
         temperature = 0.0
     top_p = body.get("top_p")
     if top_p is not None and (isinstance(top_p, bool) or top_p != 1):
