@@ -103,12 +103,12 @@ def _dir_synced_after(calls: list[str], made: str, directory: Path) -> bool:
     before it is closed."""
     start = next((i for i, c in enumerate(calls) if re.search(made, c)), None)
     assert start is not None, f"no call matches {made!r}"
-    opened = re.compile(rf'^openat\(AT_FDCWD, "{re.escape(str(directory))}", O_RDONLY[^)]*\) = (\d+)')
+    opened = re.compile(rf'^openat\(AT_FDCWD, "{re.escape(str(directory))}", O_RDONLY[^)]*\)\s+= (\d+)')
     fds: set[str] = set()
     for c in calls[start + 1 :]:
         if m := opened.match(c):
             fds.add(m[1])
-        elif m := re.match(r"^fsync\((\d+)\) = 0", c):
+        elif m := re.match(r"^fsync\((\d+)\)\s+= 0", c):
             if m[1] in fds:
                 return True
         elif m := re.match(r"^close\((\d+)\)", c):
