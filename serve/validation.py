@@ -22,8 +22,9 @@ MAX_STEPS = 16
 MAX_TOPK = 16
 MAX_BODY_BYTES = 16 << 20  # far above any context's worth of text; a bigger body is refused
 MESSAGE_KEYS = frozenset({"role", "content"})  # what the server reads and the traffic log keeps
-# Below this a draw is the greedy token anyway, and the sampler's logits / temperature overflows
-# float32 far enough down (1e-40: NaN probabilities, a 500): such a temperature is served as 0.
+# Below this a draw is all but always the greedy token, and far enough down (1e-40) the sampler's
+# logits / temperature overflows float32 (NaN probabilities: torch.multinomial raised, a 500), so
+# such a temperature is served as 0, greedy (vLLM draws the line at the same place).
 MIN_TEMPERATURE = 1e-5
 
 

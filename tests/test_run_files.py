@@ -103,7 +103,9 @@ def _dir_synced_after(calls: list[str], made: str, directory: Path) -> bool:
     before it is closed."""
     start = next((i for i, c in enumerate(calls) if re.search(made, c)), None)
     assert start is not None, f"no call matches {made!r}"
-    opened = re.compile(rf'^openat\(AT_FDCWD, "{re.escape(str(directory))}", O_RDONLY[^)]*\)\s+= (\d+)')
+    opened = re.compile(
+        rf'^openat\(AT_FDCWD, "{re.escape(str(directory))}", O_RDONLY[^)]*\)\s+= (\d+)'
+    )
     fds: set[str] = set()
     for c in calls[start + 1 :]:
         if m := opened.match(c):
@@ -122,7 +124,9 @@ def test_a_new_file_is_followed_by_a_sync_of_its_directory(tmp_path):
     an fsync of the directory (actors/files.fsync_dir)."""
     calls = _syscalls(tmp_path)
     traffic = tmp_path / "traffic"
-    created = rf'^openat\(AT_FDCWD, "{re.escape(str(traffic))}/traffic-7-000000\.jsonl", [^)]*O_CREAT'
+    created = (
+        rf'^openat\(AT_FDCWD, "{re.escape(str(traffic))}/traffic-7-000000\.jsonl", [^)]*O_CREAT'
+    )
     assert _dir_synced_after(calls, created, traffic)
     renamed = rf'^rename(at2?)?\(.*"{re.escape(str(tmp_path / "run" / "state.json"))}"'
     assert _dir_synced_after(calls, renamed, tmp_path / "run")
