@@ -18,7 +18,6 @@ from pipeline.budget import plan_vs_actual
 from pipeline.config import Config, dump_config
 from pipeline.layout import RunDir, round_tag
 from pipeline.preflight import preflight
-from pipeline.redact import redact
 from pipeline.round_plan import (
     check_budget,
     first_round_skips,
@@ -52,7 +51,7 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
     tracker.check_known(state.run_ids(), str(RunDir(run_dir).state), state.tracking_uri)
     if not state.parent_run_id:
         state.parent_run_id = tracker.start_run(cfg.name, params=cfg.model_dump(mode="json"))
-        state.tracking_uri = redact(tracker.uri)  # state.json holds no password
+        state.tracking_uri = tracker.uri  # RunState.save masks a password in it
         state.save(run_dir)
     elif not state.stopped_because:
         tracker.reopen(state.parent_run_id)  # a failed earlier attempt resumes

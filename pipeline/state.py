@@ -18,6 +18,7 @@ from typing import Any
 
 from actors.files import atomic_write
 from pipeline.layout import RunDir
+from pipeline.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class RunState:
     elapsed_s: float = 0.0  # wall time spent in earlier invocations
     stopped_because: str | None = None
     champion: dict[str, Any] | None = None
-    tracking_uri: str | None = None  # the MLflow store the run ids below live in
+    tracking_uri: str | None = None  # the MLflow store the run ids below live in (saved masked)
 
     def run_ids(self) -> dict[str, str | None]:
         """Every MLflow run id this state names: "parent", "round-N"."""
@@ -87,9 +88,12 @@ class RunState:
         return cls(**raw, rounds=rounds)
 
     def save(self, run_dir: Path) -> None:
+        """state.json and its copy; a `user:password@` in the tracking URI is masked here, where
+        the file is written, whoever set the field."""
         path = RunDir(run_dir).state
-        write_json_atomic(_backup(path), asdict(self))  # first: state.json is never the only copy
-        write_json_atomic(path, asdict(self))
+        data = {**asdict(self), "tracking_uri": redact(self.tracking_uri)}
+        write_json_atomic(_backup(path), data)  # first: state.json is never the only copy
+        write_json_atomic(path, data)
 
     def round(self, i: int) -> RoundState:
         while len(self.rounds) <= i:

@@ -22,6 +22,10 @@ MAX_STEPS = 16
 MAX_TOPK = 16
 MAX_BODY_BYTES = 16 << 20  # far above any context's worth of text; a bigger body is refused
 MESSAGE_KEYS = frozenset({"role", "content"})  # what the server reads and the traffic log keeps
+# Below this a draw is all but always the greedy token, and far enough down (1e-40) the sampler's
+# logits / temperature overflows float32 (NaN probabilities: torch.multinomial raised, a 500), so
+# such a temperature is served as 0, greedy (vLLM draws the line at the same place).
+MIN_TEMPERATURE = 1e-5
 
 
 class BadRequest(ValueError):
@@ -160,6 +164,8 @@ def check_request(
         or not 0 <= temperature <= 2
     ):
         problems.append(f"temperature: {temperature!r} must be a number in [0, 2]")
+        temperature = 0.0
+    elif temperature < MIN_TEMPERATURE:
         temperature = 0.0
     top_p = body.get("top_p")
     if top_p is not None and (isinstance(top_p, bool) or top_p != 1):

@@ -1,10 +1,17 @@
 """Files a resume reads survive a crash: state.json heals from its copy (or is rebuilt) when found
-empty or torn, and metrics.jsonl is appended across attempts, never rewritten."""
+empty or torn, and metrics.jsonl is appended across attempts, never rewritten; a file created or
+renamed into place has its directory synced; state.json keeps no tracking password."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -48,3 +55,78 @@ def test_metrics_are_appended_across_attempts_and_a_torn_line_is_skipped(tmp_pat
     assert (tmp_path / "metrics.jsonl").read_bytes().startswith(before)  # nothing rewritten
     assert [(m["step"], m["loss"]) for m in again.read()] == [(1, 1.0), (2, 2.0), (3, 30.0)]
     assert all(json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()[:4])
+
+
+def test_state_json_never_holds_the_tracking_password(tmp_path):
+    """A tracking URI with `user:password@` (an MLflow server behind basic auth) is saved masked,
+    in state.json and in its copy; a resume reads the masked URI back."""
+    RunState(config_digest="d1", tracking_uri="https://me:hunter2@mlflow.example/").save(tmp_path)
+    for name in ("state.json", "state.json.bak"):
+        text = (tmp_path / name).read_text()
+        assert "hunter2" not in text and "https://me:***@mlflow.example/" in text, name
+    assert RunState.load_or_new(tmp_path, "d1").tracking_uri == "https://me:***@mlflow.example/"
+
+
+ROOT = Path(__file__).resolve().parents[1]
+MAKE_FILES = """
+import sys
+from actors.files import atomic_write
+from serve.traffic import TrafficLog
+d = sys.argv[1]
+TrafficLog(d + "/traffic", "7").append({"prompt_ids": [1]})
+atomic_write(d + "/run/state.json", "{}")
+"""
+
+
+def _syscalls(tmp_path: Path) -> list[str]:
+    """The openat/fsync/close/rename calls of a fresh Python that makes a traffic log file and
+    writes state.json, as strace sees them: the kernel's view, with no code of ours replaced."""
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace is not installed: a directory fsync shows only in the system calls")
+    (tmp_path / "run").mkdir()
+    out = tmp_path / "strace.txt"
+    calls = "trace=openat,fsync,close,rename,renameat,renameat2"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+    r = subprocess.run(
+        [strace, "-f", "-qq", "-e", calls, "-o", str(out), sys.executable, "-c", MAKE_FILES, str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    if r.returncode and "ptrace" in r.stderr:
+        pytest.skip(f"strace cannot trace here: {r.stderr.strip()[:200]}")
+    assert r.returncode == 0, r.stderr
+    return [re.sub(r"^\d+\s+", "", line) for line in out.read_text().splitlines()]
+
+
+def _dir_synced_after(calls: list[str], made: str, directory: Path) -> bool:
+    """Whether, after the first call matching `made`, `directory` is opened and that fd fsynced
+    before it is closed."""
+    start = next((i for i, c in enumerate(calls) if re.search(made, c)), None)
+    assert start is not None, f"no call matches {made!r}"
+    opened = re.compile(
+        rf'^openat\(AT_FDCWD, "{re.escape(str(directory))}", O_RDONLY[^)]*\)\s+= (\d+)'
+    )
+    fds: set[str] = set()
+    for c in calls[start + 1 :]:
+        if m := opened.match(c):
+            fds.add(m[1])
+        elif m := re.match(r"^fsync\((\d+)\)\s+= 0", c):
+            if m[1] in fds:
+                return True
+        elif m := re.match(r"^close\((\d+)\)", c):
+            fds.discard(m[1])
+    return False
+
+
+def test_a_new_file_is_followed_by_a_sync_of_its_directory(tmp_path):
+    """A file's own fsync does not make its directory entry durable: after a power loss a new
+    traffic log file, or the rename of state.json into place, can be gone. Each is followed by
+    an fsync of the directory (actors/files.fsync_dir)."""
+    calls = _syscalls(tmp_path)
+    traffic = tmp_path / "traffic"
+    created = (
+        rf'^openat\(AT_FDCWD, "{re.escape(str(traffic))}/traffic-7-000000\.jsonl", [^)]*O_CREAT'
+    )
+    assert _dir_synced_after(calls, created, traffic)
+    renamed = rf'^rename(at2?)?\(.*"{re.escape(str(tmp_path / "run" / "state.json"))}"'
+    assert _dir_synced_after(calls, renamed, tmp_path / "run")

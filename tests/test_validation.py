@@ -228,3 +228,19 @@ def test_the_gate_counts_the_static_kv_cache_as_the_engine_does(tiny_target):
             check({"prompt": [5] * 10, "max_tokens": room + 1, "speculative": spec}, limits=limits)  # fmt: skip
         with pytest.raises(ValueError, match="static KV cache capacity"):
             engine.generate([[5] * 10], GenParams(max_tokens=room + 1, temperature=0.0), speculative=spec)  # fmt: skip
+
+
+def test_a_temperature_too_small_to_sample_at_is_served_greedy(tiny_target):
+    """1e-300 is a number in [0, 2], but the sampler's logits / temperature overflowed float32:
+    NaN probabilities, and torch.multinomial raised inside the engine (a 500). Below
+    MIN_TEMPERATURE a draw is the greedy token anyway, so the gate settles it to 0."""
+    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    drafter = random_drafter(target, draft_vocab_size=2000, aux_layer_ids=[0, 1, 2])
+    engine = SpecEngine(target, drafter, steps=3)
+    greedy = GenParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = engine.generate([[5, 6, 7]], greedy)[0].token_ids
+    for t in (1e-300, 1e-40, 5e-6):
+        r = check({"prompt": [5, 6, 7], "max_tokens": 4, "temperature": t, "ignore_eos": True})
+        for spec in (True, False):
+            assert engine.generate([r.prompt], r.params, speculative=spec)[0].token_ids == want
+    assert check({"prompt": [5], "temperature": 1e-5}).params.temperature == 1e-5  # samples
