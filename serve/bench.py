@@ -1,6 +1,8 @@
 """Benchmark client: scores a drafter on any OpenAI-compatible endpoint that reports speculative
 statistics (this project's engine in `usage`, SGLang in `meta_info`, vLLM in
-`metrics.speculative_decoding` plus its Prometheus counters per level: docs/vllm.md).
+`metrics.speculative_decoding` plus its Prometheus counters per level: docs/vllm.md). The
+requests and their figures are serve/bench_stats.py's; the engines' formats are their adapters'
+(actors/engine_server.py's `ResponseSpec` and `SpecCounters`).
 
 One run, at temperature 0 on held-out prompts, each answered up to `max_tokens` or its end of
 sequence (`ignore_eos: true` forces exactly `max_tokens`: the tokens after EOS are text no user
@@ -28,7 +30,6 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -36,153 +37,21 @@ from typing import Any
 
 import httpx
 
-from serve.sglang_server import has_meta_info, spec_stats_from_sglang
+from actors.engine_server import BaselineCache, SpecCounters
+from serve.bench_stats import (
+    LevelResult,
+    Prompt,
+    RequestBuilder,
+    RequestStats,
+    _get,
+    _level,
+    _run_requests,
+    acceptance_per_position,
+    chat_request,
+    level_from_counters,
+)
+from serve.shape_sweep import choose_serving_shape, with_shape
 from serve.shapes import Shape
-from serve.vllm_server import spec_stats_from_vllm
-
-Prompt = list[dict[str, str]] | str
-# (prompt, max_tokens, speculative, steps) -> (path, JSON body); the seam for other servers
-RequestBuilder = Callable[[Prompt, int, bool, int | None], tuple[str, dict[str, Any]]]
-
-
-@dataclass(frozen=True)
-class RequestStats:
-    completion_tokens: int
-    latency_s: float
-    verify_ct: int | None = None  # None: the server reports no speculative statistics
-    accepted_drafts: int | None = None
-    accept_hist: tuple[int, ...] | None = None  # [a] = cycles that accepted a drafts
-    draft_ms: float | None = None
-    verify_ms: float | None = None
-    steps: int | None = None
-
-    @property
-    def accept_len(self) -> float | None:
-        """SGLang's definition: completion tokens per verify pass (bonus token included)."""
-        return self.completion_tokens / self.verify_ct if self.verify_ct else None
-
-    @property
-    def tok_per_s(self) -> float:
-        return self.completion_tokens / self.latency_s if self.latency_s > 0 else 0.0
-
-
-def extract_stats(body: dict[str, Any], latency_s: float) -> RequestStats:
-    """Per-request statistics from one response: SGLang's `meta_info` (top level in native
-    `/generate`, under `choices[i]` in chat completions sent with `return_meta_info`), else this
-    engine's `usage` fields. The only place that knows response formats."""
-    if (vl := spec_stats_from_vllm(body)) is not None:
-        return RequestStats(
-            completion_tokens=vl["completion_tokens"],
-            latency_s=latency_s,
-            verify_ct=vl["spec_verify_ct"] or None,
-            accepted_drafts=vl["spec_accepted_tokens"],
-            accept_hist=tuple(vl["spec_accept_hist"]) or None,
-            draft_ms=0.0,  # as for SGLang: the whole request time counts as verify
-            verify_ms=latency_s * 1000.0,
-        )
-    if has_meta_info(body):
-        st = spec_stats_from_sglang(body)
-        if st["completion_tokens"] is None:
-            raise ValueError(f"meta_info without completion_tokens: keys {sorted(body)}")
-        hist = st["spec_accept_hist"]
-        return RequestStats(
-            completion_tokens=st["completion_tokens"],
-            latency_s=latency_s,
-            verify_ct=st["spec_verify_ct"] or None,
-            accepted_drafts=st["spec_accepted_tokens"],
-            accept_hist=tuple(int(x) for x in hist) if hist else None,
-            # SGLang does not split a cycle into draft and verify: the whole request time counts
-            # as verify (draft 0), so verify_ms per pass is the cycle time the planner needs.
-            draft_ms=0.0 if st["speculative"] else None,
-            verify_ms=latency_s * 1000.0,
-        )
-    src = body.get("usage") or {}
-    if "completion_tokens" not in src:
-        raise ValueError(
-            f"response has no usage.completion_tokens nor meta_info: keys {sorted(body)}"
-        )
-    hist = src.get("spec_accept_hist")
-    return RequestStats(
-        completion_tokens=int(src["completion_tokens"]),
-        latency_s=latency_s,
-        verify_ct=int(src["spec_verify_ct"]) if src.get("spec_verify_ct") else None,
-        accepted_drafts=src.get("spec_accepted_tokens"),
-        accept_hist=tuple(int(x) for x in hist) if hist else None,
-        draft_ms=src.get("draft_ms"),
-        verify_ms=src.get("verify_ms"),
-        steps=src.get("spec_steps") or None,
-    )
-
-
-def chat_request(
-    prompt: Prompt, max_tokens: int, speculative: bool, steps: int | None, ignore_eos: bool = False
-) -> tuple[str, dict[str, Any]]:
-    """OpenAI chat completion at temperature 0. `speculative`/`steps` are this engine's fields
-    (SGLang ignores them); `return_meta_info` makes SGLang put its per-request speculative stats
-    under `choices[0].meta_info` (non-streaming only; ignored by this engine)."""
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    body: dict[str, Any] = {
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": ignore_eos,
-        "speculative": speculative,
-        "return_meta_info": True,
-        "record": False,  # benchmark prompts must never reach the traffic log (training data)
-    }
-    if steps is not None:
-        body["steps"] = steps
-    return "/v1/chat/completions", body
-
-
-@dataclass(frozen=True)
-class LevelResult:
-    concurrency: int
-    speculative: bool
-    steps: int | None
-    requests: int
-    wall_s: float
-    tok_per_s: float  # aggregate: all completion tokens / wall time
-    req_tok_per_s: float  # mean over requests of completion tokens / latency
-    latency_p50_s: float
-    accept_len: float | None  # mean over requests
-    accept_len_pooled: float | None  # all tokens / all verify passes
-    accept_lens: tuple[float, ...]
-    accept_hist: tuple[int, ...]  # summed over requests
-    verify_ms: float | None  # per verify pass (per decode step without speculation)
-    draft_ms_per_step: float | None  # one drafter forward
-
-
-def _level(
-    stats: list[RequestStats], concurrency: int, speculative: bool, steps: int | None, wall: float
-) -> LevelResult:
-    lens = [s.accept_len for s in stats if s.accept_len is not None]
-    verify = sum(s.verify_ct or 0 for s in stats)
-    k = steps or next((s.steps for s in stats if s.steps), None)
-    # SGLang's histogram only reaches the largest count a request saw: pad them to one width
-    hists = [s.accept_hist for s in stats if s.accept_hist]
-    width = max([len(h) for h in hists] + [k + 1 if k else 0]) if hists else 0
-    hist = tuple(sum(h[i] for h in hists if i < len(h)) for i in range(width))
-    tokens = sum(s.completion_tokens for s in stats)
-    vms = [s.verify_ms for s in stats if s.verify_ms is not None]
-    dms = [s.draft_ms for s in stats if s.draft_ms is not None]
-    passes = verify if speculative else sum(max(s.completion_tokens - 1, 0) for s in stats)
-    return LevelResult(
-        concurrency=concurrency,
-        speculative=speculative,
-        steps=k if speculative else None,
-        requests=len(stats),
-        wall_s=wall,
-        tok_per_s=tokens / wall,
-        req_tok_per_s=statistics.fmean(s.tok_per_s for s in stats),
-        latency_p50_s=statistics.median(s.latency_s for s in stats),
-        accept_len=statistics.fmean(lens) if lens else None,
-        accept_len_pooled=tokens / verify if verify else None,
-        accept_lens=tuple(lens),
-        accept_hist=hist,
-        verify_ms=sum(vms) / passes if vms and passes else None,
-        draft_ms_per_step=sum(dms) / verify / k if dms and verify and k else None,
-    )
 
 
 @dataclass(frozen=True)
@@ -238,48 +107,6 @@ def domain_figures(
     return out
 
 
-def _run_requests(
-    client: httpx.Client,
-    prompts: list[Prompt],
-    build: RequestBuilder,
-    max_tokens: int,
-    speculative: bool,
-    steps: int | None,
-    concurrency: int,
-) -> tuple[list[RequestStats], float]:
-    def one(prompt: Prompt) -> RequestStats:
-        path, body = build(prompt, max_tokens, speculative, steps)
-        t = time.perf_counter()
-        r = client.post(path, json=body)
-        latency = time.perf_counter() - t
-        if r.status_code != 200:
-            raise RuntimeError(f"{client.base_url}{path} answered {r.status_code}: {r.text[:500]}")
-        return extract_stats(r.json(), latency)
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        stats = list(pool.map(one, prompts))
-    return stats, time.perf_counter() - t0
-
-
-def acceptance_per_position(hist: tuple[int, ...]) -> tuple[float, ...]:
-    """hist[a] = cycles that accepted a drafts -> fraction of cycles with >= i accepted, i=1..k."""
-    total = sum(hist)
-    if not total:
-        return ()
-    return tuple(sum(hist[i:]) / total for i in range(1, len(hist)))
-
-
-_REQUIRED = object()
-
-
-def _get(cfg: Any, name: str, default: Any = _REQUIRED) -> Any:
-    """A bench setting from a BenchConfig or a plain dict; without a default it must be there."""
-    if hasattr(cfg, name):
-        return getattr(cfg, name)
-    return cfg[name] if default is _REQUIRED else cfg.get(name, default)
-
-
 def _builder(bench_cfg: Any, build: RequestBuilder | None) -> RequestBuilder:
     """`build`, or chat requests with the config's `ignore_eos` (default false)."""
     if build is not None:
@@ -300,7 +127,7 @@ def run_bench(
     baseline: dict[str, Any] | None = None,
     fixed_steps: int | None = None,
     domains: list[str] | None = None,
-    counters: Callable[[], Any] | None = None,
+    counters: Callable[[], SpecCounters | None] | None = None,
     shape: Shape | None = None,
 ) -> BenchResult:
     """Benchmark `url` on `prompts` (held-out conversations or strings) with `bench_cfg` (a
@@ -312,8 +139,9 @@ def run_bench(
     `baseline_url` (a server without a drafter), else `speculative: false` requests to `url`.
     `fixed_steps`: the server drafts this many steps whatever a request asks (SGLang's
     --speculative-num-steps): the sweep is skipped and the levels are labelled with it.
-    `counters`: reads the server's speculative counters (vLLM: `VLLMServer.spec_counters`);
-    the speculative levels' accept figures then come from their change over each level.
+    `counters`: reads the server's speculative counters (`EngineHandle.spec_counters`, None
+    from an engine that keeps none); the speculative levels' accept figures then come from
+    their change over each level.
     `shape`: the server's configured drafting shape (the embedded engine, whose requests may ask
     for any shape): the speculative levels ask for it explicitly, and with `bench.shape_chains`
     the serving shape is chosen after them (`choose_serving_shape`, `BenchResult.shape`)."""
@@ -322,8 +150,6 @@ def run_bench(
     build = _builder(bench_cfg, build)
     plain_build = build
     if shape is not None:
-        from serve.shape_sweep import choose_serving_shape, with_shape  # it imports this module
-
         build = with_shape(build, shape)
     sweep_steps = [] if fixed_steps else list(_get(bench_cfg, "steps_sweep"))
     n = n or len(prompts)
@@ -357,12 +183,10 @@ def run_bench(
         best = fixed_steps or (max(sweep, key=lambda lv: lv.tok_per_s).steps if sweep else None)
         levels, first, counted = [], None, []
         for c in levels_c:  # speculative and baseline back to back: drifting load hits both
-            before = counters() if counters else None
+            before = counters() if counters else None  # None: the engine keeps no counters
             stats, wall = _run_requests(client, prompts, build, max_tokens, True, best, c)
             level = _level(stats, c, True, best, wall)
-            if counters:
-                from serve.vllm_server import level_from_counters
-
+            if counters and before is not None:
                 delta = counters() - before
                 level = level_from_counters(level, stats, delta)
                 counted.append(
@@ -477,8 +301,6 @@ def bench_endpoint(
     `bench.reuse_baseline` (embedded): the first run's baseline levels go into `baseline_cache`
     and later runs on the same prompts and settings reuse them (the target without a drafter does
     not change between rounds; per-domain speedups are then left out)."""
-    from serve.sglang_server import BaselineCache
-
     key = bench_settings_key(prompts, bench_cfg)
     got = endpoint.baseline(
         lambda url: measure_baseline_levels(url, prompts, bench_cfg, timeout_s=timeout_s),

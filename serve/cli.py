@@ -81,8 +81,8 @@ def cmd_swap(args: argparse.Namespace) -> int:
     import httpx
 
     from actors.cluster import start_ray
+    from actors.engine_server import DrafterRejected
     from serve.deployment import adopt_app, swap_drafter
-    from serve.sglang_server import DrafterRejected
 
     info = httpx.get(f"{args.url.rstrip('/')}/drafter", timeout=60).json()
     start_ray(address=args.address)  # the server's own Ray (GET /drafter never names it)

@@ -30,7 +30,9 @@ class ServeConfig(Strict):
     num_cpus: float = Field(1.0, gt=0)
     """CPUs the serving replica reserves; the embedded engine uses that many torch threads."""
     extra_args: list[str] = Field(default_factory=list)
-    """Extra command-line arguments for sglang.launch_server."""
+    """Extra command-line arguments for the SGLang or vLLM server. A secret flag among them
+    (`--api-key K`) reaches the server through a file only its user can read (`--config`),
+    never its command line (actors/engine_server.py)."""
     env: dict[str, str] = Field(default_factory=dict)
     """Environment for the server process (NCCL variables)."""
     record_traffic: bool = False

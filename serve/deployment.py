@@ -16,9 +16,8 @@
   `swap_drafter` validates through the replica first, so the driver gets an exception instead.
 
 The driver calls one function for either engine: `deploy_endpoint(serve_cfg, target_cfg,
-drafter_dir, log_dir) -> ServingEndpoint` (`serve.engine: embedded` = this deployment,
-`sglang` = serve/sglang_server.py's `deploy_sglang`, `vllm` = serve/vllm_server.py's
-`deploy_vllm`; both swap drafters by a restart).
+drafter_dir, log_dir) -> ServingEndpoint` (`serve.engine: embedded` = this deployment; `sglang`,
+`vllm` = the adapters of actors/engine_server.py, which swap drafters by a restart).
 
 Everything binds 127.0.0.1 unless `serve.host` says otherwise.
 """
@@ -45,6 +44,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from actors.cluster import reserved_device
+from actors.engine_server import DrafterRejected
+from actors.sglang_server import deploy_sglang
 from serve.engine import (
     Generation,
     SpecEngine,
@@ -54,7 +55,6 @@ from serve.engine import (
     tree_problem,
 )
 from serve.jobs import _Job, run_isolated
-from serve.sglang_server import DrafterRejected, deploy_sglang
 from serve.shapes import Shape
 from serve.startup import retry, start_serve, wait_http_ready
 from serve.validation import BadRequest, Limits, check_request, parse_body, read_body
@@ -604,7 +604,7 @@ def shutdown(app_name: str = APP_NAME) -> None:
 
 
 class ServingEndpoint(Protocol):
-    """A running server the benchmark can score: `SGLangServerHandle` or `EmbeddedEndpoint`."""
+    """A running server the benchmark can score: an `EngineHandle` or `EmbeddedEndpoint`."""
 
     engine: str  # "embedded" | "sglang" | "vllm"
     url: str  # http://host:port, the OpenAI base without /v1
@@ -680,11 +680,11 @@ def deploy_endpoint(
     `log_dir` is unused (Serve logs under Ray's session dir). sglang: `sglang.launch_server` in
     an actor that owns max(serve.num_gpus, target.tp_size) GPUs, logging to `log_dir`; `launch`
     replaces `python -m sglang.launch_server` (e.g. another venv's Python). vllm: vLLM's OpenAI
-    server in an actor reserving serve.num_cpus / serve.num_gpus (serve/vllm_server.py)."""
+    server in an actor reserving serve.num_cpus / serve.num_gpus (actors/vllm_server.py)."""
     if serve_cfg.engine == "sglang":
         return deploy_sglang(serve_cfg, target_cfg, drafter_dir, log_dir, launch=launch)
     if serve_cfg.engine == "vllm":
-        from serve.vllm_server import deploy_vllm
+        from actors.vllm_server import deploy_vllm
 
         return deploy_vllm(serve_cfg, target_cfg, drafter_dir, log_dir, launch=launch)
     ep = deploy(

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from serve.bench import (
+from serve.bench_stats import (
     LevelResult,
     Prompt,
     RequestBuilder,

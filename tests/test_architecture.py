@@ -24,13 +24,6 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "pipeline": (),
 }
 MLFLOW_HOME = "pipeline/tracking.py"  # the one module that talks to MLflow
-# The one crossing allowed, by name: the data stage's vLLM backend regenerates through the vLLM
-# server process that serve/vllm_server.py owns (one launcher for serving and regeneration).
-# Issue 26 moves that launcher to a floor both actors/ and serve/ use; then this set is empty.
-ALLOWED = {
-    ("actors/vllm_backend.py", "serve.vllm_server"),
-    ("actors/vllm_backend.py", "serve.config"),
-}
 MAX_LINES = 700  # a module past this holds more than one role: split it
 
 
@@ -65,8 +58,6 @@ def violations(files: list[Path], root: Path = ROOT) -> list[str]:
         banned = (*FLOORS[FLOORS.index(pkg) + 1 :], *FORBIDDEN[pkg])
         for line, mod in imported_modules(f, root):
             top = mod.split(".")[0]
-            if (rel.as_posix(), mod) in ALLOWED:
-                continue
             if top in banned or (top == "mlflow" and rel.as_posix() != MLFLOW_HOME):
                 bad.append(f"{rel}:{line} imports {mod} ({rel.parts[0]}/ must not import {top})")
     return bad
@@ -151,19 +142,6 @@ def test_the_check_names_file_and_line(tmp_path):
     ]
 
 
-# Import circles that exist today, each named by the issue that removes it. A circle found in the
-# tree must lie inside one of these (removing a module from one is fine); any other fails.
-KNOWN_CYCLES: list[tuple[str, set[str]]] = [
-    # issue 26: serve/bench.py parses both engines' counters, serve/vllm_server.py takes
-    # bench's result types, serve/shape_sweep.py builds on bench and bench calls it back.
-    ("issue 26", {"serve.bench", "serve.shape_sweep", "serve.vllm_server"}),
-]
-
-
-def new_cycles(found: list[list[str]]) -> list[list[str]]:
-    return [c for c in found if not any(set(c) <= known for _, known in KNOWN_CYCLES)]
-
-
 def _cycle_text(graph: dict[str, dict[str, int]], cycle: list[str]) -> str:
     inside = set(cycle)
     return "; ".join(
@@ -177,7 +155,7 @@ def test_no_import_cycles():
     graph = import_graph(files)
     assert {"benchmarks.gpu_engine", "actors.prompts", "eagle3.train_step"} <= graph.keys()
     assert "actors.sources" in graph["actors.prompts"]  # a lazy `from x import y` is an edge
-    bad = new_cycles(cycles(graph))
+    bad = cycles(graph)
     assert not bad, "import circles:\n" + "\n".join(_cycle_text(graph, c) for c in bad)
 
 
@@ -197,10 +175,6 @@ def test_the_cycle_check_finds_planted_circles(tmp_path):
         (tmp_path / rel).write_text(text)
     graph = import_graph(sorted(tmp_path.rglob("*.py")), tmp_path)
     assert cycles(graph) == [["actors.a", "actors.b"], ["serve.c", "serve.d", "serve.e"]]
-    assert new_cycles([["serve.bench", "serve.vllm_server"]]) == []  # inside a known circle
-    assert new_cycles([["serve.bench", "serve.sglang_server"]]) == [
-        ["serve.bench", "serve.sglang_server"]
-    ]
 
 
 def bypassing_the_harness(files: list[Path], root: Path = ROOT) -> list[str]:

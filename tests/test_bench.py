@@ -16,16 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eagle3.checkpoint import save_drafter
-from serve.bench import (
-    BenchResult,
-    _level,
-    acceptance_per_position,
-    bench_endpoint,
-    chat_request,
-    extract_stats,
-    measure_baseline_levels,
-    run_bench,
-)
+from serve.bench import BenchResult, bench_endpoint, measure_baseline_levels, run_bench
+from serve.bench_stats import _level, acceptance_per_position, chat_request, extract_stats
 from serve.deployment import deploy_endpoint
 from serve.engine import random_drafter
 

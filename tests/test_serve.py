@@ -17,11 +17,11 @@ for _dep in ("fastapi", "ray", "pydantic"):  # bare GPU host (torch only): skip
 import torch
 from transformers import AutoModelForCausalLM
 
+from actors.engine_server import validate_drafter
 from eagle3.checkpoint import save_drafter
 from pipeline.config import ServeConfig, TargetConfig
 from serve.deployment import DrafterRejected, _run_app, deploy_endpoint, swap_drafter
 from serve.engine import random_drafter
-from serve.sglang_server import validate_drafter
 
 APP = "test-serve"
 CHAT = {

@@ -19,6 +19,7 @@ import pytest
 for _dep in ("pydantic", "ray"):  # bare GPU host (torch only): skip
     pytest.importorskip(_dep)
 
+from actors.engine_server import BaselineCache, cached_baseline
 from actors.sglang_backend import (
     SGLANG_VERSION,
     drafter_layout_for,
@@ -26,17 +27,15 @@ from actors.sglang_backend import (
     resolve_layer_ids,
     token_bounded_batches,
 )
-from eagle3.target_weights import target_info_from_dict
-from pipeline.config import ServeConfig, TargetConfig, load_config
-from serve.sglang_server import (
-    BaselineCache,
+from actors.sglang_server import (
     SGLangServer,
     baseline_key,
     build_server_args,
-    cached_baseline,
     parse_decode_log,
     spec_stats_from_sglang,
 )
+from eagle3.target_weights import target_info_from_dict
+from pipeline.config import ServeConfig, TargetConfig, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -307,7 +306,8 @@ def test_server_that_dies_reports_its_log(tmp_path):
     assert "weights not found" in str(err.value)
     logged = (tmp_path / "sglang-000.log").read_text()
     assert "--speculative-draft-model-path /drafter" in logged.splitlines()[0]
-    assert "--api-key ***" in logged and "sk-planted" not in logged + str(err.value)
+    assert "--config" in logged.splitlines()[0]  # the key went to a file (test_engine_server.py)
+    assert "--api-key" not in logged and "sk-planted" not in logged + str(err.value)
     # sglang derives its gRPC port as port + 10000
     with pytest.raises(ValueError, match="serve.port: 60000 .* SGLANG_GRPC_PORT"):
         SGLangServer(ServeConfig(engine="sglang", port=60000), srv.target_cfg, tmp_path)
@@ -317,7 +317,7 @@ _OWNER_SCRIPT = textwrap.dedent(
     """
     import os, signal, sys, threading, time
     from pipeline.config import ServeConfig, TargetConfig
-    from serve.sglang_server import SGLangServer
+    from actors.sglang_server import SGLangServer
 
     sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]  # never healthy
     srv = SGLangServer(ServeConfig(engine="sglang", port=39998),
@@ -630,7 +630,7 @@ _SERVE_SCRIPT = textwrap.dedent(
     from pipeline.config import ServeConfig, TargetConfig
     from serve.bench import bench_endpoint
     from serve.deployment import DrafterRejected, deploy_endpoint
-    from serve.sglang_server import spec_stats_from_sglang
+    from actors.sglang_server import spec_stats_from_sglang
 
     model, good, broken, port, logs, cpu = sys.argv[1:7]
     logs, cpu = Path(logs), cpu == "cpu"

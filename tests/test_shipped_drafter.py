@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from serve.vllm_server import vllm_available
+from actors.vllm_server import vllm_available
 
 BASE = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m-base"
 
@@ -44,9 +44,9 @@ def test_vllm_speculates_with_the_shipped_drafter(ray_local, tmp_path):
 
     from actors.chat import prompt_ids
     from actors.prompts import load_jsonl_prompts
+    from actors.vllm_server import deploy_vllm
     from pipeline.config import ServeConfig, TargetConfig
     from serve.engine import GenParams, SpecEngine, load_eagle, load_target
-    from serve.vllm_server import deploy_vllm
 
     lm, tok = load_target("smollm2", dtype="float32")
     everyday = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "everyday.jsonl"

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import torch
 
-from serve.vllm_server import vllm_available
+from actors.vllm_server import vllm_available
 
 pytestmark = [
     pytest.mark.vllm,
@@ -111,7 +111,7 @@ def complete(url: str, prompts: list[list[int]]) -> list[dict]:
 
 
 def pooled(responses: list[dict]) -> float:
-    from serve.vllm_server import spec_stats_from_vllm
+    from actors.vllm_server import spec_stats_from_vllm
 
     st = [spec_stats_from_vllm(r) for r in responses]
     assert all(s is not None and s["spec_verify_ct"] > 0 for s in st), "no per-request metrics"
@@ -120,11 +120,11 @@ def pooled(responses: list[dict]) -> float:
 
 def test_vllm_serves_the_exported_drafter(trained, tmp_path):
     from actors.chat import prompt_ids
+    from actors.engine_server import BaselineCache, DrafterRejected
+    from actors.vllm_server import baseline_key, deploy_vllm
     from pipeline.config import ServeConfig, TargetConfig
     from serve.bench import bench_endpoint, bench_settings_key, measure_baseline_levels
     from serve.engine import GenParams, SpecEngine, load_eagle, load_target
-    from serve.sglang_server import BaselineCache, DrafterRejected
-    from serve.vllm_server import baseline_key, deploy_vllm
 
     target, drafter = trained
     lm, tok = load_target(str(target), dtype="float32")

@@ -8,16 +8,15 @@ import json
 import pytest
 
 pytest.importorskip("pydantic")  # bare GPU host (torch only): skip
-from pipeline.config import ServeConfig, TargetConfig, parse_config  # noqa: E402
-from serve.bench import _level, extract_stats
-from serve.vllm_server import (
-    SpecCounters,
+from actors.engine_server import SpecCounters
+from actors.vllm_server import (
     VLLMServer,
     build_server_args,
-    level_from_counters,
     parse_spec_counters,
     spec_stats_from_vllm,
 )
+from pipeline.config import ServeConfig, TargetConfig, parse_config  # noqa: E402
+from serve.bench_stats import _level, extract_stats, level_from_counters
 
 # The lines vLLM 0.32 writes for a 3-token drafter on two engines (names from
 # vllm/v1/spec_decode/metrics.py; prometheus_client appends `_total` to counters).
@@ -142,7 +141,8 @@ def test_job_runtime_env_points_at_the_vllm_venv_without_uploading_it(tmp_path):
 
 
 def test_the_logged_command_line_hides_a_secret_argument(tmp_path):
-    """`serve.extra_args: [--api-key, K]` reaches vLLM, never `<log_dir>/vllm-*.log`."""
+    """`serve.extra_args: [--api-key, K]` reaches vLLM (through a --config file:
+    tests/test_engine_server.py), never `<log_dir>/vllm-*.log`."""
     import sys
 
     crash = [sys.executable, "-c", "import sys; sys.exit(3)"]
@@ -152,4 +152,5 @@ def test_the_logged_command_line_hides_a_secret_argument(tmp_path):
     with pytest.raises(RuntimeError) as err:
         srv.start(None)
     logged = (tmp_path / "vllm-000.log").read_text()
-    assert "--api-key ***" in logged and "sk-planted" not in logged + str(err.value)
+    assert "--config" in logged.splitlines()[0]
+    assert "--api-key" not in logged and "sk-planted" not in logged + str(err.value)
