@@ -147,8 +147,13 @@ def _stop_shared_ray() -> None:
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "own_cluster: starts a Ray of its own; runs last (conftest)")
-    config.addinivalue_line("markers", "before_ray: checks that no Ray starts; runs first")
+    # here, not in pyproject.toml: a change there re-runs `make setup` (its stamp's dependency)
+    config.addinivalue_line(
+        "markers", "own_cluster: starts a Ray of its own; runs last, after the shared Ray is down"
+    )
+    config.addinivalue_line(
+        "markers", "before_ray: checks that no Ray starts in-process; runs first"
+    )
 
 
 @pytest.hookimpl(trylast=True)  # after any other plugin's reordering (--lf, --ff)
@@ -166,9 +171,10 @@ def pytest_runtest_setup(item):
     if item.get_closest_marker("own_cluster"):
         shared = {"ray_local", "serve_port", "shared_endpoint"} & set(item.fixturenames)
         if shared:
-            raise pytest.UsageError(
+            pytest.fail(
                 f"{item.nodeid} is marked own_cluster but uses {sorted(shared)}, the shared Ray "
-                "(shut down before own_cluster tests): use ray_module"
+                "(shut down before own_cluster tests): use ray_module",
+                pytrace=False,
             )
         _stop_shared_ray()
 
