@@ -2,14 +2,16 @@
 Ray Serve (with one app) for the whole run, and the order that keeps them apart from the tests
 that start Ray clusters of their own.
 
-One Ray per run, not per module: each start costs 10-30 s on 2 cores. What that needs:
+One Ray per run, not one per module (issue 27: Ray started ~10 times in-process and Serve ~7
+times per run before). What that needs:
 - A second Ray on the machine (a `ray start --head`, a `pipeline/run.py` or a script with its own
   local Ray) confuses Ray Train's placement-group cleaner in the shared one, which then leaks a
   finished run's CPUs. Tests that start one are marked `own_cluster` and run last, after the
   shared Ray is shut down (`pytest_collection_modifyitems`, `pytest_runtest_setup`); one
   that needs Ray in-process there gets a fresh one of its module (`ray_module`).
-- A module must give back what it reserved: after each module, the shared Ray's CPUs must be
-  free again (but the shared app's replica), or the module's teardown fails naming them.
+- A module must give back what it reserved: after each module the Serve apps it left are deleted
+  and the shared Ray's CPUs must be free again (but the shared app's replica), or the module's
+  teardown fails naming them.
 - Tests that check that a command starts no Ray are marked `before_ray` and run first."""
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ def two_token_target(tmp_path_factory, chat_tokenizer_dir) -> Path:
 
 NUM_CPUS = 4  # what every module's Ray had; the shared app's replica gets one more (SHARED_APP)
 SHARED_APP = {"name": "test-serve", "num_cpus": 1.0, "steps": 2}
-_SHARED: dict[str, bool] = {"ray": False, "app": False}
+_SHARED: dict[str, bool] = {"ray": False, "serve": False, "app": False}
 
 
 def _init_local_ray(num_cpus: float) -> None:
@@ -140,7 +142,7 @@ def _stop_shared_ray() -> None:
     import ray
     from ray import serve
 
-    _SHARED["ray"] = _SHARED["app"] = False
+    _SHARED["ray"] = _SHARED["serve"] = _SHARED["app"] = False
     if ray.is_initialized():
         serve.shutdown()
         ray.shutdown()
@@ -192,14 +194,18 @@ def ray_local():
 
 @pytest.fixture(scope="module", autouse=True)
 def _module_gives_back_the_shared_ray(request):
-    """After a module: the shared Ray's CPUs are free again (but the shared app's replica), as
-    they were when every module had a Ray of its own. Waits a while: Ray Train and killed actors
-    give theirs back asynchronously."""
+    """After a module: the Serve apps it left are deleted, and the shared Ray's CPUs are free
+    again (but the shared app's replica), as they were when every module had a Ray of its own.
+    Waits a while: Ray Train and killed actors give theirs back asynchronously."""
     yield
     if not _SHARED["ray"]:
         return
     import ray
+    from ray import serve
 
+    if _SHARED["serve"]:  # apps a module left (as its own Ray's end deleted them before)
+        for name in set(serve.status().applications) - {SHARED_APP["name"]}:
+            serve.delete(name)
     allowed = SHARED_APP["num_cpus"] if _SHARED["app"] else 0.0
     deadline = time.monotonic() + 60
     while True:
@@ -237,11 +243,13 @@ def free_port() -> int:
 def serve_port(ray_local) -> Iterator[int]:
     """Ray Serve started once for the run on the shared Ray, through serve/startup.py's retried
     start-up, on a free loopback port, with every proxy HEALTHY before any test deploys onto it.
-    Apps deployed on it are deleted by their tests (`ep.shutdown()`), Serve itself never."""
+    Tests delete the apps they deploy (`ep.shutdown()`; what a module leaves is deleted after
+    it), never Serve itself."""
     from serve.startup import start_serve
 
     port = free_port()
     start_serve("127.0.0.1", port)
+    _SHARED["serve"] = True
     yield port  # shut down with the shared Ray (_stop_shared_ray)
 
 
