@@ -4,10 +4,10 @@ to try, and the CLI refuses a taken port, before any Ray starts, with a message 
 traceback. The Serve tests start Serve themselves, so they run on a Ray of their own, after the
 shared one (conftest: `own_cluster`); the CLI test needs no Ray.
 
-The busy-loop CPU load the first test ran under is gone: the proxy failure it was for only
-reproduced at load average 15-30, which one busy core never made, so the test passed with or
-without the fix; `test_start_gives_up_after_bounded_retries_with_what_to_try` makes that failure
-certain instead (a 1 ms readiness check)."""
+The busy loop the first test used to run beside it is gone: the proxy failure it was for only
+reproduced at load average 15-30, which one busy loop on 2 cores does not make, so the load could
+not make the test fail (issue 27); `test_start_gives_up_after_bounded_retries_with_what_to_try`
+makes that failure certain instead (a 1 ms readiness check)."""
 
 from __future__ import annotations
 
