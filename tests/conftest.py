@@ -12,6 +12,8 @@ times per run before). What that needs:
 - A module must give back what it reserved: after each module the Serve apps it left are deleted
   and the shared Ray's CPUs must be free again (but the shared app's replica), or the module's
   teardown fails naming them.
+- Serve routes "/" to one app: the modules on the shared app (`shared_endpoint`) run first and
+  the app is deleted after the last of them; other modules deploy (and delete) their own.
 - Tests that check that a command starts no Ray are marked `before_ray` and run first."""
 
 from __future__ import annotations
@@ -118,7 +120,8 @@ def two_token_target(tmp_path_factory, chat_tokenizer_dir) -> Path:
 
 NUM_CPUS = 4  # what every module's Ray had; the shared app's replica gets one more (SHARED_APP)
 SHARED_APP = {"name": "test-serve", "num_cpus": 1.0, "steps": 2}
-_SHARED: dict[str, bool] = {"ray": False, "serve": False, "app": False}
+_SHARED: dict[str, bool] = {"ray": False, "serve": False, "app": False, "app_done": False}
+_SHARED_APP_LAST_MODULE: list[str | None] = [None]  # its app is deleted after this module
 
 
 def _init_local_ray(num_cpus: float) -> None:
@@ -160,16 +163,32 @@ def pytest_configure(config):
 
 @pytest.hookimpl(trylast=True)  # after any other plugin's reordering (--lf, --ff)
 def pytest_collection_modifyitems(config, items):
+    """before_ray tests; then the modules on the shared app (Serve routes "/" to one app, so no
+    other app may be deployed while it is up); then the rest on the shared Ray; then own_cluster
+    tests. Stable: file order within each group."""
+    app_files = {
+        it.nodeid.split("::")[0]
+        for it in items
+        if "shared_endpoint" in it.fixturenames and not it.get_closest_marker("own_cluster")
+    }
+
     def group(item) -> int:
         if item.get_closest_marker("before_ray"):
             return 0
-        return 2 if item.get_closest_marker("own_cluster") else 1
+        if item.get_closest_marker("own_cluster"):
+            return 3
+        return 1 if item.nodeid.split("::")[0] in app_files else 2
 
-    items.sort(key=group)  # stable: the file order within each group
+    items.sort(key=group)
+    users = [it for it in items if group(it) == 1]
+    _SHARED_APP_LAST_MODULE[0] = users[-1].nodeid.split("::")[0] if users else None
 
 
 @pytest.hookimpl(tryfirst=True)  # before the item's fixtures are set up
 def pytest_runtest_setup(item):
+    if "shared_endpoint" in item.fixturenames and _SHARED["app_done"]:
+        pytest.fail(f"{item.nodeid}: the shared app was deleted after its last user module "
+                    "(pytest_collection_modifyitems orders its users first)", pytrace=False)  # fmt: skip
     if item.get_closest_marker("own_cluster"):
         shared = {"ray_local", "serve_port", "shared_endpoint"} & set(item.fixturenames)
         if shared:
@@ -204,7 +223,10 @@ def _module_gives_back_the_shared_ray(request):
     from ray import serve
 
     if _SHARED["serve"]:  # apps a module left (as its own Ray's end deleted them before)
-        for name in set(serve.status().applications) - {SHARED_APP["name"]}:
+        keep = {SHARED_APP["name"]}
+        if request.node.nodeid == _SHARED_APP_LAST_MODULE[0]:
+            keep, _SHARED["app"], _SHARED["app_done"] = set(), False, True  # last user done
+        for name in set(serve.status().applications) - keep:
             serve.delete(name)
     allowed = SHARED_APP["num_cpus"] if _SHARED["app"] else 0.0
     deadline = time.monotonic() + 60
@@ -294,7 +316,9 @@ def drafters(tiny_target, tmp_path_factory) -> dict[str, str]:
 def shared_endpoint(serve_port, tiny_target, drafters, tmp_path_factory):
     """The run's one Serve app (SHARED_APP): tiny_target with drafters["good1"], 2 draft steps,
     1 CPU (= 1 torch thread). tests/test_serve.py and tests/test_bench.py use it; a test that
-    changes its drafter or shape puts the configured one back."""
+    changes its drafter or shape puts the configured one back. Serve routes "/" to one app, so
+    its modules run first and it is deleted after the last of them (before other modules deploy
+    apps of their own)."""
     from pipeline.config import ServeConfig, TargetConfig
     from serve.deployment import deploy_endpoint
 
