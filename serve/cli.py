@@ -37,7 +37,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from actors.cluster import RayStartError, start_ray
     from serve.deployment import deploy
-    from serve.startup import ServeStartupError
+    from serve.startup import ServeStartupError, check_port
 
     serve_cfg = {
         "host": args.host,
@@ -49,6 +49,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     }
     target_cfg = {"model": args.target, "gguf_file": args.gguf_file, "dtype": args.dtype}
     try:  # start-up is retried inside; what is left is a message, not a traceback
+        if not os.environ.get("RAY_ADDRESS"):  # a new local Ray: no Serve can hold the port yet,
+            check_port(args.host, args.port)  # so a taken one is refused before Ray starts
         start_ray()
         ep = deploy(
             serve_cfg,

@@ -84,6 +84,13 @@ def port_problem(host: str, port: int) -> str | None:
     return None
 
 
+def check_port(host: str, port: int) -> None:
+    """ServeStartupError when a new Serve could not listen on host:port; needs no Ray, so a
+    command that starts its own Ray checks it first (serve/cli.py)."""
+    if problem := port_problem(host, port):
+        raise ServeStartupError(f"Ray Serve not started: {problem}.\n{HINTS}")
+
+
 def start_serve(
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -98,8 +105,8 @@ def start_serve(
     ours = not serve_running()
     if not ours:
         attempts = 1  # someone else's Serve (and apps): wait on it, never shut it down
-    elif problem := port_problem(host, port):
-        raise ServeStartupError(f"Ray Serve not started: {problem}.\n{HINTS}")
+    else:
+        check_port(host, port)
     failures: list[str] = []
     for attempt in range(1, attempts + 1):
         try:

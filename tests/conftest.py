@@ -1,10 +1,27 @@
-"""Shared fixtures: a tiny random Llama target with a real chat tokenizer, and a local Ray."""
+"""Shared fixtures: a tiny random Llama target with a real chat tokenizer, one local Ray and one
+Ray Serve (with one app) for the whole run, and the order that keeps them apart from the tests
+that start Ray clusters of their own.
+
+One Ray per run, not one per module (issue 27: Ray started ~10 times in-process and Serve ~7
+times per run before). What that needs:
+- A second Ray on the machine (a `ray start --head`, a `pipeline/run.py` or a script with its own
+  local Ray) confuses Ray Train's placement-group cleaner in the shared one, which then leaks a
+  finished run's CPUs. Tests that start one are marked `own_cluster` and run last, after the
+  shared Ray is shut down (`pytest_collection_modifyitems`, `pytest_runtest_setup`); one
+  that needs Ray in-process there gets a fresh one of its module (`ray_module`).
+- A module must give back what it reserved: after each module the Serve apps it left are deleted
+  and the shared Ray's CPUs must be free again (but the shared app's replica), or the module's
+  teardown fails naming them.
+- Serve routes "/" to one app: the modules on the shared app (`shared_endpoint`) run first and
+  the app is deleted after the last of them; other modules deploy (and delete) their own.
+- Tests that check that a command starts no Ray are marked `before_ray` and run first."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,23 +118,138 @@ def two_token_target(tmp_path_factory, chat_tokenizer_dir) -> Path:
     return build_tiny_llama(out, chat_tokenizer_dir, two_tokens=(a, b))
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    """A local Ray per test module, bound to loopback. Module scope, not session: a second Ray
-    instance on the machine (the job-submission tests start their own head) confuses Ray Train's
-    placement-group cleaner, which then leaks the finished run's CPUs."""
-    import ray
+NUM_CPUS = 4  # what every module's Ray had; the shared app's replica gets one more (SHARED_APP)
+SHARED_APP = {"name": "test-serve", "num_cpus": 1.0, "steps": 2}
+_SHARED: dict[str, bool] = {"ray": False, "serve": False, "app": False, "app_done": False}
+_SHARED_APP_LAST_MODULE: list[str | None] = [None]  # its app is deleted after this module
 
+
+def _init_local_ray(num_cpus: float) -> None:
     from actors.cluster import init_ray
 
     init_ray(  # retried: a busy machine can miss Ray's 30 s raylet start-up window
         address="local",
-        num_cpus=4,
+        num_cpus=num_cpus,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}},
         log_to_driver=True,
     )
+
+
+def _stop_shared_ray() -> None:
+    """Shut down the shared Serve and Ray (idempotent): before the first `own_cluster` test, and
+    at the end of the run."""
+    if not _SHARED["ray"]:
+        return
+    import ray
+    from ray import serve
+
+    _SHARED["ray"] = _SHARED["serve"] = _SHARED["app"] = False
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
+
+
+def pytest_configure(config):
+    # here, not in pyproject.toml: a change there re-runs `make setup` (its stamp's dependency)
+    config.addinivalue_line(
+        "markers", "own_cluster: starts a Ray of its own; runs last, after the shared Ray is down"
+    )
+    config.addinivalue_line(
+        "markers", "before_ray: checks that no Ray starts in-process; runs first"
+    )
+
+
+@pytest.hookimpl(trylast=True)  # after any other plugin's reordering (--lf, --ff)
+def pytest_collection_modifyitems(config, items):
+    """before_ray tests; then the modules on the shared app (Serve routes "/" to one app, so no
+    other app may be deployed while it is up); then the rest on the shared Ray; then own_cluster
+    tests. Stable: file order within each group."""
+    app_files = {
+        it.nodeid.split("::")[0]
+        for it in items
+        if "shared_endpoint" in it.fixturenames and not it.get_closest_marker("own_cluster")
+    }
+
+    def group(item) -> int:
+        if item.get_closest_marker("before_ray"):
+            return 0
+        if item.get_closest_marker("own_cluster"):
+            return 3
+        return 1 if item.nodeid.split("::")[0] in app_files else 2
+
+    items.sort(key=group)
+    users = [it for it in items if group(it) == 1]
+    _SHARED_APP_LAST_MODULE[0] = users[-1].nodeid.split("::")[0] if users else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before the item's fixtures are set up
+def pytest_runtest_setup(item):
+    if "shared_endpoint" in item.fixturenames and _SHARED["app_done"]:
+        pytest.fail(f"{item.nodeid}: the shared app was deleted after its last user module "
+                    "(pytest_collection_modifyitems orders its users first)", pytrace=False)  # fmt: skip
+    if item.get_closest_marker("own_cluster"):
+        shared = {"ray_local", "serve_port", "shared_endpoint"} & set(item.fixturenames)
+        if shared:
+            pytest.fail(
+                f"{item.nodeid} is marked own_cluster but uses {sorted(shared)}, the shared Ray "
+                "(shut down before own_cluster tests): use ray_module",
+                pytrace=False,
+            )
+        _stop_shared_ray()
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """The run's local Ray, bound to loopback, started by the first test that needs it."""
+    import ray
+
+    _init_local_ray(NUM_CPUS + SHARED_APP["num_cpus"])
+    _SHARED["ray"] = True
+    yield ray
+    _stop_shared_ray()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_gives_back_the_shared_ray(request):
+    """After a module: the Serve apps it left are deleted, and the shared Ray's CPUs are free
+    again (but the shared app's replica), as they were when every module had a Ray of its own.
+    Waits a while: Ray Train and killed actors give theirs back asynchronously."""
+    yield
+    if not _SHARED["ray"]:
+        return
+    import ray
+    from ray import serve
+
+    if _SHARED["serve"]:  # apps a module left (as its own Ray's end deleted them before)
+        keep = {SHARED_APP["name"]}
+        if request.node.nodeid == _SHARED_APP_LAST_MODULE[0]:
+            keep, _SHARED["app"], _SHARED["app_done"] = set(), False, True  # last user done
+        for name in set(serve.status().applications) - keep:
+            serve.delete(name)
+    allowed = SHARED_APP["num_cpus"] if _SHARED["app"] else 0.0
+    deadline = time.monotonic() + 60
+    while True:
+        held = ray.cluster_resources().get("CPU", 0) - ray.available_resources().get("CPU", 0)
+        if held <= allowed + 1e-6:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(
+                f"{request.node.name} left {held - allowed:g} CPU(s) of the shared Ray reserved "
+                "60 s after its last test (an actor, placement group or Serve app it did not "
+                "end); the next modules would queue behind them"
+            )
+        time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def ray_module():
+    """A fresh local Ray for one `own_cluster` module (the shared one is down by then)."""
+    import ray
+
+    assert not ray.is_initialized(), "ray_module: a Ray is already up in this process"
+    _init_local_ray(NUM_CPUS)
     yield ray
     ray.shutdown()
 
@@ -129,16 +261,77 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def serve_port(ray_local) -> Iterator[int]:
-    """Ray Serve started once for the module, through serve/startup.py's retried start-up, on a
-    free loopback port, with every proxy HEALTHY before any test deploys onto it. Per module,
-    not per session: Serve lives in the module's Ray (see ray_local)."""
-    from ray import serve
-
+    """Ray Serve started once for the run on the shared Ray, through serve/startup.py's retried
+    start-up, on a free loopback port, with every proxy HEALTHY before any test deploys onto it.
+    Tests delete the apps they deploy (`ep.shutdown()`; what a module leaves is deleted after
+    it), never Serve itself."""
     from serve.startup import start_serve
 
     port = free_port()
     start_serve("127.0.0.1", port)
-    yield port
-    serve.shutdown()
+    _SHARED["serve"] = True
+    yield port  # shut down with the shared Ray (_stop_shared_ray)
+
+
+def save_random_drafter(target, out: Path, seed: int, draft_vocab: int = 4000) -> str:
+    """A random-init drafter for `target` (aux layers 0-2), saved fp32: what the serving tests
+    deploy (it accepts next to nothing)."""
+    from eagle3.checkpoint import save_drafter
+    from serve.engine import random_drafter
+
+    d = random_drafter(
+        target, draft_vocab_size=draft_vocab, seed=seed, aux_layer_ids=[0, 1, 2]
+    ).model
+    return str(save_drafter(d.state_dict(), d.cfg, out, dtype=torch.float32))
+
+
+@pytest.fixture(scope="session")
+def drafters(tiny_target, tmp_path_factory) -> dict[str, str]:
+    """Drafter folders for tiny_target: two good random ones, one built for another target (fc
+    expects a 32-wide target, not this 64-wide one), one without weights."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from eagle3.checkpoint import save_drafter
+    from serve.engine import random_drafter
+
+    root = tmp_path_factory.mktemp("drafters")
+    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    good1 = save_random_drafter(target, root / "good1", 1)
+    good2 = save_random_drafter(target, root / "good2", 2)
+    other = random_drafter(target, draft_vocab_size=4000, seed=3, aux_layer_ids=[0, 1, 2]).model
+    other.cfg.target_hidden_size = 32
+    state = dict(other.state_dict(), **{"fc.weight": torch.zeros(64, 3 * 32)})
+    wrong = str(save_drafter(state, other.cfg, root / "wrong_target", dtype=torch.float32))
+    broken = root / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    return {"good1": good1, "good2": good2, "wrong": wrong, "broken": str(broken)}
+
+
+@pytest.fixture(scope="session")
+def shared_endpoint(serve_port, tiny_target, drafters, tmp_path_factory):
+    """The run's one Serve app (SHARED_APP): tiny_target with drafters["good1"], 2 draft steps,
+    1 CPU (= 1 torch thread). tests/test_serve.py and tests/test_bench.py use it; a test that
+    changes its drafter or shape puts the configured one back. Serve routes "/" to one app, so
+    its modules run first and it is deleted after the last of them (before other modules deploy
+    apps of their own)."""
+    from pipeline.config import ServeConfig, TargetConfig
+    from serve.deployment import deploy_endpoint
+
+    serve_cfg = ServeConfig(
+        port=serve_port, steps=SHARED_APP["steps"], num_cpus=SHARED_APP["num_cpus"]
+    )
+    logs = tmp_path_factory.mktemp("shared-app-logs")
+    ep = deploy_endpoint(
+        serve_cfg, TargetConfig(model=str(tiny_target)), drafters["good1"], logs,
+        app_name=SHARED_APP["name"],
+    )  # fmt: skip
+    _SHARED["app"] = True
+    yield ep
+    if _SHARED["app"]:
+        _SHARED["app"] = False
+        ep.shutdown()

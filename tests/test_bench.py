@@ -1,5 +1,6 @@
 """The benchmark client: stats extraction for both server formats, and a full run against the
-Serve deployment of a tiny target (sweep, concurrency levels, baseline, JSON, plot, planner)."""
+Serve deployment of a tiny target (sweep, concurrency levels, baseline, JSON, plot, planner), the
+run's shared app (conftest.shared_endpoint)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,9 @@ import pytest
 for _dep in ("fastapi", "ray", "pydantic"):  # bare GPU host (torch only): skip
     pytest.importorskip(_dep)
 import httpx
-import torch
-from transformers import AutoModelForCausalLM
 
-from eagle3.checkpoint import save_drafter
 from serve.bench import BenchResult, bench_endpoint, measure_baseline_levels, run_bench
 from serve.bench_stats import _level, acceptance_per_position, chat_request, extract_stats
-from serve.deployment import deploy_endpoint
-from serve.engine import random_drafter
 
 # The meta_info of a finished speculative request in sglang 0.5.14 (tokenizer_manager.py:
 # _calculate_spec_decoding_metrics); the histogram only reaches the largest count it saw.
@@ -100,17 +96,11 @@ def test_acceptance_per_position():
     assert acceptance_per_position(()) == ()
 
 
-@pytest.fixture(scope="module")
-def endpoint(serve_port, tiny_target, tmp_path_factory):
-    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
-    d = random_drafter(target, draft_vocab_size=4000, seed=1, aux_layer_ids=[0, 1, 2]).model
-    ckpt = save_drafter(d.state_dict(), d.cfg, tmp_path_factory.mktemp("bench") / "drafter")
-    from pipeline.config import ServeConfig, TargetConfig  # the driver passes its config sections
-
-    serve_cfg = ServeConfig(port=serve_port, steps=2)
-    target_cfg = TargetConfig(model=str(tiny_target))
-    logs = tmp_path_factory.mktemp("logs")
-    return deploy_endpoint(serve_cfg, target_cfg, ckpt, logs, app_name="test-bench")
+@pytest.fixture
+def endpoint(shared_endpoint):
+    """The run's one Serve app (conftest.shared_endpoint; tests/test_serve.py's too): the tiny
+    target with a random drafter (it accepts next to nothing), 2 draft steps."""
+    return shared_endpoint
 
 
 def test_run_bench_against_the_deployment(endpoint, tmp_path):

@@ -18,7 +18,7 @@ from conftest import free_port
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_cluster]  # run.py starts its own Ray
 
 
 def _base_drafter(target: Path, out: Path) -> Path:

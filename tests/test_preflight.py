@@ -102,6 +102,7 @@ def test_drafter_that_does_not_fit_is_refused(tiny_target, tmp_path):
     )
 
 
+@pytest.mark.before_ray  # runs before the shared Ray starts (conftest)
 def test_run_py_stops_before_ray_and_mlflow(tiny_target, tmp_path):
     import ray
 

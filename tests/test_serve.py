@@ -1,6 +1,6 @@
 """The Serve deployment of the engine: handle and HTTP on 127.0.0.1, streaming, batching, the
 no-speculation switch, and drafter hot-swap with a bad checkpoint refused; `deploy_endpoint`,
-the driver's one entry point for both engines."""
+the driver's one entry point for both engines. The app is the run's shared one (conftest)."""
 
 from __future__ import annotations
 
@@ -14,16 +14,13 @@ import pytest
 
 for _dep in ("fastapi", "ray", "pydantic"):  # bare GPU host (torch only): skip
     pytest.importorskip(_dep)
-import torch
-from transformers import AutoModelForCausalLM
+from conftest import SHARED_APP
 
 from actors.engine_server import validate_drafter
-from eagle3.checkpoint import save_drafter
 from pipeline.config import ServeConfig, TargetConfig
 from serve.deployment import DrafterRejected, _run_app, deploy_endpoint, swap_drafter
-from serve.engine import random_drafter
 
-APP = "test-serve"
+APP = SHARED_APP["name"]
 CHAT = {
     "messages": [{"role": "user", "content": "Name three colors."}],
     "max_tokens": 10,
@@ -31,35 +28,10 @@ CHAT = {
 }
 
 
-def save_random(target, out, seed: int, draft_vocab: int = 4000) -> str:
-    d = random_drafter(
-        target, draft_vocab_size=draft_vocab, seed=seed, aux_layer_ids=[0, 1, 2]
-    ).model
-    return str(save_drafter(d.state_dict(), d.cfg, out, dtype=torch.float32))
-
-
-@pytest.fixture(scope="module")
-def drafters(tiny_target, tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("drafters")
-    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
-    good1, good2 = save_random(target, root / "good1", 1), save_random(target, root / "good2", 2)
-    # a drafter built for another target: fc expects a 32-wide target, not this 64-wide one
-    other = random_drafter(target, draft_vocab_size=4000, seed=3, aux_layer_ids=[0, 1, 2]).model
-    other.cfg.target_hidden_size = 32
-    state = dict(other.state_dict(), **{"fc.weight": torch.zeros(64, 3 * 32)})
-    wrong = str(save_drafter(state, other.cfg, root / "wrong_target", dtype=torch.float32))
-    broken = root / "broken"
-    broken.mkdir()
-    (broken / "config.json").write_text(json.dumps({"hidden_size": 64}))
-    return {"good1": good1, "good2": good2, "wrong": wrong, "broken": str(broken)}
-
-
-@pytest.fixture(scope="module")
-def endpoint(serve_port, tiny_target, drafters, tmp_path_factory):
-    serve_cfg = ServeConfig(port=serve_port, steps=3, num_cpus=1)  # 1 CPU = 1 torch thread
-    target_cfg = TargetConfig(model=str(tiny_target))
-    logs = tmp_path_factory.mktemp("logs")
-    return deploy_endpoint(serve_cfg, target_cfg, drafters["good1"], logs, app_name=APP)
+@pytest.fixture
+def endpoint(shared_endpoint):
+    """The run's one Serve app (conftest.shared_endpoint), tests/test_bench.py's too."""
+    return shared_endpoint
 
 
 def test_handle_and_http_answer_with_spec_stats(endpoint):
@@ -279,6 +251,7 @@ def test_cli_swaps_the_drafter_of_a_running_server(endpoint, drafters):
     assert info["path"] == drafters["good2"] and info["pid"] == pid  # in place
     assert main(["swap", "--url", endpoint.url, "--drafter", drafters["wrong"]]) == 1
     assert endpoint.info()["path"] == drafters["good2"]
+    endpoint.swap_drafter(drafters["good1"])  # the shared app's configured drafter back
 
 
 def test_sglang_drafter_check_without_loading_the_target(tiny_target, drafters, tmp_path):

@@ -388,6 +388,7 @@ _RAY_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.own_cluster  # its script starts a local Ray (conftest: after the shared one)
 def test_target_actor_owns_all_reserved_gpus(tiny_target, tmp_path):
     if importlib_find("sglang"):
         pytest.skip("checks the missing-sglang error; sglang is installed here")
@@ -573,6 +574,7 @@ def _run_data_script(tiny_target: Path, out: Path, timeout: int) -> tuple[dict, 
     return json.loads(line[len("RESULT ") :]), proc.stdout
 
 
+@pytest.mark.own_cluster  # its script starts a local Ray (conftest: after the shared one)
 def test_data_stage_on_sglang_backend_without_sglang(tiny_target, tmp_path):
     if importlib_find("sglang"):
         pytest.skip("checks the missing-sglang error; sglang is installed here")

@@ -273,7 +273,7 @@ def test_two_workers_learn_survive_a_crash_and_export(ray_local, target_and_data
 
     # Only the latest checkpoint is kept once the run finished; calling again (a driver that
     # died after the stage ended) returns the same result without starting workers. A restart
-    # in the middle of training is exercised end to end in tests/test_loop_e2e.py.
+    # in the middle of training is exercised end to end in tests/test_closed_loop.py.
     assert [p.name for p in ckpt.parent.parent.glob("step-*")] == ["step-0000032"]
     res2 = run_train(config(target), [data], out)
     assert [e["start_step"] for e in read_jsonl(out / "events.jsonl")] == [0, 8]
