@@ -32,6 +32,7 @@ BAR_WIDTH = 20
 # every bar update is a new line: about three per stage that ends on plan, at least MIN_EVERY_S apart.
 BAR_UPDATES = 3
 MIN_EVERY_S = 20.0
+UNPLANNED_S = 180.0  # a stage without a plan: a line a minute
 PROJECT = ("eagle_loop", "pipeline", "actors", "serve.", "eagle3")
 FILE_FORMAT = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -173,7 +174,9 @@ class _Bar:
 
     def __init__(self, st: Stage, con: ConsoleHandler, note: Callable[[], str] | None):
         self.st, self.con, self.note, self.drawn = st, con, note, False
-        self.every = 1.0 if con.tty else max(MIN_EVERY_S, (st.planned_s or 90.0) / BAR_UPDATES)
+        self.every = (
+            1.0 if con.tty else max(MIN_EVERY_S, (st.planned_s or UNPLANNED_S) / BAR_UPDATES)
+        )
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"bar {st.name}", daemon=True)
         self.thread.start()

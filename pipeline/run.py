@@ -91,9 +91,11 @@ def _run(cfg: Config, run_dir: Path) -> dict | None:
 
     try:
         return run_loop(cfg, run_dir)
-    except (UnknownRuns, BudgetError) as err:  # says what to do; a traceback would bury it
+    except UnknownRuns as err:  # says what to do; a traceback would bury it
         log.error("%s", err)
-        return None
+    except BudgetError:  # the loop said it (run FAILED: ...), before any round
+        pass
+    return None
 
 
 # Never uploaded with a job: local venvs, git (a worktree's .git is a file), bytecode, run outputs,
