@@ -49,7 +49,7 @@ from pipeline.rules import (
     stop_reason,
 )
 from pipeline.state import Clock, RunState, write_json_atomic, write_text_atomic
-from pipeline.tracking import Tracker
+from pipeline.tracking import Tracker, runs_page
 
 log = logging.getLogger("eagle_loop")
 
@@ -61,6 +61,8 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
     detail.info("resolved config:\n%s", dump_config(cfg))
     state = RunState.load_or_new(run_dir, cfg.digest())
     tracker = Tracker(cfg.tracking, run_dir)  # default store: <run_dir>/mlflow.db
+    if page := runs_page(tracker.uri, tracker.experiment_id):
+        log.info("MLflow runs: %s", page)
     tracker.check_known(state.run_ids(), str(RunDir(run_dir).state), state.tracking_uri)
     if not state.parent_run_id:
         state.parent_run_id = tracker.start_run(cfg.name, params=cfg.model_dump(mode="json"))

@@ -67,7 +67,7 @@ for _ in $(seq 90); do http_ok "http://127.0.0.1:$MLFLOW_PORT/health" && break; 
 http_ok "http://127.0.0.1:$MLFLOW_PORT/health" || { echo "MLflow did not start: $RUN_DIR/mlflow.log"; exit 1; }
 RAY_CMD=ray; [ -x .venv/bin/ray ] && RAY_CMD=.venv/bin/ray  # a new shell has no venv on its PATH
 echo "Ray dashboard: http://127.0.0.1:$DASH_PORT   (it asks for a token: \`$RAY_CMD get-auth-token\` prints it)"
-echo "MLflow UI:     http://127.0.0.1:$MLFLOW_PORT   (the loop's runs: Experiments, then $EXPERIMENT)"
+echo "MLflow UI:     http://127.0.0.1:$MLFLOW_PORT   (the job prints its runs page; in the UI: Model training, Experiments, $EXPERIMENT)"
 echo "run dir:       $RUN_DIR"
 
 # The runtime env (env vars included: tokens) goes in a file only this user reads, never on the

@@ -13,13 +13,18 @@ import base64
 import io
 import json
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from PIL import Image
 from websockets.sync.client import connect
+
+from pipeline.tracking import runs_page  # noqa: E402
 
 SIZE = (1400, 860)
 
@@ -27,8 +32,8 @@ SIZE = (1400, 860)
 class Page:
     """One Chromium tab over the DevTools protocol (just the calls used here)."""
 
-    def __init__(self, ws_url: str):
-        self.ws, self.n = connect(ws_url, max_size=2**26), 0
+    def __init__(self, ws):
+        self.ws, self.n = ws, 0
 
     def call(self, method: str, **params):
         self.n += 1
@@ -105,29 +110,37 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as profile:
         proc = start_chromium(args.port, profile)
         try:
-            page = Page(page_ws(args.port))
-            page.call("Page.enable")
-            page.call("Emulation.setDeviceMetricsOverride", width=SIZE[0], height=SIZE[1],
-                      deviceScaleFactor=1, mobile=False)  # fmt: skip
-            page.open(args.dashboard, 12)
-            page.shot(args.out / "ray-dashboard-token.png")
-            type_token(page, token)
-            time.sleep(12)
-            page.shot(args.out / "ray-dashboard.png")
-            page.open(args.dashboard.rstrip("/") + "/#/jobs", 12)
-            page.shot(args.out / "ray-dashboard-jobs.png")
-            page.open(args.mlflow, 15)
-            page.shot(args.out / "mlflow-home.png")
-            link = page.js(  # the experiment's link, as a user clicks it
-                "[...document.querySelectorAll('a')].filter(a => a.textContent.trim() == "
-                f"{json.dumps(args.experiment)}).map(a => a.href)[0] || null"
-            )
-            if link:  # it opens on its runs (tagged as model training: pipeline/tracking.py)
-                page.open(link, 15)
-                page.shot(args.out / "mlflow-runs.png")
+            with connect(page_ws(args.port), max_size=2**26) as ws:
+                shoot(Page(ws), args, token)
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+
+
+def shoot(page: Page, args: argparse.Namespace, token: str) -> None:
+    page.call("Page.enable")
+    page.call("Emulation.setDeviceMetricsOverride", width=SIZE[0], height=SIZE[1],
+              deviceScaleFactor=1, mobile=False)  # fmt: skip
+    page.open(args.dashboard, 12)
+    page.shot(args.out / "ray-dashboard-token.png")
+    type_token(page, token)
+    time.sleep(12)
+    page.shot(args.out / "ray-dashboard.png")
+    page.open(args.dashboard.rstrip("/") + "/#/jobs", 12)
+    page.shot(args.out / "ray-dashboard-jobs.png")
+    page.open(args.mlflow, 15)
+    page.shot(args.out / "mlflow-home.png")
+    link = page.js(  # the experiment's link on the home page, as a user clicks it
+        "[...document.querySelectorAll('a')].filter(a => a.textContent.trim() == "
+        f"{json.dumps(args.experiment)}).map(a => a.href)[0] || null"
+    )
+    if link:  # MLflow 3.17 opens it in its GenAI view, whatever its kind tag
+        page.open(link, 15)
+        page.shot(args.out / "mlflow-experiment-link.png")
+    url = f"{args.mlflow.rstrip('/')}/api/2.0/mlflow/experiments/get-by-name?experiment_name={args.experiment}"  # fmt: skip
+    exp = json.loads(urllib.request.urlopen(url).read())["experiment"]
+    page.open(runs_page(args.mlflow, exp["experiment_id"]), 15)  # the address the job prints
+    page.shot(args.out / "mlflow-runs.png")
 
 
 if __name__ == "__main__":
