@@ -12,6 +12,8 @@ Layout of a run directory:
     <run>/mlflow.db              the default MLflow store (tracking.tracking_uri unset)
     <run>/baseline.json          cached no-speculation figures of the SGLang server
     <run>/plots/                 accept_len and tok/s per round
+    <run>/logs/driver.log        everything the driver printed besides its console lines, the
+                                 Ray workers' forwarded output included (pipeline/console.py)
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ class RunDir:
     @property
     def plots(self) -> Path:
         return self.root / "plots"
+
+    @property
+    def driver_log(self) -> Path:
+        return self.root / "logs" / "driver.log"
 
     def data(self, r: int) -> Path:
         return self.root / "data" / round_tag(r)

@@ -14,8 +14,20 @@ from pathlib import Path
 from typing import Any
 
 from actors.shards import ShardError
-from pipeline.budget import plan_vs_actual
+from pipeline.budget import TRAIN_START_S, plan_vs_actual
 from pipeline.config import Config, dump_config
+from pipeline.console import (
+    bench_line,
+    data_line,
+    data_note,
+    detail,
+    measured_line,
+    plan_line,
+    stage,
+    train_line,
+    train_note,
+    users_line,
+)
 from pipeline.layout import RunDir, round_tag
 from pipeline.preflight import preflight
 from pipeline.round_plan import (
@@ -36,7 +48,7 @@ from pipeline.rules import (
     stop_reason,
 )
 from pipeline.state import Clock, RunState, write_json_atomic, write_text_atomic
-from pipeline.tracking import Tracker
+from pipeline.tracking import Tracker, runs_page
 
 log = logging.getLogger("eagle_loop")
 
@@ -45,9 +57,11 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
     preflight(cfg)  # seconds, before any MLflow run or GPU time (run.py: before Ray starts too)
     run_dir.mkdir(parents=True, exist_ok=True)
     RunDir(run_dir).config.write_text(dump_config(cfg))
-    log.info("resolved config:\n%s", dump_config(cfg))
+    detail.info("resolved config:\n%s", dump_config(cfg))
     state = RunState.load_or_new(run_dir, cfg.digest())
     tracker = Tracker(cfg.tracking, run_dir)  # default store: <run_dir>/mlflow.db
+    if page := runs_page(tracker.uri, tracker.experiment_id):
+        log.info("MLflow runs: %s", page)
     tracker.check_known(state.run_ids(), str(RunDir(run_dir).state), state.tracking_uri)
     if not state.parent_run_id:
         state.parent_run_id = tracker.start_run(cfg.name, params=cfg.model_dump(mode="json"))
@@ -66,7 +80,11 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
     try:
         if cfg.stop.max_wall_minutes and not state.round(0).is_done("plan"):
             # measured once; a budget that cannot hold the rounds is refused before round 0
-            measure_once(cfg, state, evalset[0][0], tracker)
+            with stage(
+                "start-up measurement", plan="plain decoding, then one drafted request"
+            ) as st:
+                measure_once(cfg, state, evalset[0][0], tracker)
+                st.result = measured_line(state.round(0).done["measure"])
             _commit(state, clock, run_dir)
             check_budget(cfg, state, clock)
         for r in range(cfg.stop.max_rounds):
@@ -81,41 +99,44 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
             child = rs.mlflow_run_id
             if cfg.stop.max_wall_minutes and not rs.is_done("plan"):
                 rs.done["plan"] = plan_record(cfg, state, r, clock, tracker, child)
+                log.info(plan_line(r, rs.done["plan"], cfg.stop.max_wall_minutes * 60))
                 _commit(state, clock, run_dir)
             if not rs.is_done("generate") and _skips(cfg, r):
                 rs.done["generate"] = {"skipped": "train.first_round: skip", "wall_s": 0.0}
                 rs.done["train"] = _serve_init(cfg, run_dir, tracker, child)
                 _commit(state, clock, run_dir)
             if not rs.is_done("generate"):
-                t0 = clock.elapsed()
-                rs.done["generate"] = _generate(
-                    cfg,
-                    run_dir,
-                    state,
-                    r,
-                    plan,
-                    evalset,
-                    tracker,
-                    child,
-                    stage_seconds(rs, "data", clock),
-                )
-                rs.done["generate"]["wall_s"] = clock.elapsed() - t0
+                t0, secs = clock.elapsed(), stage_seconds(rs, "data", clock)
+                n = f"{cfg.data.prompts_for_round(r)} prompts"
+                with stage(f"round {r} data", secs, n, data_note(RunDir(run_dir).data(r))) as st:
+                    rs.done["generate"] = _generate(
+                        cfg, run_dir, state, r, plan, evalset, tracker, child, secs
+                    )
+                    rs.done["generate"]["wall_s"] = clock.elapsed() - t0
+                    st.result = data_line(rs.done["generate"])
                 _commit(state, clock, run_dir)
             if not rs.is_done("train"):
-                t0 = clock.elapsed()
-                box = stage_seconds(rs, "train", clock)
-                try:
-                    rs.done["train"] = _train(cfg, run_dir, state, r, tracker, child, box)
-                except ShardError:  # a finished round's shards were damaged since: heal, retry
-                    _heal_data(cfg, run_dir, state, r, plan, evalset)
-                    rs.done["train"] = _train(cfg, run_dir, state, r, tracker, child, box)
-                rs.done["train"]["wall_s"] = clock.elapsed() - t0
+                t0, box = clock.elapsed(), stage_seconds(rs, "train", clock)
+                what = f"time box {box:.0f} s of steps" if box else "no time box"
+                with stage(f"round {r} train", box and box + TRAIN_START_S, what,
+                           train_note(RunDir(run_dir).train(r))) as st:  # fmt: skip
+                    try:
+                        rs.done["train"] = _train(cfg, run_dir, state, r, tracker, child, box)
+                    except ShardError:  # a finished round's shards were damaged since: heal, retry
+                        _heal_data(cfg, run_dir, state, r, plan, evalset)
+                        rs.done["train"] = _train(cfg, run_dir, state, r, tracker, child, box)
+                    rs.done["train"]["wall_s"] = clock.elapsed() - t0
+                    st.result = train_line(rs.done["train"])
                 _commit(state, clock, run_dir)
             if not rs.is_done("bench"):
                 t0 = clock.elapsed()
-                server = _serve(cfg, run_dir, state.rounds[r].done["train"]["drafter_dir"], server)
-                rs.done["bench"] = _bench(cfg, run_dir, r, evalset, server, tracker, child)
-                rs.done["bench"]["wall_s"] = clock.elapsed() - t0
+                what = f"{len(evalset[0])} held-out prompts"
+                what += ", the server's start included" if server is None else ""
+                with stage(f"round {r} bench", _planned(rs, "bench_s"), what) as st:
+                    server = _serve(cfg, run_dir, rs.done["train"]["drafter_dir"], server)
+                    rs.done["bench"] = _bench(cfg, run_dir, r, evalset, server, tracker, child)
+                    rs.done["bench"]["wall_s"] = clock.elapsed() - t0
+                    st.result = bench_line(rs.done["bench"])
                 _commit(state, clock, run_dir)
             if not rs.is_done("gate"):
                 server = _serve(cfg, run_dir, rs.done["train"]["drafter_dir"], server)
@@ -132,11 +153,14 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 break
             if cfg.serve.simulate_users and not rs.is_done("traffic"):
                 t0 = clock.elapsed()
-                server = _serve(
-                    cfg, run_dir, _serving_drafter(state), server, _serving_shape(state)
-                )
-                rs.done["traffic"] = _simulate(cfg, plan, r, server, tracker, child)
-                rs.done["traffic"]["wall_s"] = clock.elapsed() - t0
+                what = f"{cfg.serve.simulate_users} simulated users' requests to the live server"
+                with stage(f"round {r} users", _planned(rs, "traffic_s"), what) as st:
+                    server = _serve(
+                        cfg, run_dir, _serving_drafter(state), server, _serving_shape(state)
+                    )
+                    rs.done["traffic"] = _simulate(cfg, plan, r, server, tracker, child)
+                    rs.done["traffic"]["wall_s"] = clock.elapsed() - t0
+                    st.result = users_line(rs.done["traffic"])
                 _commit(state, clock, run_dir)
             if rs.is_done("plan"):
                 tracker.log(child, plan_vs_actual(rs.done["plan"], rs.done))
@@ -195,7 +219,8 @@ def _serve_init(cfg: Config, run_dir: Path, tracker: Tracker, child: str) -> dic
         shutil.rmtree(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(src, dest, ignore=shutil.ignore_patterns(".*"))
-    log.info("round 0: serving drafter.init %s as it is (train.first_round: skip)", src)
+    log.info("round 0: serves drafter.init %s as it is (train.first_round: skip)", cfg.drafter.init)
+    detail.info("round 0: drafter.init is %s", src)
     tracker.log_artifact(child, dest, "drafter")
     return {"drafter_dir": str(dest), "init": cfg.drafter.init, "train_tokens": 0,
             "skipped": "train.first_round: skip", "wall_s": 0.0}  # fmt: skip
@@ -398,8 +423,13 @@ def _serve(cfg: Config, run_dir: Path, drafter: str | None, server, shape: dict 
         server.swap_drafter(drafter)
     if shape and hasattr(server, "set_shape"):
         info = server.set_shape(Shape.parse(shape))
-        log.info("serving %s with shape %s: %s", drafter, info["shape"], shape.get("reason"))
+        detail.info("serving %s with shape %s: %s", drafter, info["shape"], shape.get("reason"))
     return server
+
+
+def _planned(rs, key: str) -> float | None:
+    """A stage's seconds in the round's budget plan (None: no plan)."""
+    return (rs.done.get("plan") or {}).get(key) or None
 
 
 def _serving_drafter(state: RunState) -> str | None:
@@ -442,7 +472,7 @@ def _bench(
         for i, a in enumerate(figs.get("acceptance_per_position") or []):
             tracker.log(child, {f"bench/{dom}/acceptance_per_position": a}, step=i + 1)
     if shape := rec.get("shape"):
-        log.info("round %d serving shape %s: %s", r, shape["served"], shape["reason"])
+        detail.info("round %d serving shape %s: %s", r, shape["served"], shape["reason"])
         tracker.tag(child, {"bench.served_shape": shape["served"]})
         tracker.log(child, {"bench/served_plain": float(shape["served"] == "plain"),
                             "bench/served_speedup": shape.get("served_speedup"),
@@ -506,7 +536,7 @@ def _simulate(cfg: Config, plan, r: int, server, tracker: Tracker, child: str) -
         concurrency=cfg.serve.simulate_concurrency,
     )
     rec = _record(res)
-    log.info("simulated users: %s", rec)
+    detail.info("simulated users: %s", rec)
     tracker.log(child, {f"traffic/{k}": v for k, v in rec.items() if isinstance(v, int | float)})
     return rec
 
@@ -536,7 +566,11 @@ def _finish(cfg: Config, state: RunState, run_dir: Path, tracker: Tracker) -> No
             )
     tracker.log_artifact(state.parent_run_id, RunDir(run_dir).summary)
     tracker.finish(state.parent_run_id)
-    log.info("stopped because %s\n%s", summary["stopped_because"], format_table(rows))
+    if champ := state.champion:
+        log.info("registered round %d's drafter as %s v%s", champ["round"],
+                 cfg.tracking.registered_model, champ.get("version"))  # fmt: skip
+    detail.info("stopped because %s", summary["stopped_because"])
+    detail.info("rounds:\n%s", format_table(rows))
 
 
 def _mark_failed(tracker: Tracker, state: RunState, err: BaseException) -> None:

@@ -5,8 +5,6 @@ pipeline/budget.py's, the measurement pipeline/measure.py's."""
 
 from __future__ import annotations
 
-import logging
-
 from pipeline.budget import (
     MIN_STAGE_S,
     TRAIN_START_S,
@@ -16,10 +14,9 @@ from pipeline.budget import (
     plan_round,
 )
 from pipeline.config import Config
+from pipeline.console import detail
 from pipeline.state import Clock, RunState
 from pipeline.tracking import Tracker
-
-log = logging.getLogger("eagle_loop")
 
 
 def first_round_skips(cfg: Config) -> bool:
@@ -37,7 +34,7 @@ def measure_once(cfg: Config, state: RunState, messages: list, tracker: Tracker)
 
     m = measure_machine(cfg, messages)
     rs.done["measure"] = m.record()  # its wall_s: the measurement, the target's load included
-    log.info("start-up measurement: %s", rs.done["measure"])
+    detail.info("start-up measurement: %s", rs.done["measure"])
     tracker.log(state.parent_run_id, {f"measured/{k}": v for k, v in m.record().items() if k != "drafter"})  # fmt: skip
 
 
@@ -63,7 +60,7 @@ def plan_record(
     rec = {**p.record(), "start_s": round(clock.elapsed(), 1)}
     if r == 0 and state.rounds[0].is_done("measure"):
         rec["measured"] = state.rounds[0].done["measure"]
-    log.info("round %d plan (s): %s", r, rec)
+    detail.info("round %d plan (s): %s", r, rec)
     tracker.log(child, {f"plan/{k}": v for k, v in rec.items() if k != "round"})
     return rec
 

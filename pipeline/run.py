@@ -19,8 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from actors.config import add_set_argument  # noqa: E402
 from pipeline.config import Config, ConfigError, load_config  # noqa: E402
+from pipeline.console import driver_console, final_report, log, ray_logs_dir  # noqa: E402
+from pipeline.layout import RunDir  # noqa: E402
 from pipeline.preflight import PreflightError, preflight  # noqa: E402
-from pipeline.rules import format_table  # noqa: E402
 
 
 def local_num_cpus(cfg: Config) -> int:
@@ -57,7 +58,20 @@ def main(argv: list[str] | None = None) -> int:
     except PreflightError as err:
         print(err, file=sys.stderr)
         return 2
+    # Every worker line Ray forwards, once each in the driver log: deduplication would fold an
+    # actor's repeats into one line and a notice. Read when Ray is imported, after this.
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    with driver_console(run_dir):  # from here the console gets the stage lines only
+        summary = _run(cfg, run_dir)
+    if summary is None:
+        return 2
+    print(final_report(summary))
+    print(f"summary:  {RunDir(run_dir).summary}")
+    return 0
 
+
+def _run(cfg: Config, run_dir: Path) -> dict | None:
+    """Ray, then the loop; None after an error whose message says what to do."""
     from actors.cluster import start_ray
 
     # inside `ray job submit` the job's runtime_env (see job_runtime_env) applies; a local Ray
@@ -66,26 +80,29 @@ def main(argv: list[str] | None = None) -> int:
     if not os.environ.get("RAY_ADDRESS"):
         os.environ.update(secrets)
     start_ray(runtime_env, num_cpus=local_num_cpus(cfg), join_with_runtime_env=False)
+    log.info("driver log: %s  (all else the driver prints: libraries, HTTP requests, MLflow, "
+             "Serve, its Ray workers' output)", RunDir(run_dir).driver_log)  # fmt: skip
+    log.info("Ray logs:   %s  (each worker's own files; Serve's access logs in serve/)",
+             ray_logs_dir())  # fmt: skip
 
     from pipeline.budget import BudgetError
     from pipeline.loop import run_loop
     from pipeline.tracking import UnknownRuns
 
     try:
-        summary = run_loop(cfg, run_dir)
-    except (UnknownRuns, BudgetError) as err:  # says what to do; a traceback would bury it
-        print(err, file=sys.stderr)
-        return 2
-    print(format_table(summary["rounds"]))
-    print(f"stopped because: {summary['stopped_because']}")
-    print(json.dumps({"run_dir": str(run_dir), "champion": summary["champion"]}))
-    return 0
+        return run_loop(cfg, run_dir)
+    except UnknownRuns as err:  # says what to do; a traceback would bury it
+        log.error("%s", err)
+    except BudgetError:  # the loop said it (run FAILED: ...), before any round
+        pass
+    return None
 
 
-# Never uploaded with a job: local venvs, run outputs, and what scripts/gpu_host.sh carries onto a
-# GPU host beside the checkout.
-UPLOAD_EXCLUDES = [".venv/", ".venv-vllm/", ".git/", "runs/", "demo-run/", "*.db", "mlartifacts/",
-                   ".carry/", ".whl/", ".gl/"]  # fmt: skip
+# Never uploaded with a job: local venvs, git (a worktree's .git is a file), bytecode, run outputs,
+# and what scripts/gpu_host.sh carries onto a GPU host beside the checkout. It holds Ray's own
+# default excludes too, which scripts/demo.sh turns off (Ray warns about each of them it finds).
+UPLOAD_EXCLUDES = [".venv/", ".venv-vllm/", "venv/", ".git", "__pycache__/", "runs/", "demo-run/",
+                   "*.db", "mlartifacts/", ".carry/", ".whl/", ".gl/"]  # fmt: skip
 
 
 def split_secrets(runtime_env: dict) -> tuple[dict, dict[str, str]]:

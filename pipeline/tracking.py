@@ -53,10 +53,20 @@ def _artifact_root(uri: str) -> str | None:
     return (Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts").as_uri()
 
 
-# MLflow 3's UI opens an experiment without a kind in its GenAI view (traces, an assistant panel),
-# where this project logs nothing; "custom_model_development" ("Machine learning") opens it on
-# its runs. A kind someone set by hand is left alone.
+# The experiment's kind: model training ("custom_model_development"), not GenAI, where this
+# project logs nothing. A kind someone set by hand is left alone. MLflow 3.17's UI still opens
+# every experiment in its GenAI view (traces, an assistant panel) unless the address asks for
+# model training (seen in headless Chromium, docs/img/): `runs_page` is the address to open.
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+
+
+def runs_page(uri: str, experiment_id: str) -> str | None:
+    """The UI address of an experiment's runs on a tracking server (None: a file store has no
+    UI address); no password of the URI in it."""
+    if not uri.startswith(("http://", "https://")):
+        return None
+    base = redact(uri).rstrip("/")
+    return f"{base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
 
 
 class Tracker:

@@ -14,6 +14,9 @@ CONFIG=${CONFIG:-configs/smollm2-cpu.yaml}
 RUN_DIR=$(realpath -m "${RUN_DIR:-demo-run}")
 MLFLOW_PORT=${MLFLOW_PORT:-5000}
 DASH_PORT=${DASH_PORT:-8265}
+# The config's experiment and live server port (serve.port; SERVE_PORT overrides it)
+read -r EXPERIMENT CONFIG_SERVE_PORT < <(python -c "import sys; from pipeline.config import load_config; c = load_config(sys.argv[1]); print(c.tracking.experiment, c.serve.port)" "$CONFIG")
+SERVE_PORT=${SERVE_PORT:-$CONFIG_SERVE_PORT}
 mkdir -p "$RUN_DIR"
 t0=$(date +%s)
 
@@ -23,7 +26,7 @@ t0=$(date +%s)
 # demo that just ended leaves behind (for a minute) do not.
 port_free() { python -c "import socket,sys; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('127.0.0.1', int(sys.argv[1])))" "$1" 2>/dev/null; }
 free_port() { python -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
-for var in MLFLOW_PORT DASH_PORT; do
+for var in MLFLOW_PORT DASH_PORT SERVE_PORT; do
   port_free "${!var}" || { echo "port ${!var} is taken (another MLflow, Ray or demo?); run with $var=<free port>"; exit 2; }
 done
 
@@ -62,9 +65,9 @@ for _ in $(seq 120); do grep -q "Ray runtime started" "$RUN_DIR/ray-start.log" &
 http_ok() { python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)" "$1" 2>/dev/null; }
 for _ in $(seq 90); do http_ok "http://127.0.0.1:$MLFLOW_PORT/health" && break; sleep 1; done
 http_ok "http://127.0.0.1:$MLFLOW_PORT/health" || { echo "MLflow did not start: $RUN_DIR/mlflow.log"; exit 1; }
-echo "Ray dashboard: http://127.0.0.1:$DASH_PORT   (it asks for a token: \`ray get-auth-token\` prints it)"
-EXPERIMENT=$(python -c "import sys; from pipeline.config import load_config; print(load_config(sys.argv[1]).tracking.experiment)" "$CONFIG")
-echo "MLflow UI:     http://127.0.0.1:$MLFLOW_PORT   (the loop's runs: Experiments, then $EXPERIMENT)"
+RAY_CMD=ray; [ -x .venv/bin/ray ] && RAY_CMD=.venv/bin/ray  # a new shell has no venv on its PATH
+echo "Ray dashboard: http://127.0.0.1:$DASH_PORT   (it asks for a token: \`$RAY_CMD get-auth-token\` prints it)"
+echo "MLflow UI:     http://127.0.0.1:$MLFLOW_PORT   (the job prints its runs page; in the UI: Model training, Experiments, $EXPERIMENT)"
 echo "run dir:       $RUN_DIR"
 
 # The runtime env (env vars included: tokens) goes in a file only this user reads, never on the
@@ -74,27 +77,20 @@ python pipeline/run.py runtime-env "$CONFIG" >"$RUNTIME_ENV"
 # A fresh head refuses jobs ("No available agent") until its job agent is up.
 for _ in $(seq 60); do ray job list --address "http://127.0.0.1:$DASH_PORT" >/dev/null 2>&1 && break; sleep 1; done
 sleep 3
-ray job submit --address "http://127.0.0.1:$DASH_PORT" --runtime-env "$RUNTIME_ENV" -- \
+# The console shows the job's stage lines; everything else the job prints is in
+# $RUN_DIR/logs/driver.log (pipeline/console.py). The submitting CLI logs at warning (at info it
+# lists every file it leaves out of the upload). Ray's own default excludes are off: the job's
+# runtime env excludes the same folders (pipeline/run.py UPLOAD_EXCLUDES), and with them on Ray
+# warns about each one that exists.
+RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES= ray --logging-level warning job submit \
+  --address "http://127.0.0.1:$DASH_PORT" --runtime-env "$RUNTIME_ENV" -- \
   python pipeline/run.py --config "$CONFIG" --run-dir "$RUN_DIR" \
-  --set "tracking.tracking_uri=http://127.0.0.1:$MLFLOW_PORT" "$@"
+  --set "tracking.tracking_uri=http://127.0.0.1:$MLFLOW_PORT" "serve.port=$SERVE_PORT" "$@"
 
-python - "$RUN_DIR/summary.json" <<'PY'
-import json, sys
-from pipeline.rules import format_table
-s = json.load(open(sys.argv[1]))
-m = (s.get("plans") or [{}])[0].get("measured")
-if m:  # what the budget plan was sized from (pipeline/measure.py)
-    print(f"measured at start-up ({m['wall_s']:.0f} s): plain decode {1 / m['plain_s_per_token']:.1f} tok/s, "
-          f"speculative {1 / m['spec_s_per_token']:.1f} tok/s with {m['drafter']}")
-print(format_table(s["rounds"]))
-print("stopped because:", s["stopped_because"])
-c = s.get("champion") or {}
-if c:
-    doms = ", ".join(f"{d} {v:.3f}" for d, v in (c.get("domains") or {}).items() if v)
-    print(f"champion: round {c['round']}, accept_len {c['accept_len']:.3f} on held-out real prompts ({doms})")
-    print(f"          {c['drafter_dir']}")
-PY
+# This head's session folder, from its start-up log (session_latest may be another Ray's)
+RAY_LOGS=$(sed 's/\x1b\[[0-9;]*m//g' "$RUN_DIR/ray-start.log" | grep -o '/[^ ]*/logs/ray_process_exit.log' | head -1)
 echo "demo wall time: $(( $(date +%s) - t0 )) s"
 echo "The Ray head and this MLflow server stop now. To look again:"
 echo "  make ui                      # MLflow UI of $RUN_DIR on http://127.0.0.1:$MLFLOW_PORT"
-echo "  ls /tmp/ray/session_latest/logs   # the Ray logs of this run (job driver: job-driver-*.log)"
+echo "  less $RUN_DIR/logs/driver.log   # all else the job printed: HTTP requests, Serve, MLflow, Ray workers"
+echo "  ls ${RAY_LOGS%/ray_process_exit.log}   # Ray's own logs of this head (job-driver-*.log, worker-*, serve/)"

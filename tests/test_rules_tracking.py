@@ -115,3 +115,14 @@ def test_the_stop_rules_budget_question_counts_the_users_still_to_run(tmp_path):
     assert got is not None and "stop.max_wall_minutes" in got
     done["traffic"] = {"wall_s": 80.0}
     assert next_round_refusal(cfg, state, 0, Clock(state)) is None
+
+
+def test_the_runs_page_asks_for_model_training_and_hides_a_password():
+    """MLflow 3.17's UI opens an experiment in its GenAI view, whatever its kind tag, unless the
+    address asks for model training (docs/img/mlflow-experiment-link.png against mlflow-runs.png)."""
+    from pipeline.tracking import runs_page
+
+    got = runs_page("http://user:pw@127.0.0.1:5099/", "7")
+    assert got.endswith("127.0.0.1:5099/#/experiments/7/runs?workflowType=machine_learning")
+    assert "pw" not in got
+    assert runs_page("sqlite:////tmp/x/mlflow.db", "7") is None  # no UI address
