@@ -40,6 +40,10 @@ class RunDir:
         return self.root / "state.json"
 
     @property
+    def lock(self) -> Path:
+        return self.root / "driver.lock"
+
+    @property
     def summary(self) -> Path:
         return self.root / "summary.json"
 

@@ -22,6 +22,7 @@ from pipeline.config import Config, ConfigError, load_config  # noqa: E402
 from pipeline.console import driver_console, final_report, log, ray_logs_dir  # noqa: E402
 from pipeline.layout import RunDir  # noqa: E402
 from pipeline.preflight import PreflightError, preflight  # noqa: E402
+from pipeline.state import RunDirBusy, hold_run_dir  # noqa: E402
 
 
 def local_num_cpus(cfg: Config) -> int:
@@ -61,8 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     # Every worker line Ray forwards, once each in the driver log: deduplication would fold an
     # actor's repeats into one line and a notice. Read when Ray is imported, after this.
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    with driver_console(run_dir):  # from here the console gets the stage lines only
-        summary = _run(cfg, run_dir)
+    try:
+        with hold_run_dir(run_dir), driver_console(run_dir):  # console: the stage lines only
+            summary = _run(cfg, run_dir)
+    except RunDirBusy as err:
+        print(err, file=sys.stderr)
+        return 2
     if summary is None:
         return 2
     print(final_report(summary))

@@ -9,9 +9,14 @@ rebuilt from nothing (the stages run again), each with a warning naming the file
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import os
+import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,3 +151,46 @@ class Clock:
 
     def commit(self) -> None:
         self.state.elapsed_s = self.elapsed()
+
+
+class RunDirBusy(RuntimeError):
+    """Another driver holds the run directory."""
+
+
+@contextmanager
+def hold_run_dir(run_dir: Path, wait_s: float = 180.0) -> Iterator[None]:
+    """One driver per run directory, for the driver's whole life: an exclusive lock on
+    <run>/driver.lock, which the OS frees when its holder dies (SIGKILL included). A job that
+    `ray job stop` stopped can outlive the stop: its driver was seen saving state.json 16 s
+    after a resubmitted one had started, overwriting the finished run's record. So a second
+    driver waits for the first up to `wait_s`, then refuses, naming the holder. (flock is
+    per host: on storage several nodes share, submit one job per run directory.)"""
+    path = RunDir(run_dir).lock
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline, said = time.monotonic() + wait_s, False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = path.read_text().strip() or "unknown"
+                if time.monotonic() >= deadline:
+                    raise RunDirBusy(
+                        f"run dir {run_dir} is in use by another driver ({holder}), still "
+                        f"after {wait_s:.0f} s: wait for that job to end, or stop it "
+                        "(`ray job stop <id>`), then submit again; or pass another --run-dir"
+                    ) from None
+                if not said:
+                    log.warning("run dir %s is held by another driver (%s): waiting up to "
+                                "%.0f s for it to exit", run_dir, holder, wait_s)  # fmt: skip
+                    said = True
+                time.sleep(0.5)
+        os.ftruncate(fd, 0)
+        os.pwrite(
+            fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}\n".encode(), 0
+        )
+        yield
+    finally:
+        os.close(fd)  # releases the lock

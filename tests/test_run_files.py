@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,46 @@ def test_a_new_file_is_followed_by_a_sync_of_its_directory(tmp_path):
     assert _dir_synced_after(calls, created, traffic)
     renamed = rf'^rename(at2?)?\(.*"{re.escape(str(tmp_path / "run" / "state.json"))}"'
     assert _dir_synced_after(calls, renamed, tmp_path / "run")
+
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from pipeline.state import hold_run_dir
+with hold_run_dir(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(float(sys.argv[2]))
+"""
+
+
+def _holder(run_dir: Path, seconds: float) -> subprocess.Popen:
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(run_dir), str(seconds)],
+        cwd=repo, env=dict(os.environ, PYTHONPATH=str(repo)), stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_one_driver_per_run_dir_a_second_waits_then_refuses_naming_the_first(tmp_path):
+    """A stopped job's driver can outlive `ray job stop` and overwrite state.json behind the
+    resubmitted one (seen in the closed-loop test): the second waits for the first, or refuses
+    naming it; a holder killed with SIGKILL frees the directory at once."""
+    from pipeline.state import RunDirBusy, hold_run_dir
+
+    first = _holder(tmp_path, 60)
+    try:
+        with pytest.raises(RunDirBusy, match=rf"pid {first.pid} on .*ray job stop"):
+            with hold_run_dir(tmp_path, wait_s=1):
+                pass
+    finally:
+        first.kill()
+        first.wait()
+    with hold_run_dir(tmp_path, wait_s=0):  # SIGKILL released it
+        pass
+    brief = _holder(tmp_path, 2)  # lets go by itself while the next driver waits
+    t0 = time.monotonic()
+    with hold_run_dir(tmp_path, wait_s=30):
+        assert time.monotonic() - t0 > 1.5  # only once the first had let go
+    brief.wait()
