@@ -33,6 +33,11 @@ done
 cleanup() {
   # This head only (its process group), never `ray stop --force`, which kills every Ray here.
   [ -n "${RAY_PID:-}" ] && { kill -TERM -- "-$RAY_PID" 2>/dev/null; wait "$RAY_PID" 2>/dev/null; } || true
+  # What `ray stop` does and a kill does not: forget this head as the machine's latest cluster.
+  # A stale address there makes a later plain ray.init() connect to nothing, and every Ray
+  # Train run's placement-group cleaner wait 12 s for a state API that never answers.
+  [ -n "${GCS_PORT:-}" ] && [ "$(cat "$RAY_ADDRESS_FILE" 2>/dev/null)" = "127.0.0.1:$GCS_PORT" ] \
+    && rm -f "$RAY_ADDRESS_FILE" || true
   [ -n "${MLFLOW_PID:-}" ] && kill "$MLFLOW_PID" 2>/dev/null || true
   [ -n "${RUNTIME_ENV:-}" ] && rm -f "$RUNTIME_ENV" || true
 }
@@ -52,9 +57,11 @@ source <(python pipeline/run.py node-env "$CONFIG")
 # env, env vars (tokens) included, into runtime_env_agent.log (seen with a planted HF_TOKEN).
 # Every port of this head is a free one (Ray's fixed defaults clash with any other Ray here);
 # --block in its own session, so the cleanup above stops exactly these processes.
+GCS_PORT=$(free_port)
+RAY_ADDRESS_FILE="${RAY_TMPDIR:-${TMPDIR:-/tmp}}/ray/ray_current_cluster"  # where ray start notes it
 RAY_LOGGER_LEVEL=${RAY_LOGGER_LEVEL:-warning} \
 RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 setsid ray start --head --block --node-ip-address 127.0.0.1 \
-  --port "$(free_port)" --ray-client-server-port "$(free_port)" \
+  --port "$GCS_PORT" --ray-client-server-port "$(free_port)" \
   --dashboard-agent-listen-port "$(free_port)" --num-cpus "${RAY_NUM_CPUS:-4}" --dashboard-host 127.0.0.1 \
   --dashboard-port "$DASH_PORT" --disable-usage-stats >"$RUN_DIR/ray-start.log" 2>&1 &
 RAY_PID=$!

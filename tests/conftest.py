@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,12 @@ import torch
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every Ray of the run (in-process, run.py's, `ray start`) keeps its files in a fresh folder,
+# not the machine's /tmp/ray: a `ray start` that ended without `ray stop` leaves its address in
+# /tmp/ray/ray_current_cluster, and Ray Train's placement-group cleaner, looking the cluster up
+# there, then waits 12 s at the end of every fit for a state API that never answers (a trivial
+# fit: 27 s with that file, 17 s without). Short, under /tmp: Ray's socket paths are limited.
+os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="ray-tests-", dir="/tmp"))
 
 SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
