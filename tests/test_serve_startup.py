@@ -78,7 +78,7 @@ def test_start_gives_up_after_bounded_retries_with_what_to_try(ray_module, monke
     monkeypatch.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "0.001")
     assert not serve_running()
     with pytest.raises(ServeStartupError, match=r"after 2 attempt\(s\)") as err:
-        start_serve("127.0.0.1", free_port(), attempts=2, ready_timeout_s=15)
+        start_serve("127.0.0.1", free_port(), attempts=2, ready_timeout_s=4)
     msg = str(err.value)
     assert "attempt 1:" in msg and "attempt 2:" in msg and "not HEALTHY" in msg
     assert "what to try" in msg and "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S" in msg
