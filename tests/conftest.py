@@ -31,11 +31,12 @@ import torch
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Every Ray of the run (in-process, run.py's, `ray start`) keeps its files in a fresh folder,
-# not the machine's /tmp/ray: a `ray start` that ended without `ray stop` leaves its address in
-# /tmp/ray/ray_current_cluster, and Ray Train's placement-group cleaner, looking the cluster up
-# there, then waits 12 s at the end of every fit for a state API that never answers (a trivial
-# fit: 27 s with that file, 17 s without). Short, under /tmp: Ray's socket paths are limited.
+# The run's Rays look the machine's latest cluster up in a fresh folder, not /tmp/ray: a `ray
+# start` that ended without `ray stop` leaves its address in /tmp/ray/ray_current_cluster, and
+# Ray Train's placement-group cleaner, looking the cluster up there, then waits 12 s at the end
+# of every fit for a state API that never answers (a trivial fit: 27 s with that file, 17 s
+# without). In-process and run.py's Rays keep their session files there too (a `ray start
+# --temp-dir` keeps its own). Short, under /tmp: Ray's socket paths are limited.
 os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="ray-tests-", dir="/tmp"))
 
 SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
