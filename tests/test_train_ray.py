@@ -24,6 +24,10 @@ from pipeline.config import parse_config
 from pipeline.train import TrainInputError, prepare, run_train
 from pipeline.train_worker import read_metrics
 
+# On a Ray of its own (ray_module), so scripts/test_suite.py runs this module beside the
+# shared-Ray tests: most of its time is Ray Train starting workers and polling, not CPU.
+pytestmark = pytest.mark.own_cluster
+
 AUX = [0, 1, 2]
 
 
@@ -198,7 +202,7 @@ def test_bad_inputs_are_rejected_before_training(small_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_workers_learn_survive_a_crash_and_export(ray_local, target_and_data, tmp_path):
+def test_two_workers_learn_survive_a_crash_and_export(ray_module, target_and_data, tmp_path):
     target, data = target_and_data
     out = tmp_path / "train"
     res = run_train(config(target), [data], out, crash_at_step=10)
@@ -282,7 +286,7 @@ def test_two_workers_learn_survive_a_crash_and_export(ray_local, target_and_data
 
 
 @pytest.mark.slow
-def test_fine_tuning_keeps_the_drafters_vocab_map(ray_local, target_and_data, tmp_path):
+def test_fine_tuning_keeps_the_drafters_vocab_map(ray_module, target_and_data, tmp_path):
     target, data = target_and_data
     init, _, before = existing_drafter(tmp_path / "existing", seed=7)
     res = run_train(
@@ -303,7 +307,7 @@ def test_fine_tuning_keeps_the_drafters_vocab_map(ray_local, target_and_data, tm
 
 @pytest.mark.slow
 def test_a_time_box_fixes_the_steps_that_fit_and_decays_the_schedule_over_them(
-    ray_local, target_and_data, tmp_path
+    ray_module, target_and_data, tmp_path
 ):
     """`train.max_seconds`: after its first steps the workers fix the step count that fits the
     box (far fewer than 60 epochs), keep it for a resumed attempt, and the LR reaches its floor
@@ -326,7 +330,7 @@ def test_a_time_box_fixes_the_steps_that_fit_and_decays_the_schedule_over_them(
 
 @pytest.mark.slow
 def test_patience_stops_training_when_acceptance_stops_improving(
-    ray_local, target_and_data, tmp_path
+    ray_module, target_and_data, tmp_path
 ):
     """`train.patience`: with a learning rate too small to move a weight, every evaluation after
     the first scores the same, so patience 2 with an evaluation per step ends training at step 3
@@ -342,7 +346,7 @@ def test_patience_stops_training_when_acceptance_stops_improving(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_one_gpu_worker_trains_over_nccl_and_exports(ray_local, target_and_data, tmp_path):
+def test_one_gpu_worker_trains_over_nccl_and_exports(ray_module, target_and_data, tmp_path):
     """Ray Train with `use_gpu`: the worker takes the GPU Ray gives it, NCCL joins the group."""
     target, data = target_and_data
     res = run_train(config(target, num_workers=1, use_gpu=True, epochs=2), [data], tmp_path / "gpu")

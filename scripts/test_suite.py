@@ -1,0 +1,86 @@
+"""The whole suite as two pytest runs side by side, closed by one summary line (`make test`).
+
+The tests marked `own_cluster` start Rays of their own (a `ray start` head, `pipeline/run.py`);
+the rest share one in-process Ray (tests/conftest.py). In one pytest the former wait until the
+shared Ray is down; most of their time is Ray and Serve starting, jobs polling and subprocesses
+loading, not CPU, so here they run in a second pytest beside the first. Each pytest gives its
+Rays a folder of their own (conftest's RAY_TMPDIR), so neither looks the other's cluster up.
+
+  python scripts/test_suite.py [-m "not gpu and not sglang"] [pytest args...]
+
+Extra pytest arguments go to both runs. The shared-Ray run streams its output; the other's is
+printed when both have ended. Exit status: 0 only when both runs passed."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+COUNTS = ("failed", "passed", "skipped", "deselected", "xfailed", "xpassed", "warnings", "errors")
+# pytest's last line, e.g. "== 3 failed, 120 passed, 2 warnings in 412.31s (0:06:52) =="
+SUMMARY = re.compile(r"(\d+) (failed|passed|skipped|deselected|xfailed|xpassed|warnings?|errors?)")
+
+
+def counts(output: str) -> dict[str, int]:
+    """The outcome counts of pytest's summary line (the last line naming any)."""
+    lines = [ln for ln in output.splitlines() if SUMMARY.search(ln) and " in " in ln]
+    if not lines:
+        return {}
+    got: dict[str, int] = {}
+    for n, what in SUMMARY.findall(lines[-1]):
+        what = {"warning": "warnings", "error": "errors"}.get(what, what)
+        got[what] = got.get(what, 0) + int(n)
+    return got
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("-m", dest="marker", default="not gpu and not sglang",
+                    help="the marker expression of the whole suite (default: %(default)s)")  # fmt: skip
+    args, rest = ap.parse_known_args(argv)
+    pytest = [sys.executable, "-m", "pytest"]
+    own_log = tempfile.NamedTemporaryFile("w+", prefix="pytest-own-cluster-", suffix=".log")
+    base = Path(tempfile.mkdtemp(prefix="pytest-own-cluster-"))
+    t0 = time.monotonic()
+    # The second run keeps off the first's files: its own --basetemp and no shared .pytest_cache.
+    own = subprocess.Popen(
+        [*pytest, "-q", "-m", f"({args.marker}) and own_cluster", "-p", "no:cacheprovider",
+         f"--basetemp={base}", *rest],
+        cwd=REPO, stdout=own_log, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    shared = subprocess.Popen(
+        [*pytest, "-q", "-m", f"({args.marker}) and not own_cluster", *rest],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    shared_out = []
+    for line in shared.stdout:
+        sys.stdout.write(line)
+        shared_out.append(line)
+    rc_shared, rc_own = shared.wait(), own.wait()
+    wall = time.monotonic() - t0
+    own_log.seek(0)
+    own_out = own_log.read()
+    print(f"\n---- the own_cluster tests, run beside the others (exit {rc_own}) ----")
+    sys.stdout.write(own_out)
+
+    a, b = counts("".join(shared_out)), counts(own_out)
+    total = {k: a.get(k, 0) + b.get(k, 0) for k in COUNTS}
+    # each run deselects the other's tests: the suite's deselected are those neither ran
+    ran = {k: sum(c.get(k, 0) for k in ("failed", "passed", "skipped", "xfailed", "xpassed")) for k, c in (("a", a), ("b", b))}  # fmt: skip
+    total["deselected"] = a.get("deselected", 0) - ran["b"]
+    # exit 5 is "no tests collected": a filter (-k, a path) that leaves one run empty
+    ok = all(rc in (0, 5) for rc in (rc_shared, rc_own)) and (rc_shared, rc_own) != (5, 5)
+    parts = ", ".join(f"{total[k]} {k}" for k in COUNTS if total[k])
+    print(f"==== whole suite: {parts or 'no tests ran'} in {wall:.2f}s "
+          f"(two pytest runs side by side; exit {rc_shared} and {rc_own}) ====")  # fmt: skip
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
