@@ -7,10 +7,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+# On a Ray of its own, so scripts/test_suite.py runs it beside the shared-Ray tests: its time is
+# Ray Train starting two workers, not CPU.
+pytestmark = pytest.mark.own_cluster
+
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 
 
-def test_train_workers_listen_on_loopback_only(ray_local, tmp_path):
+def test_train_workers_listen_on_loopback_only(ray_module, tmp_path):
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
