@@ -345,3 +345,14 @@ def shared_endpoint(serve_port, tiny_target, drafters, tmp_path_factory):
     if _SHARED["app"]:
         _SHARED["app"] = False
         ep.shutdown()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(tmp_path_factory) -> Path:
+    """The bundled SmolLM2 GGUF as an HF folder (fp32, eagle3.hf_folder.gguf_to_hf), converted
+    once per run (~40 s): tests/test_hf_folder.py checks the conversion and
+    tests/test_shipped_drafter.py's vLLM start loads it as its `target.model` (so deploy_vllm
+    converts nothing). Tests must not convert into it again with another dtype."""
+    from eagle3.hf_folder import gguf_to_hf
+
+    return gguf_to_hf("smollm2", tmp_path_factory.mktemp("smollm2-hf") / "hf", dtype="float32")

@@ -1,5 +1,7 @@
 """GGUF target -> HF folder (what vLLM loads): the folder holds the GGUF's dequantised weights bit
-for bit and the same tokenizer; the tiny random Llama of the vLLM tests loads with transformers."""
+for bit and the same tokenizer; the tiny random Llama of the vLLM tests loads with transformers.
+The conversion checked is the session's `smollm2_hf` (fp32, conftest.py), the folder
+tests/test_shipped_drafter.py's vLLM start serves: SmolLM2 is converted once per run."""
 
 from __future__ import annotations
 
@@ -14,13 +16,13 @@ from eagle3.target_weights import SMOLLM2_GGUF, smollm2_dir
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_converts_bit_for_bit(tmp_path):
-    out = gguf_to_hf("smollm2", tmp_path / "hf", dtype="bfloat16")
+def test_smollm2_gguf_converts_bit_for_bit(smollm2_hf):
+    out = smollm2_hf
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     ref = AutoModelForCausalLM.from_pretrained(
-        smollm2_dir(), gguf_file=SMOLLM2_GGUF, dtype=torch.bfloat16
+        smollm2_dir(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32
     )
-    got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     a, b = ref.state_dict(), got.state_dict()
     assert a.keys() == b.keys()
     for k in a:
@@ -37,11 +39,11 @@ def test_smollm2_gguf_converts_bit_for_bit(tmp_path):
         tok_ref.apply_chat_template(msgs, add_generation_prompt=True)
     )
 
-    # A second call with the same source and dtype reuses the folder; another dtype rewrites it.
+    # A second call with the same source and dtype reuses the folder (the stamp says what it holds).
     mtime = (out / "model.safetensors").stat().st_mtime_ns
-    gguf_to_hf("smollm2", out, dtype="bfloat16")
+    assert gguf_to_hf("smollm2", out, dtype="float32") == out
     assert (out / "model.safetensors").stat().st_mtime_ns == mtime
-    assert json.loads((out / STAMP).read_text())["dtype"] == "bfloat16"
+    assert json.loads((out / STAMP).read_text())["dtype"] == "float32"
 
 
 def test_non_gguf_target_and_bad_dtype_are_refused(tmp_path, tiny_target):

@@ -1,10 +1,15 @@
-"""vLLM as a second engine, end to end on a tiny random Llama (HF folder) and a drafter the project
-trains briefly and exports: vLLM loads the export, its speculative greedy output equals HF's
-greedy output (fp32), its accept length is within 3% of the embedded engine's on the same prompts
-and drafter, a drafter whose vLLM layer ids are shifted by one loses acceptance, the benchmark
-scores the endpoint from vLLM's own figures, and the vLLM target backend answers as HF does.
-vLLM starts twice (each start costs about 2 minutes on 2 cores): once with the drafter, once as
-the target backend's server with the shifted drafter.
+"""vLLM and the project's own drafters, on a tiny shaped random Llama (HF folder) and a drafter
+the project trains briefly and exports (`trained`): the export has the shipped drafter's format
+(config keys, layer-id convention, tensor names and dtypes), and the vLLM target backend answers
+as HF does while serving that drafter with its vLLM layer ids shifted by one, which loads without
+error but loses acceptance against the embedded engine's with the right ids.
+
+vLLM starts once here (about 40 s+ on 2 cores), as the target backend's server with the shifted
+drafter. The shaped target is what makes the shift show: on SmolLM2 it barely lowers acceptance
+(right 1.471, shifted 1.455). vLLM serving a real drafter right (greedy output, accept length
+within 3%, counters, benchmark, refused swap) is checked once for the suite, on SmolLM2 with the
+shipped drafter (tests/test_shipped_drafter.py, the other of the suite's two vLLM starts); the
+format test here is what carries that over to the project's exports.
 
 Needs a Python with vllm (`make setup-vllm`); skipped otherwise. Run by `make test-vllm`."""
 
@@ -13,7 +18,6 @@ from __future__ import annotations
 import json
 import shutil
 import socket
-import time
 from pathlib import Path
 
 import httpx
@@ -127,8 +131,8 @@ def extra_args(max_num_seqs: int = 8) -> list[str]:
 @pytest.fixture(scope="module")
 def reference(trained) -> dict:
     """What vLLM must reproduce, from the HF side: the HF backend's greedy answers (fp32, token
-    ids, up to EOS) to both tests' prompts, and the embedded engine's accept length with the same
-    drafter and prompts."""
+    ids, up to EOS) to the target backend's prompts, and the embedded engine's accept length with
+    the drafter (right layer ids) on the prompts the shifted drafter is served."""
     from actors.chat import prompt_ids
     from actors.hf_backend import HFTarget
     from pipeline.config import TargetConfig
@@ -146,98 +150,67 @@ def reference(trained) -> dict:
     verify = sum(g.stats.spec_verify_ct for g in gens)
     return {
         "ids": ids,
-        "greedy": hf.generate(ids, MAX_TOKENS, 0.0, 0),
         "target_ids": target_ids,
         "target_greedy": hf.generate(target_ids, 24, 0.0, 0),
         "accept_len": sum(g.stats.completion_tokens for g in gens) / verify,
-        "cycle": sum(g.stats.accepted_drafts + g.stats.spec_verify_ct for g in gens) / verify,
     }
 
 
-def same_as_greedy(got: list[int], want: list[int]) -> bool:
-    """vLLM's answer (MAX_TOKENS tokens, `ignore_eos`) is HF's greedy one: equal, or, where HF's
-    ended at an EOS, equal up to and with that EOS."""
-    return len(got) == MAX_TOKENS and got[: len(want)] == want
+DRAFTER_FORMAT_FIELDS = (  # config.json fields every drafter of the format has the same value of
+    "architectures", "model_type", "num_hidden_layers", "hidden_act", "tie_word_embeddings",
+    "torch_dtype",
+)  # fmt: skip
 
 
-def test_vllm_serves_the_exported_drafter(trained, reference, tmp_path):
-    """vLLM started once, with the drafter: greedy output, accept length and counters against
-    the HF side, the benchmark from vLLM's own figures with a cached baseline, and a broken
-    checkpoint refused without a restart. (The no-drafter start this test made before, for its
-    reference answers and baseline, is replaced by the HF greedy reference.)"""
-    from actors.engine_server import BaselineCache, DrafterRejected
-    from actors.vllm_server import baseline_key, deploy_vllm
-    from pipeline.config import ServeConfig, TargetConfig
-    from serve.bench import bench_endpoint, bench_settings_key, measure_baseline_levels
+def drafter_format(folder: Path) -> dict:
+    """What a drafter folder must share with the shipped drafter, whatever its sizes: the
+    config.json keys (top level and `eagle_config`), the fields above, the layer-id convention
+    (vLLM's top-level ids = SGLang's `eagle_config` ids + 1, as many as the fc takes), and the
+    safetensors tensor names with their dtypes."""
+    from safetensors import safe_open
 
-    target, drafter = trained
-    chats, ids = chat_prompts(8, seed=1), reference["ids"]
-    ours, ours_cycle = reference["accept_len"], reference["cycle"]
+    cfg = json.loads((folder / "config.json").read_text())
+    eagle = cfg.get("eagle_config") or {}
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        tensors = {n: f.get_slice(n).get_dtype() for n in f.keys()}
+    sglang_ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    vllm_ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+    return {
+        "keys": sorted(cfg),
+        "eagle_config_keys": sorted(eagle),
+        "fields": {k: cfg.get(k) for k in DRAFTER_FORMAT_FIELDS},
+        "use_aux_hidden_state": eagle.get("use_aux_hidden_state"),
+        "vllm_ids_are_sglang_ids_plus_one": (
+            vllm_ids is not None
+            and sglang_ids is not None
+            and list(vllm_ids) == [k + 1 for k in sglang_ids]
+        ),
+        "num_aux_ids": len(vllm_ids or ()),
+        "tensors": tensors,
+    }
 
-    serve_cfg = ServeConfig(engine="vllm", port=free_port(), steps=STEPS, extra_args=extra_args())
-    target_cfg = TargetConfig(model=str(target), dtype="float32")
-    t0 = time.monotonic()
-    ep = deploy_vllm(serve_cfg, target_cfg, drafter, tmp_path / "logs")
-    timings = {"load_s": round(time.monotonic() - t0, 1)}
-    try:
-        spec = complete(ep.url, ids)
-        # fp32 greedy: speculation changes nothing in the output
-        for want, s in zip(reference["greedy"], spec, strict=True):
-            assert same_as_greedy(s["choices"][0]["token_ids"], want), (s, want)
-        theirs = pooled(spec)
-        assert theirs > 1.15, (
-            f"vLLM accepted almost nothing ({theirs:.3f}): the drafter did not load"
-        )
-        assert abs(theirs - ours) <= 0.03 * ours, (theirs, ours)
-        # the server-wide counters say the same as the per-request figures
-        counters = ep.spec_counters()
-        assert abs(counters.accept_len - ours_cycle) <= 0.03 * ours_cycle, (counters, ours_cycle)
-        assert len(counters.per_pos) == STEPS and counters.per_pos[0] >= counters.per_pos[-1]
 
-        # The benchmark scores the endpoint: per-request accept_len from the responses, the
-        # counters per level alongside, the baseline from the cache, with no restart. The cached
-        # figures are measured on this server (vLLM ignores `speculative: false`, so they are no
-        # real baseline): what is checked is that bench_endpoint takes them and starts nothing.
-        bench_cfg = {"num_prompts": 8, "max_tokens": MAX_TOKENS, "concurrency": [1, 4], "warmup": 1, "steps_sweep": []}  # fmt: skip
-        cache = tmp_path / "baseline.json"
-        key = f"{baseline_key(target_cfg)}|{bench_settings_key(chats, bench_cfg)}"
-        cached = measure_baseline_levels(ep.url, chats, bench_cfg)
-        BaselineCache(cache).put(key, cached)
-        starts = len(ep.status()["starts"])
-        res = bench_endpoint(ep, chats, bench_cfg, tmp_path / "bench", baseline_cache=cache)
-        assert res.extra["baseline_cached"] is True and res.steps == STEPS
-        assert len(ep.status()["starts"]) == starts  # the baseline cost no restart
-        base = [x for x in res.levels if not x.speculative]
-        assert [x.tok_per_s for x in base] == [lv["tok_per_s"] for lv in cached["levels"]]
-        lv = [x for x in res.levels if x.speculative]
-        assert all(x.accept_len and x.accept_len > 1.15 for x in lv)
-        for x, cnt in zip(lv, res.extra["server_counters"], strict=True):
-            cycle = 1 + sum(a * n for a, n in enumerate(x.accept_hist)) / sum(x.accept_hist)
-            assert cnt["accept_len"] == pytest.approx(cycle, rel=1e-6)
-        assert len(res.acceptance_per_position) == STEPS
-        saved = json.loads(Path(res.json_path).read_text())
-        assert saved["accept_len"] == res.accept_len and saved["extra"]["server_counters"]
+def test_the_trained_export_has_the_shipped_drafters_format(trained):
+    """The drafter the project's train stage exports is in the format of the shipped one, which
+    vLLM serves (tests/test_shipped_drafter.py): so vLLM's one start with a real drafter covers
+    the project's exports too, and this needs no vLLM start of its own. Sizes may differ."""
+    from test_shipped_drafter import BASE
 
-        # A broken checkpoint is refused before any restart; the drafter keeps serving.
-        bad = tmp_path / "bad"
-        shutil.copytree(drafter, bad)
-        (bad / "model.safetensors").write_bytes(b"not safetensors")
-        with pytest.raises(DrafterRejected):
-            ep.swap_drafter(bad)
-        assert len(ep.status()["starts"]) == starts and ep.status()["drafter"] == str(drafter)
-    finally:
-        ep.shutdown()
-    print(json.dumps({"vllm_accept_len": theirs, "embedded_accept_len": ours, **timings}))
+    _, drafter = trained
+    got, want = drafter_format(drafter), drafter_format(BASE)
+    assert want["vllm_ids_are_sglang_ids_plus_one"] and want["num_aux_ids"] == 3
+    for k in want:
+        assert got[k] == want[k], (k, got[k], want[k])
 
 
 def test_vllm_regenerates_like_hf_and_reads_the_drafters_layer_ids(trained, reference, tmp_path):
     """target.backend: vllm -- vLLM's greedy answers (fp32, token ids) are the HF backend's;
     capture is HFTarget's own forward (inherited), so it needs no test of its own here.
 
-    The same (second and last) vLLM start serves a drafter whose vLLM layer ids are off by one:
+    The same vLLM start (this module's only one) serves a drafter whose vLLM layer ids are off by one:
     it loads without any error and loses acceptance, the failure the layer-id convention check
     is for; vLLM's log shows the ids it read. Speculation does not change greedy answers
-    (test_vllm_serves_the_exported_drafter), so the target's answers are still HF's."""
+    (fp32; tests/test_shipped_drafter.py), so the target's answers are still HF's."""
     from actors.vllm_backend import VLLMTarget
     from actors.vllm_server import speculative_config
     from pipeline.config import ServeConfig, TargetConfig
@@ -257,7 +230,7 @@ def test_vllm_regenerates_like_hf_and_reads_the_drafters_layer_ids(trained, refe
     finally:
         vt.close()
     assert got == reference["target_greedy"]
-    ours = reference["accept_len"]  # what vLLM serves with the right ids (within 3%, above)
+    ours = reference["accept_len"]  # the embedded engine, right ids (vLLM matches it within 3%)
     assert off < ours - 0.1, (off, ours)
     want = tuple(
         json.loads((shifted / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
