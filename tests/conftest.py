@@ -4,12 +4,13 @@ that start Ray clusters of their own.
 
 One Ray per run, not one per module (issue 27: Ray started ~10 times in-process and Serve ~7
 times per run before). What that needs:
-- A second Ray started from this process (a `ray start --head`, a `pipeline/run.py` or a script
-  with its own local Ray) takes over the address file (RAY_TMPDIR, below) that Ray Train's
-  placement-group cleaner in the shared one reads, which then leaks a finished run's CPUs. Tests
-  that start one are marked `own_cluster` and run last, after the shared Ray is shut down
-  (`pytest_collection_modifyitems`, `pytest_runtest_setup`); one that needs Ray in-process there
-  gets a fresh one of its module (`ray_module`). `make test` (scripts/test_suite.py) runs them in
+- A second Ray started beside the shared one from this run (a `ray start --head`, a
+  `pipeline/run.py` or a script with its own local Ray) confused Ray Train's placement-group
+  cleaner in the shared one (it finds its cluster through the address file under RAY_TMPDIR,
+  below), which then leaked a finished run's CPUs. Tests that start one are marked
+  `own_cluster` and run last, after the shared Ray is shut down (`pytest_collection_modifyitems`,
+  `pytest_runtest_setup`); one that needs Ray in-process there gets a fresh one of its module
+  (`ray_module`). `make test` (scripts/test_suite.py) runs them in
   a second pytest beside this one instead; each pytest has its own RAY_TMPDIR.
 - A module must give back what it reserved: after each module the Serve apps it left are deleted
   and the shared Ray's CPUs must be free again (but the shared app's replica), or the module's
