@@ -283,8 +283,11 @@ def test_summary_and_mlflow_carry_domains_and_promotion(closed_run):
         assert run.data.tags["bench.served_shape"] == row["shape"]
         assert m["bench/served_plain"] == float(row["shape"] == "plain")
         assert m["bench/served_speedup"] == pytest.approx(row["served_speedup"])
-        assert set(row["shape_speedups"]) == {"plain", "chain-1", "chain-2", "chain-3", "chain-4",
-                                              "chain-5"}  # fmt: skip
+        # every chain's speedup when the predictions held; only plain and the measured shapes
+        # (chain-5, the probe, among them) when the predicted winners kept losing to their
+        # measurements (serve/shape_sweep.py's fallback: seen with another pytest beside this one)
+        chains = {"plain", "chain-1", "chain-2", "chain-3", "chain-4", "chain-5"}
+        assert {"plain", "chain-5", row["shape"]} <= set(row["shape_speedups"]) <= chains
         assert row["shape"] == "plain" or row["served_speedup"] > 1.0
     # the simulated users after round 0 were served with round 0's choice
     from serve.traffic import read_traffic
