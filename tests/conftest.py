@@ -10,8 +10,8 @@ times per run before). What that needs:
   below), which then leaked a finished run's CPUs. Tests that start one are marked
   `own_cluster` and run last, after the shared Ray is shut down (`pytest_collection_modifyitems`,
   `pytest_runtest_setup`); one that needs Ray in-process there gets a fresh one of its module
-  (`ray_module`). `make test` (scripts/test_suite.py) runs them in
-  a second pytest beside this one instead; each pytest has its own RAY_TMPDIR.
+  (`ray_module`). `make test` (scripts/test_suite.py) runs them in a second pytest beside this
+  one instead; each pytest has its own RAY_TMPDIR.
 - A module must give back what it reserved: after each module the Serve apps it left are deleted
   and the shared Ray's CPUs must be free again (but the shared app's replica), or the module's
   teardown fails naming them.
