@@ -41,12 +41,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from actors.files import atomic_write
+from actors.ports import port_problem
 from actors.redact import is_secret, redact
 
 if TYPE_CHECKING:
     from actors.config import TargetConfig
 
 log = logging.getLogger(__name__)
+
+PORT_RELEASE_S = 10.0  # how long a (re)start waits for serve.port to be free before refusing
 
 
 class DrafterRejected(ValueError):
@@ -317,6 +320,14 @@ class EngineServer:
     def start(self, drafter_dir: str | Path | None) -> float:
         """Start with this drafter (None = baseline); returns seconds until healthy."""
         self.stop()
+        # A port another process holds would answer the health probe for a server that never
+        # bound it (or garble the probe): refused before anything is launched. A restart waits
+        # a little for the stopped server's processes to let go of it.
+        deadline = time.monotonic() + PORT_RELEASE_S
+        while problem := port_problem(self.serve_cfg.host, self.serve_cfg.port):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the {self.engine} server was not started: {problem}")
+            time.sleep(0.5)
         self.drafter_dir = None if drafter_dir is None else str(drafter_dir)
         self.log_file = self.log_dir / f"{self.engine}-{self.attempts:03d}.log"
         self.attempts += 1

@@ -47,7 +47,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import socket
 import time
 import traceback
 from array import array
@@ -58,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from actors.ports import free_port
 from eagle3.fit import resolve_aux_layer_ids
 from eagle3.target_weights import TargetInfo, read_target_config, target_info_from_dict
 
@@ -295,12 +295,6 @@ def token_bounded_batches(
 # Capture ranks (one spawned process per GPU)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _build_capture_runner(
     server_kwargs: dict[str, Any], rank: int, tp_size: int, nccl_port: int
 ) -> Any:
@@ -436,7 +430,7 @@ class CaptureRanks:
         self.tp_size = tp_size
         self.results = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(tp_size)]
-        port = _free_port()
+        port = free_port()
         self.procs = [
             ctx.Process(
                 target=capture_rank_main,

@@ -18,12 +18,12 @@ transformers), so this module never imports vllm.
 from __future__ import annotations
 
 import logging
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from actors.hf_backend import HFTarget
+from actors.ports import free_port
 
 if TYPE_CHECKING:
     from actors.config import TargetConfig
@@ -31,12 +31,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_PARALLEL = 64  # requests in flight per generate call; vLLM queues what it cannot batch
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class VLLMTarget(HFTarget):

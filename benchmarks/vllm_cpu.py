@@ -64,8 +64,9 @@ def main() -> None:
 
     from actors.chat import prompt_ids
     from actors.hf_backend import HFTarget
+    from actors.ports import free_port
     from actors.prompts import builtin_prompts, split_prompts
-    from actors.vllm_backend import VLLMTarget, free_port
+    from actors.vllm_backend import VLLMTarget
     from actors.vllm_server import VLLMServer
     from pipeline.config import ServeConfig, TargetConfig
     from serve.engine import GenParams, SpecEngine, load_eagle

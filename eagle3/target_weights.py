@@ -9,6 +9,7 @@ GGUF targets (the embedded SmolLM2) read the three tensors with the `gguf` packa
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -95,6 +96,25 @@ def resolve_target(
     return str(model), gguf_file
 
 
+# GGUF configs read, by (file, revision, size and mtime): transformers parses the whole header,
+# its tokenizer's vocabulary included, for a config (seconds each), and the preflight, the
+# compatibility check and the target's info each ask for it
+_GGUF_CONFIGS: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+
+def _read_gguf_config(
+    model: str, gguf: str, revision: str | None, gguf_path: Path
+) -> dict[str, Any]:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model, gguf_file=gguf, revision=revision).to_dict()
+    except Exception as e:
+        raise CheckpointError(
+            f"{gguf_path}: cannot read the GGUF header ({e}); check the file"
+        ) from None
+
+
 def read_target_config(
     path_or_repo: str | os.PathLike, revision: str | None = None, gguf_file: str | None = None
 ) -> dict[str, Any]:
@@ -104,14 +124,11 @@ def read_target_config(
         gguf_path = Path(model) / gguf
         if Path(model).is_dir() and not gguf_path.is_file():
             raise CheckpointError(f"{gguf_path}: no such GGUF file; check gguf_file")
-        from transformers import AutoConfig
-
-        try:
-            return AutoConfig.from_pretrained(model, gguf_file=gguf, revision=revision).to_dict()
-        except Exception as e:
-            raise CheckpointError(
-                f"{gguf_path}: cannot read the GGUF header ({e}); check the file"
-            ) from None
+        stat = gguf_path.stat() if gguf_path.is_file() else None
+        key = (str(gguf_path), revision, stat and (stat.st_size, stat.st_mtime_ns))
+        if stat is None or key not in _GGUF_CONFIGS:
+            _GGUF_CONFIGS[key] = _read_gguf_config(model, gguf, revision, gguf_path)
+        return copy.deepcopy(_GGUF_CONFIGS[key])  # callers may change theirs
     f = hub_file(model, "config.json", revision)
     if f is None:
         raise CheckpointError(

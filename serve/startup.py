@@ -16,10 +16,8 @@ works when joining a cluster someone else started), not through this process's e
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -30,6 +28,7 @@ from ray import serve
 from ray.serve.schema import ProxyStatus
 
 from actors.cluster import RayStartError, init_ray  # noqa: F401  (re-exported)
+from actors.ports import port_problem
 
 log = logging.getLogger("ray.serve")
 
@@ -69,19 +68,6 @@ def serve_running() -> bool:
     except ValueError:
         return False
     return True
-
-
-def port_problem(host: str, port: int) -> str | None:
-    """Why Serve's proxy could not listen on host:port on this machine, or None."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is fine
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            if e.errno == errno.EADDRNOTAVAIL:
-                return None  # not an address of this machine: the proxy's node decides
-            return f"serve.port {port} on {host} is taken ({e}); pick a free port"
-    return None
 
 
 def check_port(host: str, port: int) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -31,6 +30,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from actors.ports import free_port  # noqa: F401  (tests import it from here)
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -170,6 +171,11 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "before_ray: checks that no Ray starts in-process; runs first"
     )
+    config.addinivalue_line(
+        "markers",
+        "ray_free: needs no Ray; `make test` runs it beside the shared-Ray tests, in the "
+        "second pytest, so that the two take about as long",
+    )
 
 
 @pytest.hookimpl(trylast=True)  # after any other plugin's reordering (--lf, --ff)
@@ -200,6 +206,11 @@ def pytest_runtest_setup(item):
     if "shared_endpoint" in item.fixturenames and _SHARED["app_done"]:
         pytest.fail(f"{item.nodeid}: the shared app was deleted after its last user module "
                     "(pytest_collection_modifyitems orders its users first)", pytrace=False)  # fmt: skip
+    if item.get_closest_marker("ray_free"):
+        ray = {"ray_local", "ray_module", "serve_port", "shared_endpoint"} & set(item.fixturenames)
+        if ray:
+            pytest.fail(f"{item.nodeid} is marked ray_free but uses {sorted(ray)}",
+                        pytrace=False)  # fmt: skip
     if item.get_closest_marker("own_cluster"):
         shared = {"ray_local", "serve_port", "shared_endpoint"} & set(item.fixturenames)
         if shared:
@@ -263,13 +274,6 @@ def ray_module():
     _init_local_ray(NUM_CPUS)
     yield ray
     ray.shutdown()
-
-
-def free_port() -> int:
-    """A loopback port free right now (the OS's pick, so parallel runs on one machine differ)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -346,6 +350,20 @@ def shared_endpoint(serve_port, tiny_target, drafters, tmp_path_factory):
     if _SHARED["app"]:
         _SHARED["app"] = False
         ep.shutdown()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_lm():
+    """SmolLM2 as transformers loads the bundled GGUF (fp32): the reference that the conversion
+    (tests/test_hf_folder.py) and the tensor reader (tests/test_target_weights.py) are checked
+    against, dequantised once per run (~20 s). Tests read it and change nothing."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle3.target_weights import SMOLLM2_GGUF
+
+    return AutoModelForCausalLM.from_pretrained(
+        smollm2_dir(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32
+    )
 
 
 @pytest.fixture(scope="session")

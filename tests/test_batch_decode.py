@@ -10,6 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from actors.batch_decode import BatchDecoder, decoder_problem
 
+pytestmark = pytest.mark.ray_free  # no Ray: `make test` runs it in the second pytest
+
 EOS = 5
 
 

@@ -14,6 +14,8 @@ from pipeline.budget import (
     plan_vs_actual,
 )
 
+pytestmark = pytest.mark.ray_free  # no Ray: `make test` runs it in the second pytest
+
 BENCH_S, USER_S = 7.0, 5.0  # seconds per request: a 2-core machine's figures
 TWO_CORES = Rates(BENCH_S, USER_S)
 

@@ -14,10 +14,12 @@ import pytest
 
 pytest.importorskip("pydantic")  # bare GPU host (torch only): skip
 from actors.engine_server import LocalSettings, ServerSettings, split_secret_flags
-from actors.sglang_server import SGLangServer
+from actors.ports import free_port
+from actors.sglang_server import GRPC_PORT_OFFSET, SGLangServer
 from actors.vllm_server import VLLMServer, vllm_available, vllm_python
 from pipeline.config import ServeConfig, TargetConfig
 
+SGLANG_PORTS = 65536 - GRPC_PORT_OFFSET  # sglang also takes port + GRPC_PORT_OFFSET
 # The "server": prints the command line it got (what ps shows), whether the --config file holds
 # the key and only its user may read it, then fails, so the launcher reports its log.
 _SHOW = """
@@ -31,7 +33,9 @@ sys.exit(3)
 
 
 def test_a_secret_flag_reaches_the_server_in_a_private_file_not_its_command_line(tmp_path):
-    cfg = ServeConfig(engine="sglang", port=39997, extra_args=["--api-key", "sk-planted"])
+    cfg = ServeConfig(
+        engine="sglang", port=free_port(below=SGLANG_PORTS), extra_args=["--api-key", "sk-planted"]
+    )
     srv = SGLangServer(cfg, TargetConfig(model="/nowhere", backend="sglang"), tmp_path,
                        start_timeout_s=30, launch=[sys.executable, "-c", _SHOW])  # fmt: skip
     with pytest.raises(RuntimeError, match="exited with 3") as err:
@@ -42,6 +46,27 @@ def test_a_secret_flag_reaches_the_server_in_a_private_file_not_its_command_line
     assert "KEY True" in logged and "MODE 0o600" in logged
     assert "sk-planted" not in logged + str(err.value)
     assert not Path(argv.split("--config ")[1].split()[0]).exists()  # deleted once read
+
+
+def test_a_taken_port_is_refused_before_the_server_is_launched(tmp_path, monkeypatch):
+    """Another process on serve.port would answer (or garble) the health probe of a server that
+    never bound it: the launcher names the port and starts nothing."""
+    import socket
+
+    import actors.engine_server as es
+
+    monkeypatch.setattr(es, "PORT_RELEASE_S", 1.0)
+    ran = tmp_path / "launched"
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        srv = VLLMServer(ServeConfig(engine="vllm", port=port), TargetConfig(model="/nowhere"),
+                         tmp_path, start_timeout_s=30, model_dir="/nowhere",
+                         launch=[sys.executable, "-c", f"open({str(ran)!r}, 'w')"])  # fmt: skip
+        with pytest.raises(RuntimeError, match=f"serve.port {port} on 127.0.0.1 is taken"):
+            srv.start(None)
+    assert srv.proc is None and not ran.exists()
 
 
 def test_secret_flags_split_in_every_form():
@@ -59,7 +84,7 @@ def test_secret_flags_split_in_every_form():
 
 def test_a_secret_beside_the_users_own_config_file_is_refused(tmp_path):
     extra = ["--config", "my.yaml", "--api-key", "K"]
-    cfg = ServeConfig(engine="vllm", port=39996, extra_args=extra)
+    cfg = ServeConfig(engine="vllm", port=free_port(), extra_args=extra)
     srv = VLLMServer(cfg, TargetConfig(model="/nowhere"), tmp_path, launch=["true"],
                      model_dir="/nowhere")  # fmt: skip
     with pytest.raises(ValueError, match="serve.extra_args: secret flags .*api-key.* --config"):
@@ -76,7 +101,7 @@ def test_both_settings_have_what_the_launcher_reads():
 @pytest.mark.skipif(not vllm_available(), reason="no Python with vllm: make setup-vllm")
 def test_vllm_reads_the_secret_from_the_file(tmp_path):
     """vLLM's own argument parser, given the launcher's command line, has the key."""
-    cfg = ServeConfig(engine="vllm", port=39995, extra_args=["--api-key", "sk-planted"])
+    cfg = ServeConfig(engine="vllm", port=free_port(), extra_args=["--api-key", "sk-planted"])
     srv = VLLMServer(cfg, TargetConfig(model="/nowhere"), tmp_path, model_dir="/nowhere")
     argv, path = srv.command()
     parse = (

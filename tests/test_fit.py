@@ -30,6 +30,8 @@ from eagle3.target_weights import resolve_target
 from pipeline.config import parse_config
 from serve.engine import _check_aux_ids, check_drafter_for_target
 
+pytestmark = pytest.mark.ray_free  # no Ray: `make test` runs it in the second pytest
+
 N = 30  # SmolLM2-135M's depth: valid ids 0..28
 CASES = {
     (1, 5): False,  # two ids: fc needs three

@@ -16,12 +16,9 @@ from eagle3.target_weights import SMOLLM2_GGUF, smollm2_dir
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_converts_bit_for_bit(smollm2_hf):
-    out = smollm2_hf
+def test_smollm2_gguf_converts_bit_for_bit(smollm2_hf, smollm2_gguf_lm):
+    out, ref = smollm2_hf, smollm2_gguf_lm
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
-    ref = AutoModelForCausalLM.from_pretrained(
-        smollm2_dir(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32
-    )
     got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     a, b = ref.state_dict(), got.state_dict()
     assert a.keys() == b.keys()

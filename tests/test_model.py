@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from eagle3.config import Eagle3Config
 from eagle3.model import DrafterCache, Eagle3Drafter, rope_parameters
 from eagle3.vocab import build_vocab_map, target_soft_labels
+
+pytestmark = pytest.mark.ray_free  # no Ray: `make test` runs it in the second pytest
 
 
 def tiny_cfg(**kw) -> Eagle3Config:

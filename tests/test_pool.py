@@ -14,6 +14,8 @@ from actors.prompts import load_jsonl_prompts, plan_prompts, prompt_key
 from actors.sources import bounded_turns, parse_conversation
 from pipeline.config import load_config
 
+pytestmark = pytest.mark.ray_free  # no Ray: `make test` runs it in the second pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 

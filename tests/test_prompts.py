@@ -24,6 +24,8 @@ from actors.prompts import (
 )
 from pipeline.config import DataConfig
 
+pytestmark = pytest.mark.ray_free  # no Ray: `make test` runs it in the second pytest
+
 
 def test_builtin_set_is_large_distinct_short_and_seeded(chat_tokenizer_dir):
     a, b, c = builtin_prompts(0), builtin_prompts(0), builtin_prompts(1)

@@ -20,6 +20,7 @@ for _dep in ("pydantic", "ray"):  # bare GPU host (torch only): skip
     pytest.importorskip(_dep)
 
 from actors.engine_server import BaselineCache, cached_baseline
+from actors.ports import free_port
 from actors.sglang_backend import (
     SGLANG_VERSION,
     drafter_layout_for,
@@ -28,6 +29,7 @@ from actors.sglang_backend import (
     token_bounded_batches,
 )
 from actors.sglang_server import (
+    GRPC_PORT_OFFSET,
     SGLangServer,
     baseline_key,
     build_server_args,
@@ -292,7 +294,7 @@ def test_server_that_dies_reports_its_log(tmp_path):
     srv = SGLangServer(
         ServeConfig(
             engine="sglang",
-            port=39999,
+            port=free_port(below=65536 - GRPC_PORT_OFFSET),
             env={"NCCL_PROTO": "LL"},
             extra_args=["--api-key", "sk-planted"],
         ),  # fmt: skip
@@ -317,10 +319,12 @@ _OWNER_SCRIPT = textwrap.dedent(
     """
     import os, signal, sys, threading, time
     from pipeline.config import ServeConfig, TargetConfig
-    from actors.sglang_server import SGLangServer
+    from actors.ports import free_port
+    from actors.sglang_server import GRPC_PORT_OFFSET, SGLangServer
 
     sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]  # never healthy
-    srv = SGLangServer(ServeConfig(engine="sglang", port=39998),
+    port = free_port(below=65536 - GRPC_PORT_OFFSET)  # sglang also takes port + the offset
+    srv = SGLangServer(ServeConfig(engine="sglang", port=port),
                        TargetConfig(model="/nowhere", backend="sglang"), sys.argv[1],
                        start_timeout_s=600, launch=sleeper)
     threading.Thread(target=srv.start, args=(None,), daemon=True).start()

@@ -198,11 +198,8 @@ def test_smollm2_tensors_from_gguf():
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_tensors_match_transformers():
-    from transformers import AutoModelForCausalLM
-
-    folder, gguf = resolve_target("smollm2", None)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+def test_smollm2_gguf_tensors_match_transformers(smollm2_gguf_lm):
+    model = smollm2_gguf_lm  # the wheel's GGUF, as resolve_target("smollm2") finds it (above)
     got = load_target_tensors("smollm2")
     assert torch.equal(got["embed"], model.model.embed_tokens.weight.detach())
     assert torch.equal(got["norm"], model.model.norm.weight.detach())

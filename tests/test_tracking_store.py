@@ -17,6 +17,8 @@ from pipeline.loop import run_loop
 from pipeline.state import RunState
 from pipeline.tracking import UnknownRuns
 
+pytestmark = pytest.mark.ray_free  # no Ray: `make test` runs it in the second pytest
+
 
 def test_default_store_is_the_run_dirs_and_unknown_runs_are_an_error(
     tiny_target, tmp_path, monkeypatch

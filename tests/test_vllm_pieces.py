@@ -9,6 +9,7 @@ import pytest
 
 pytest.importorskip("pydantic")  # bare GPU host (torch only): skip
 from actors.engine_server import SpecCounters
+from actors.ports import free_port
 from actors.vllm_server import (
     VLLMServer,
     build_server_args,
@@ -146,7 +147,7 @@ def test_the_logged_command_line_hides_a_secret_argument(tmp_path):
     import sys
 
     crash = [sys.executable, "-c", "import sys; sys.exit(3)"]
-    cfg = ServeConfig(engine="vllm", port=39998, extra_args=["--api-key", "sk-planted"])
+    cfg = ServeConfig(engine="vllm", port=free_port(), extra_args=["--api-key", "sk-planted"])
     srv = VLLMServer(cfg, TargetConfig(model="/nowhere"), tmp_path, start_timeout_s=30,
                      launch=crash, model_dir="/nowhere")  # fmt: skip
     with pytest.raises(RuntimeError) as err:
