@@ -14,6 +14,7 @@ from eagle3.checkpoint import CheckpointError
 from eagle3.target_weights import (
     SMOLLM2_GGUF,
     load_target_tensors,
+    read_target_config,
     read_target_info,
     resolve_target,
 )
@@ -204,3 +205,27 @@ def test_smollm2_gguf_tensors_match_transformers(smollm2_gguf_lm):
     assert torch.equal(got["embed"], model.model.embed_tokens.weight.detach())
     assert torch.equal(got["norm"], model.model.norm.weight.detach())
     assert torch.equal(got["lm_head"], model.lm_head.weight.detach())
+
+
+@pytest.mark.slow
+def test_a_gguf_config_is_read_once_until_its_file_changes(tmp_path):
+    """transformers parses the whole GGUF header for a config (~12 s for SmolLM2): read once per
+    file, again when the file's mtime or size changes; each caller gets its own copy."""
+    import os
+    import shutil
+
+    import eagle3.target_weights as tw
+
+    folder, gguf = resolve_target("smollm2", None)
+    copy = tmp_path / gguf
+    shutil.copyfile(Path(folder) / gguf, copy)
+    first = read_target_config(tmp_path, gguf_file=gguf)
+    first["num_hidden_layers"] = -1  # the caller's copy only
+    mine = [k for k in tw._GGUF_CONFIGS if k[0] == str(copy)]
+    assert (
+        len(mine) == 1 and read_target_config(tmp_path, gguf_file=gguf)["num_hidden_layers"] == 30
+    )
+    st = copy.stat()
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # the file replaced
+    assert read_target_config(tmp_path, gguf_file=gguf)["num_hidden_layers"] == 30
+    assert len([k for k in tw._GGUF_CONFIGS if k[0] == str(copy)]) == 2  # read again
