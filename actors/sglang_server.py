@@ -55,6 +55,7 @@ LAUNCH = [sys.executable, "-m", "sglang.launch_server"]
 GRPC_PORT_OFFSET = (
     10000  # sglang 0.5.14 server_args: grpc_port = port + 10000 unless SGLANG_GRPC_PORT
 )
+MAX_PORT = 65535 - GRPC_PORT_OFFSET  # the highest serve.port whose gRPC port exists
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,13 +101,11 @@ def build_server_args(
 
 def check_port(serve_cfg: ServerSettings) -> None:
     """sglang 0.5.14 refuses to start when port + 10000 (its gRPC port) exceeds 65535."""
-    if serve_cfg.port + GRPC_PORT_OFFSET > 65535 and not server_env(serve_cfg).get(
-        "SGLANG_GRPC_PORT"
-    ):
+    if serve_cfg.port > MAX_PORT and not server_env(serve_cfg).get("SGLANG_GRPC_PORT"):
         raise ValueError(
             f"serve.port: {serve_cfg.port} -- sglang {SGLANG_VERSION} takes port + "
             f"{GRPC_PORT_OFFSET} for its gRPC port, which must stay <= 65535; use a port <= "
-            f"{65535 - GRPC_PORT_OFFSET} or set SGLANG_GRPC_PORT in serve.env"
+            f"{MAX_PORT} or set SGLANG_GRPC_PORT in serve.env"
         )
 
 

@@ -15,11 +15,10 @@ import pytest
 pytest.importorskip("pydantic")  # bare GPU host (torch only): skip
 from actors.engine_server import LocalSettings, ServerSettings, split_secret_flags
 from actors.ports import free_port
-from actors.sglang_server import GRPC_PORT_OFFSET, SGLangServer
+from actors.sglang_server import MAX_PORT, SGLangServer
 from actors.vllm_server import VLLMServer, vllm_available, vllm_python
 from pipeline.config import ServeConfig, TargetConfig
 
-SGLANG_PORTS = 65536 - GRPC_PORT_OFFSET  # sglang also takes port + GRPC_PORT_OFFSET
 # The "server": prints the command line it got (what ps shows), whether the --config file holds
 # the key and only its user may read it, then fails, so the launcher reports its log.
 _SHOW = """
@@ -34,7 +33,7 @@ sys.exit(3)
 
 def test_a_secret_flag_reaches_the_server_in_a_private_file_not_its_command_line(tmp_path):
     cfg = ServeConfig(
-        engine="sglang", port=free_port(below=SGLANG_PORTS), extra_args=["--api-key", "sk-planted"]
+        engine="sglang", port=free_port(below=MAX_PORT + 1), extra_args=["--api-key", "sk-planted"]
     )
     srv = SGLangServer(cfg, TargetConfig(model="/nowhere", backend="sglang"), tmp_path,
                        start_timeout_s=30, launch=[sys.executable, "-c", _SHOW])  # fmt: skip

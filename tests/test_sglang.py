@@ -29,7 +29,7 @@ from actors.sglang_backend import (
     token_bounded_batches,
 )
 from actors.sglang_server import (
-    GRPC_PORT_OFFSET,
+    MAX_PORT,
     SGLangServer,
     baseline_key,
     build_server_args,
@@ -294,7 +294,7 @@ def test_server_that_dies_reports_its_log(tmp_path):
     srv = SGLangServer(
         ServeConfig(
             engine="sglang",
-            port=free_port(below=65536 - GRPC_PORT_OFFSET),
+            port=free_port(below=MAX_PORT + 1),
             env={"NCCL_PROTO": "LL"},
             extra_args=["--api-key", "sk-planted"],
         ),  # fmt: skip
@@ -320,10 +320,10 @@ _OWNER_SCRIPT = textwrap.dedent(
     import os, signal, sys, threading, time
     from pipeline.config import ServeConfig, TargetConfig
     from actors.ports import free_port
-    from actors.sglang_server import GRPC_PORT_OFFSET, SGLangServer
+    from actors.sglang_server import MAX_PORT, SGLangServer
 
     sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]  # never healthy
-    port = free_port(below=65536 - GRPC_PORT_OFFSET)  # sglang also takes port + the offset
+    port = free_port(below=MAX_PORT + 1)
     srv = SGLangServer(ServeConfig(engine="sglang", port=port),
                        TargetConfig(model="/nowhere", backend="sglang"), sys.argv[1],
                        start_timeout_s=600, launch=sleeper)
