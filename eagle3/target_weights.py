@@ -124,9 +124,11 @@ def read_target_config(
         gguf_path = Path(model) / gguf
         if Path(model).is_dir() and not gguf_path.is_file():
             raise CheckpointError(f"{gguf_path}: no such GGUF file; check gguf_file")
-        stat = gguf_path.stat() if gguf_path.is_file() else None
-        key = (str(gguf_path), revision, stat and (stat.st_size, stat.st_mtime_ns))
-        if stat is None or key not in _GGUF_CONFIGS:
+        if not gguf_path.is_file():  # a hub repo's GGUF: transformers caches the download
+            return _read_gguf_config(model, gguf, revision, gguf_path)
+        stat = gguf_path.stat()
+        key = (str(gguf_path), revision, stat.st_size, stat.st_mtime_ns)
+        if key not in _GGUF_CONFIGS:
             _GGUF_CONFIGS[key] = _read_gguf_config(model, gguf, revision, gguf_path)
         return copy.deepcopy(_GGUF_CONFIGS[key])  # callers may change theirs
     f = hub_file(model, "config.json", revision)
