@@ -19,6 +19,7 @@ summary line names it. Exit status: 0 only when every test passed, at the latest
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -31,6 +32,12 @@ COUNTS = ("failed", "passed", "skipped", "deselected", "xfailed", "xpassed", "wa
 # The second pytest's tests: those with Rays of their own, and Ray-free ones that even out the
 # two runs' lengths (tests/conftest.py registers both markers)
 SECOND = "own_cluster or ray_free"
+# One intra-op thread per process unless the caller sets its own: torch's default is one per
+# core, so two pytests side by side ran 2 threads per process on 2 cores, and OpenMP threads
+# spin-wait between ops while the other run's processes want that core. Processes that size
+# their own threads keep doing so (the trainer's workers and Serve's replicas set torch's from
+# the CPUs they reserve; vLLM binds its own).
+THREADS = {"OMP_NUM_THREADS": "1"}
 # pytest's last line, e.g. "== 3 failed, 120 passed, 2 warnings in 412.31s (0:06:52) =="
 SUMMARY = re.compile(r"(\d+) (failed|passed|skipped|deselected|xfailed|xpassed|warnings?|errors?)")
 
@@ -65,16 +72,17 @@ def main(argv: list[str]) -> int:
     pytest = [sys.executable, "-m", "pytest"]
     own_log = tempfile.NamedTemporaryFile("w+", prefix="pytest-own-cluster-", suffix=".log")
     base = Path(tempfile.mkdtemp(prefix="pytest-own-cluster-"))
+    env = {**THREADS, **os.environ}
     t0 = time.monotonic()
     # The second run keeps off the first's files: its own --basetemp and no shared .pytest_cache.
     own = subprocess.Popen(
         [*pytest, "-q", "-m", f"({args.marker}) and ({SECOND})", "-p", "no:cacheprovider",
          f"--basetemp={base}", *rest],
-        cwd=REPO, stdout=own_log, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, env=env, stdout=own_log, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     shared = subprocess.Popen(
         [*pytest, "-q", "-m", f"({args.marker}) and not ({SECOND})", *rest],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     shared_out = []
     for line in shared.stdout:
@@ -101,7 +109,7 @@ def main(argv: list[str]) -> int:
         again = subprocess.run(
             [*pytest, "-q", "-m", args.marker, "-p", "no:cacheprovider",
              f"--basetemp={tempfile.mkdtemp(prefix='pytest-rerun-')}", *failed],
-            cwd=REPO,
+            cwd=REPO, env=env,
         )  # fmt: skip
         wall = time.monotonic() - t0
         ok = again.returncode == 0

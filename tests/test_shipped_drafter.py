@@ -56,7 +56,8 @@ def test_vllm_serves_the_shipped_drafter(ray_local, smollm2_hf, tmp_path):
     above 1.3 and within 3% of the embedded engine's with the same drafter and prompts, the
     server-wide counters against the embedded cycle, the benchmark from vLLM's own figures with a
     cached baseline and no restart, and a broken checkpoint refused before any restart."""
-    from test_vllm import complete, free_port, pooled
+    from conftest import free_port
+    from test_vllm import complete, pooled
 
     from actors.chat import prompt_ids
     from actors.engine_server import BaselineCache, DrafterRejected

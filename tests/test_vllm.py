@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 from pathlib import Path
 
 import httpx
@@ -36,12 +35,6 @@ AUX = [1, 2, 4]  # SGLang ids of the 6-layer target; vLLM reads them as (2, 3, 5
 MAX_TOKENS = 32
 STEPS = 3
 WORDS = "apple river stone cloud music paper light garden window silver tiger ocean".split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def chat_prompts(n: int, seed: int) -> list[list[dict[str, str]]]:
