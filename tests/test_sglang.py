@@ -386,30 +386,14 @@ _RAY_SCRIPT = textwrap.dedent(
 
     res = reserve_target_gpus(2)
     owner = Owner.options(**target_actor_options(cfg, res)).remote(cfg)
-    print("RESULT", json.dumps({"gpu_ids": list(res.gpu_ids), **ray.get(owner.report.remote())}))
-    ray.shutdown()
+    print("OWNER", json.dumps({"gpu_ids": list(res.gpu_ids), **ray.get(owner.report.remote())}))
     """
 )
 
 
 @pytest.mark.own_cluster  # its script starts a local Ray (conftest: after the shared one)
-def test_target_actor_owns_all_reserved_gpus(tiny_target, tmp_path):
-    if importlib_find("sglang"):
-        pytest.skip("checks the missing-sglang error; sglang is installed here")
-    script = tmp_path / "owner.py"
-    script.write_text(_RAY_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tiny_target)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
-    got = json.loads(line[len("RESULT ") :])
+def test_target_actor_owns_all_reserved_gpus(tiny_target, no_sglang_run):
+    got = no_sglang_run["OWNER"]
     assert sorted(got["gpu_ids"]) == ["0", "1"]
     assert sorted(got["env"]["CUDA_VISIBLE_DEVICES"].split(",")) == ["0", "1"]  # both bundles' GPUs
     assert got["env"]["JOB_LEVEL"] == "job"  # the job's runtime_env reaches the actor ...
@@ -522,20 +506,17 @@ def test_sglang_generate_and_capture_match_transformers(tiny_target, monkeypatch
 
 # --- the data stage on the SGLang backend: two phases, resume, GPUs released -------------------
 
-_DATA_SCRIPT = textwrap.dedent(
+# The data stage's two attempts; `model`, `out` and `cpu` come from the script it ends. Its
+# placement groups are those made after `pgs_before`: the no-sglang script's Ray held another.
+_DATA_STAGE = textwrap.dedent(
     """
-    import dataclasses, json, sys
-    from pathlib import Path
-    import ray
+    import dataclasses
     from actors.generate import run_generate
     from actors.prompts import builtin_prompts
     from actors.sglang_backend import SGLangOptions
-    from pipeline.config import DataConfig, TargetConfig
+    from pipeline.config import DataConfig
 
-    model, out, cpu = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "cpu"
-    ray.init(address="local", num_cpus=3, num_gpus=1, include_dashboard=False,
-             _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
+    pgs_before = set(ray.util.placement_group_table())
     # On a host without CUDA: SGLang's CPU engine with torch-native attention.
     env = {"SGLANG_USE_CPU_ENGINE": "1"} if cpu else {}
     overrides = (("device", "cpu"), ("attention_backend", "torch_native")) if cpu else ()
@@ -556,33 +537,78 @@ _DATA_SCRIPT = textwrap.dedent(
         if attempt == 0:  # as if killed in phase 2 before batch 1 was captured
             for name in ("manifest.json", "b00001.json", "b00001-00.safetensors"):
                 (out / name).unlink()
-    states = [p["state"] for p in ray.util.placement_group_table().values()]
+    states = [p["state"] for k, p in ray.util.placement_group_table().items() if k not in pgs_before]
     print("RESULT", json.dumps({"runs": runs, "placement_groups": states}))
     """
 )
+_DATA_SCRIPT = (
+    textwrap.dedent(
+        """
+    import json, sys
+    from pathlib import Path
+    import ray
+    from pipeline.config import TargetConfig
+
+    model, out, cpu = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "cpu"
+    ray.init(address="local", num_cpus=3, num_gpus=1, include_dashboard=False,
+             _node_ip_address="127.0.0.1",
+             runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
+    """
+    )
+    + _DATA_STAGE
+)
 
 
-def _run_data_script(tiny_target: Path, out: Path, timeout: int) -> tuple[dict, str]:
+# Without sglang: the owner's check, its GPUs given back, then the data stage, on one Ray (one
+# script: a Ray start each cost the suite ~40 s).
+_NO_SGLANG_SCRIPT = (
+    _RAY_SCRIPT
+    + textwrap.dedent(
+        """
+    from pathlib import Path
+    ray.kill(owner)
+    ray.util.remove_placement_group(res.placement_group)
+    model, out, cpu = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "cpu"
+    """
+    )
+    + _DATA_STAGE
+)
+
+
+def _run_script(text: str, tiny_target: Path, out: Path, timeout: int) -> tuple[dict, str]:
+    """Run `text` as a script (tiny_target, out, cpu|gpu): its `TAG {json}` lines by tag, and
+    its stdout."""
     import torch
 
-    script = out.parent / "data_stage.py"
-    script.write_text(_DATA_SCRIPT)
+    script = out.parent / f"run_{out.name}.py"
+    script.write_text(text)
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     device = "gpu" if torch.cuda.is_available() else "cpu"
     proc = subprocess.run(
         [sys.executable, str(script), str(tiny_target), str(out), device],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(line[len("RESULT ") :]), proc.stdout
+    got = {}
+    for ln in proc.stdout.splitlines():
+        tag, _, rest = ln.partition(" ")
+        if tag in ("OWNER", "RESULT"):
+            got[tag] = json.loads(rest)
+    assert "RESULT" in got, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return got, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def no_sglang_run(tiny_target, tmp_path_factory) -> dict:
+    """_NO_SGLANG_SCRIPT's OWNER and RESULT, run once for the module's two tests of it."""
+    if importlib_find("sglang"):
+        pytest.skip("checks the missing-sglang error; sglang is installed here")
+    out = tmp_path_factory.mktemp("no_sglang") / "data"
+    return _run_script(_NO_SGLANG_SCRIPT, tiny_target, out, timeout=400)[0]
 
 
 @pytest.mark.own_cluster  # its script starts a local Ray (conftest: after the shared one)
-def test_data_stage_on_sglang_backend_without_sglang(tiny_target, tmp_path):
-    if importlib_find("sglang"):
-        pytest.skip("checks the missing-sglang error; sglang is installed here")
-    got, _ = _run_data_script(tiny_target, tmp_path / "data", timeout=300)
+def test_data_stage_on_sglang_backend_without_sglang(no_sglang_run):
+    got = no_sglang_run["RESULT"]
     assert list(got["runs"][0]) == ["error"]
     assert "target.backend" in got["runs"][0]["error"]
     assert "pip install '.[sglang]'" in got["runs"][0]["error"]
@@ -601,7 +627,8 @@ def test_data_stage_on_sglang_backend(tiny_target, tmp_path):
     from actors.shards import iter_samples, read_shard, verify_manifest
 
     out = tmp_path / "data"
-    got, stdout = _run_data_script(tiny_target, out, timeout=900)
+    got, stdout = _run_script(_DATA_SCRIPT, tiny_target, out, timeout=900)
+    got = got["RESULT"]
     first, rerun = (r.get("result") or pytest.fail(r["error"]) for r in got["runs"])
     assert "phase 1 (generate): 2 batch(es), 0 already generated" in stdout
     assert "phase 1 (generate): 0 batch(es), 1 already generated" in stdout

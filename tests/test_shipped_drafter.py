@@ -12,6 +12,7 @@ needs the shaped tiny target (on SmolLM2 shifting the ids costs almost nothing).
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import time
@@ -50,7 +51,7 @@ def test_the_shipped_drafter_fits_the_embedded_target():
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.skipif(not vllm_available(), reason="no Python with vllm: make setup-vllm")
-def test_vllm_serves_the_shipped_drafter(ray_local, smollm2_hf, tmp_path):
+def test_vllm_serves_the_shipped_drafter(ray_local, smollm2_hf, smollm2_gguf_lm, tmp_path):
     """vLLM started once, SmolLM2 (fp32) with the shipped drafter: greedy output equal to the
     embedded engine's plain decoding (fp32 greedy: speculation changes nothing), accept length
     above 1.3 and within 3% of the embedded engine's with the same drafter and prompts, the
@@ -58,6 +59,7 @@ def test_vllm_serves_the_shipped_drafter(ray_local, smollm2_hf, tmp_path):
     cached baseline and no restart, and a broken checkpoint refused before any restart."""
     from conftest import free_port
     from test_vllm import complete, pooled
+    from transformers import AutoTokenizer
 
     from actors.chat import prompt_ids
     from actors.engine_server import BaselineCache, DrafterRejected
@@ -65,9 +67,13 @@ def test_vllm_serves_the_shipped_drafter(ray_local, smollm2_hf, tmp_path):
     from actors.vllm_server import baseline_key, deploy_vllm
     from pipeline.config import ServeConfig, TargetConfig
     from serve.bench import bench_endpoint, bench_settings_key, measure_baseline_levels
-    from serve.engine import GenParams, SpecEngine, load_eagle, load_target
+    from serve.engine import GenParams, SpecEngine, load_eagle
 
-    lm, tok = load_target("smollm2", dtype="float32")  # the GGUF itself, not the converted folder
+    # The reference is the GGUF itself as transformers dequantises it (the session's copy, not the
+    # converted folder vLLM loads), copied: the engine reroutes the target's linears and hooks
+    # its layers, and the session's model must stay as it was for the tests after this one.
+    lm = copy.deepcopy(smollm2_gguf_lm).eval()
+    tok = AutoTokenizer.from_pretrained(smollm2_hf)  # the GGUF's tokenizer (test_hf_folder)
     chats = [p.messages for p in load_jsonl_prompts(EVERYDAY)[:4]]
     ids = [prompt_ids(tok, m) for m in chats]
     torch.set_num_threads(1)
