@@ -131,6 +131,7 @@ class SpecServer:
         self.configured = False  # Serve calls reconfigure once right after __init__
         self.traffic = _traffic_log(options.get("traffic"), self.tokenizer)
         self._run.set_max_batch_size(int(options.get("max_batch_size", 8)))
+        self._run.set_batch_wait_timeout_s(float(options.get("batch_wait_s", 0.01)))
         log.info(
             "SpecServer: target %s loaded (%d layers)",
             target["model"],
@@ -485,11 +486,13 @@ def deploy(
     num_cpus: float = 1.0,
     torch_threads: int | None = None,
     max_batch_size: int = 8,
+    batch_wait_s: float = 0.01,
     model_name: str | None = None,
     traffic_dir: str | Path | None = None,
 ) -> Endpoint:
     """Start Serve on serve.host:serve.port and run the engine app with `drafter_dir` (None = no
-    drafter: plain decoding only). Returns where to send OpenAI requests."""
+    drafter: plain decoding only). Returns where to send OpenAI requests. `batch_wait_s`: how long
+    a batch waits for more requests after its first one."""
     s, t = _as_dict(serve_cfg), _as_dict(target_cfg)
     if s.get("engine", "embedded") != "embedded":
         raise ValueError(
@@ -504,6 +507,7 @@ def deploy(
         "num_draft_tokens": s.get("num_draft_tokens"),
         "torch_threads": torch_threads or max(1, int(num_cpus)),
         "max_batch_size": max_batch_size,
+        "batch_wait_s": batch_wait_s,
         "model_name": model_name,
         "traffic": _traffic_options(s, traffic_dir),
     }
