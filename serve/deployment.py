@@ -132,11 +132,8 @@ class SpecServer:
         self.traffic = _traffic_log(options.get("traffic"), self.tokenizer)
         self._run.set_max_batch_size(int(options.get("max_batch_size", 8)))
         self._run.set_batch_wait_timeout_s(float(options.get("batch_wait_s", 0.01)))
-        log.info(
-            "SpecServer: target %s loaded (%d layers)",
-            target["model"],
-            self.engine.target.num_layers,
-        )
+        layers = self.engine.target.num_layers
+        log.info("SpecServer: target %s loaded (%d layers)", target["model"], layers)
 
     @property
     def limits(self) -> Limits:
@@ -491,8 +488,7 @@ def deploy(
     traffic_dir: str | Path | None = None,
 ) -> Endpoint:
     """Start Serve on serve.host:serve.port and run the engine app with `drafter_dir` (None = no
-    drafter: plain decoding only). Returns where to send OpenAI requests. `batch_wait_s`: how long
-    a batch waits for more requests after its first one."""
+    drafter: plain decoding only); a batch waits `batch_wait_s` for mates. Returns its address."""
     s, t = _as_dict(serve_cfg), _as_dict(target_cfg)
     if s.get("engine", "embedded") != "embedded":
         raise ValueError(
