@@ -177,6 +177,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _batch_size(text: str) -> int:
+    """--max-batch-size, refused by argparse (exit 2, the flag named) before any Ray starts."""
+    from serve.config import batch_problem
+
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if problem := batch_problem(n, 0.0):
+        raise argparse.ArgumentTypeError(problem)
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m serve.cli", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -198,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--num-cpus", type=float, default=1.0, help="CPUs the replica reserves")
     s.add_argument("--num-gpus", type=float, default=0.0)
     s.add_argument("--threads", type=int, default=None, help="torch threads in the replica")
-    s.add_argument("--max-batch-size", type=int, default=8)
+    s.add_argument("--max-batch-size", type=_batch_size, default=8, help="requests per batch")
     s.add_argument("--app", default="eagle3", help="Serve application name")
     s.set_defaults(func=cmd_serve)
 

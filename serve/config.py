@@ -4,11 +4,25 @@ benchmark). pipeline/config.py composes them into the one tree the YAML files lo
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 from pydantic import Field
 
 from actors.config import Strict
+
+
+def batch_problem(max_batch_size: int, batch_wait_s: float) -> str | None:
+    """What is wrong with the embedded replica's batching (serve/deployment.py's `deploy()`
+    keywords, the CLI's `--max-batch-size`), or None. Checked before Serve starts because
+    Ray's setters (`set_max_batch_size`, `set_batch_wait_timeout_s`) take any value unchecked."""
+    if type(max_batch_size) is not int or max_batch_size < 1:  # type(): True is no batch size
+        return f"max_batch_size={max_batch_size!r}: a batch holds at least 1 request (default 8)"
+    if type(batch_wait_s) not in (int, float) or not 0 <= batch_wait_s < math.inf:  # NaN too
+        return (
+            f"batch_wait_s={batch_wait_s!r}: seconds a batch waits for mates, >= 0 (default 0.01)"
+        )
+    return None
 
 
 class ServeConfig(Strict):

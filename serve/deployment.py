@@ -46,14 +46,8 @@ from ray import serve
 from actors.cluster import reserved_device
 from actors.engine_server import DrafterRejected
 from actors.sglang_server import deploy_sglang
-from serve.engine import (
-    Generation,
-    SpecEngine,
-    eos_ids,
-    load_eagle,
-    load_target,
-    tree_problem,
-)
+from serve.config import batch_problem
+from serve.engine import Generation, SpecEngine, eos_ids, load_eagle, load_target, tree_problem
 from serve.jobs import _Job, run_isolated
 from serve.shapes import Shape
 from serve.startup import retry, start_serve, wait_http_ready
@@ -497,6 +491,8 @@ def deploy(
     problem = tree_problem(s.get("steps", 3), s.get("topk", 1), s.get("num_draft_tokens"))
     if problem:
         raise ValueError(f"serve.steps/topk/num_draft_tokens: {problem}")
+    if problem := batch_problem(max_batch_size, batch_wait_s):  # before Serve starts
+        raise ValueError(f"deploy(): {problem}")
     options = {
         "steps": s.get("steps", 3),
         "topk": s.get("topk", 1),

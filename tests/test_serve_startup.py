@@ -1,8 +1,9 @@
 """Serve start-up (serve/startup.py): Serve's proxy timeouts reach the controller process and the
 server answers health, a start that cannot succeed gives up after the bounded retries with what
-to try, and the CLI refuses a taken port, before any Ray starts, with a message and no
-traceback. The Serve tests start Serve themselves, so they run on a Ray of their own, after the
-shared one (conftest: `own_cluster`); the CLI test needs no Ray.
+to try, the CLI refuses a taken port, before any Ray starts, with a message and no traceback,
+and bad batching settings are refused, named, before Serve starts. The Serve tests start Serve
+themselves, so they run on a Ray of their own, after the shared one (conftest: `own_cluster`);
+the CLI and batching tests need no Ray.
 
 The busy loop the first test used to run beside it is gone: the proxy failure it was for only
 reproduced at load average 15-30, which one busy loop on 2 cores does not make, so the load could
@@ -117,3 +118,29 @@ def test_cli_serve_on_a_taken_port_exits_with_a_message_before_ray_starts(tiny_t
     assert f"serve.port {port} on 127.0.0.1 is taken" in done.stderr
     assert "what to try" in done.stderr and "Traceback" not in done.stderr
     assert started == [], f"a Ray started before the port check: {started[:5]}"
+
+
+def test_bad_batching_is_refused_naming_it_before_serve_starts(tiny_target, monkeypatch):
+    """A batch of 0 requests or a negative wait: the CLI exits 2 naming --max-batch-size, and
+    `deploy()` raises naming the keyword, both before Serve starts (Ray's setters take anything)."""
+    from serve import deployment
+
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [sys.executable, "-m", "serve.cli", "serve", "--target", str(tiny_target)]
+    done = subprocess.run(
+        [*cmd, "--max-batch-size", "0"], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=120,  # unchecked, it starts a server that never exits
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "argument --max-batch-size: max_batch_size=0" in done.stderr
+    assert "Traceback" not in done.stderr
+
+    def started(*_a, **_k):
+        raise AssertionError("Serve started before the batching was checked")
+
+    monkeypatch.setattr(deployment, "start_serve", started)
+    cfg, target = ServeConfig(port=free_port()), TargetConfig(model=str(tiny_target))
+    for bad, named in (({"batch_wait_s": -1.0}, "batch_wait_s=-1.0"),
+                       ({"max_batch_size": 0}, "max_batch_size=0")):  # fmt: skip
+        with pytest.raises(ValueError, match=named):
+            deployment.deploy(cfg, target, None, **bad)
