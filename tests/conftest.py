@@ -74,7 +74,10 @@ def tiny_llama_config(*, vocab_size: int = 49152, layers: int = 4, hidden: int =
 
 # The two-token target's logit per unit of its deciding feature: the chosen token takes almost
 # all of the probability (e^20 against the other draft-vocab tokens' e^0) wherever the feature
-# is not near 0
+# is not near 0. The drafter learns from the target's softmax: at +-1 against 0 it was nearly
+# uniform over the draft vocab, the signal to learn a few hundredths of the loss, and a
+# closed-loop run once learned nothing (accept_len 1.23 against the 2.4 asked; 1 of 3 suite
+# runs on 2026-12-04).
 TWO_TOKEN_LOGIT = 20.0
 
 
@@ -92,10 +95,7 @@ def build_tiny_llama(
     `two_tokens` (a, b): the target only ever answers a or b, by the sign of one feature of its
     last hidden state. A random target's answers are a chaotic function of the context that a
     drafter needs many steps to learn; this one's take a few, so loop tests can tell a trained
-    drafter from a broken one. Its head is sharp (TWO_TOKEN_LOGIT): the drafter learns from the
-    target's softmax, and with logits of +-1 against 0 that softmax was nearly uniform over the
-    draft vocab, so the signal to learn was a few hundredths of the loss and a closed-loop run
-    once learned nothing (accept_len 1.23 against the 2.4 asked; 1 of the 3 suite runs of 2026-12-04)."""
+    drafter from a broken one. Its head is sharp (TWO_TOKEN_LOGIT says why)."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     torch.manual_seed(seed)
