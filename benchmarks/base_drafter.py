@@ -86,6 +86,8 @@ def gen(a: argparse.Namespace) -> None:
     log(self_check=self_check(t, [ids[i] for i in keep[:8]], aux))
     order = sorted(keep, key=lambda i: len(ids[i]))  # short first: smaller attention windows
     eos = list(t.info().eos_token_ids)
+    if a.replies == "dataset":  # the way many public drafters are built: another model's text
+        return _dataset_samples(a, t, pool, ids, order, aux, eos)
     dec = BatchDecoder(t.model, a.rows, a.max_prompt_tokens + a.max_new_tokens, eos)
     replies, st = dec.generate([ids[i] for i in order], a.max_new_tokens)
     ended = sum(bool(r) and r[-1] in eos for r in replies)
@@ -95,6 +97,35 @@ def gen(a: argparse.Namespace) -> None:
              "prompt_tokens": sum(len(ids[i]) for i in order)}  # fmt: skip
     log(gen=stats)
     samples = [{"prompt": ids[i], "reply": r, "source": pool[i].get("source", "?")} for i, r in zip(order, replies, strict=True)]  # fmt: skip
+    torch.save({"aux": aux, "eos": eos, "samples": samples}, a.out / "samples.pt")
+    (a.out / "gen.json").write_text(json.dumps(stats))
+
+
+def _dataset_samples(a, t, pool: list, ids: list, order: list, aux: list, eos: list) -> None:
+    """`gen --replies dataset`: each prompt's reply is its source's own (a ShareGPT answer,
+    written by another model), templated as the server would show it, cut at
+    `--max-new-tokens`; prompts whose source has no reply are left out. Nothing is generated:
+    the training captures the target's states over these tokens."""
+    from actors.chat import encode_conversation
+
+    samples, cut = [], 0
+    for i in order:
+        reply = pool[i].get("reply")
+        if not reply:
+            continue
+        full, mask = encode_conversation(
+            t.tokenizer, pool[i]["messages"] + [{"role": "assistant", "content": reply}], 1 << 20
+        )
+        p = ids[i]
+        last = max((j for j, m in enumerate(mask) if m), default=-1)
+        if full[: len(p)] != p or last < len(p):
+            continue  # the template renders this reply's prompt differently: not comparable
+        r = full[len(p) : last + 1]
+        cut += len(r) > a.max_new_tokens
+        samples.append({"prompt": p, "reply": r[: a.max_new_tokens], "source": pool[i].get("source", "?")})  # fmt: skip
+    stats = {"prompts": len(samples), "replies": "dataset", "reply_tokens": sum(len(s["reply"]) for s in samples),
+             "cut_at_max_new_tokens": cut, "prompt_tokens": sum(len(s["prompt"]) for s in samples)}  # fmt: skip
+    log(gen=stats)
     torch.save({"aux": aux, "eos": eos, "samples": samples}, a.out / "samples.pt")
     (a.out / "gen.json").write_text(json.dumps(stats))
 
@@ -204,6 +235,13 @@ def main() -> None:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--pool", type=Path)
     ap.add_argument("--limit", type=int, default=0, help="first N pool prompts (0: all)")
+    ap.add_argument(
+        "--replies",
+        choices=["target", "dataset"],
+        default="target",
+        help="gen: the target regenerates every reply (on-policy), or each prompt keeps its "
+        "source's own reply (ShareGPT's; off-policy, as many public drafters are trained)",
+    )
     ap.add_argument("--rows", type=int, default=512)
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--max-new-tokens", type=int, default=256)

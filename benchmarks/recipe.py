@@ -101,6 +101,20 @@ def scratch_trainee(
     return Trainee(drafter, module, autocast, soft, torch.device(device))
 
 
+def drafter_trainee(target: str, init: str | Path, device) -> Trainee:
+    """An existing drafter (SGLang folder) as the loop fine-tunes it: its own vocab map and
+    weights, the target's embedding and lm_head for the soft labels."""
+    from eagle3.checkpoint import load_drafter
+    from eagle3.model import drafter_from_state
+
+    tens = load_target_tensors(target)
+    cfg, state = load_drafter(init)
+    drafter = drafter_from_state(cfg, state, tens["embed"].float()).to(device)
+    module, autocast, dt = parallelize(drafter, device, "auto")
+    soft = SoftTargets(tens["lm_head"], drafter.d2t, drafter.t2d, dt or torch.float32, device)
+    return Trainee(drafter, module, autocast, soft, torch.device(device))
+
+
 def epoch_order(bins: int, epoch: int) -> list[int]:
     """The bins of one epoch, shuffled with the epoch as seed: the order these scripts have
     always used (drafters/smollm2-135m-base was trained in it, so its build reproduces)."""

@@ -324,6 +324,21 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.op
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
 
+class Anchor:
+    """L2-SP: `weight` x the squared distance of every trainable parameter from where training
+    started, added to the loss. Fine-tuning a trained drafter on a few thousand samples pulls it
+    toward them and away from what it knew (over-specialising); the anchor keeps it near its
+    start unless the data pays for the move. Built after wrapping (DDP/FSDP), so each rank
+    anchors the parameters it holds."""
+
+    def __init__(self, module: nn.Module, weight: float):
+        self.weight = weight
+        self.start = [(p, p.detach().clone()) for p in module.parameters() if p.requires_grad]
+
+    def __call__(self) -> Tensor:
+        return self.weight * sum(((p - p0) ** 2).sum() for p, p0 in self.start)
+
+
 def lr_factor(step: int, total: int, warmup_ratio: float, final: float = 0.1) -> float:
     """Linear warmup over ceil(warmup_ratio·total) steps, then cosine from 1 down to `final`."""
     warm = math.ceil(warmup_ratio * total)
@@ -378,12 +393,14 @@ def train_step(
     ttt_length: int,
     grad_clip: float,
     autocast: torch.dtype | None,
+    anchor: Anchor | None = None,
 ) -> StepOut:
     """Soft labels once for the batch (every TTT step reads shifts of them), forward + backward
-    of the TTT loss, clip, AdamW, scheduler. `module` is a TTTModule, possibly DDP/FSDP-wrapped."""
+    of the TTT loss (plus the anchor's pull, when fine-tuning), clip, AdamW, scheduler. `module`
+    is a TTTModule, possibly DDP/FSDP-wrapped. The reported loss is the TTT loss alone."""
     target_p, valid = soft(batch)
     out = _forward(module, batch, target_p, valid, ttt_length, autocast)
-    out.loss.backward()
+    (out.loss + anchor() if anchor is not None and anchor.weight else out.loss).backward()
     norm = torch.nn.utils.clip_grad_norm_(
         [p for p in module.parameters() if p.grad is not None], grad_clip
     )

@@ -67,12 +67,40 @@ class DrafterConfig(_Strict):
         return self.init
 
 
+class FinetuneConfig(_Strict):
+    """The recipe of a round that starts from a trained drafter (`drafter.init` names one, or any
+    round after the first): gentle and anchored to where it started, so a few thousand samples
+    fit the drafter to its target without erasing what it knew. Chosen from a measured sweep
+    (docs/training.md, "Fine-tuning a trained drafter"). Training from scratch uses the
+    section's top-level settings."""
+
+    lr: float = Field(1e-4, gt=0)
+    """Peak learning rate (the scratch rate is several times this)."""
+    warmup_ratio: float = Field(0.1, ge=0, lt=1)
+    """Linear warmup fraction: a trained drafter's first steps with fresh AdamW moments are the
+    ones that knock it furthest."""
+    anchor: float = Field(1e-2, ge=0)
+    """L2-SP weight: the loss adds anchor x the squared distance of the weights from the start
+    (DDP only; 0 = off)."""
+    epochs: int | None = Field(None, ge=1)
+    """Passes over the data; None = `train.epochs`."""
+    ttt_length: int | None = Field(None, ge=1)
+    """TTT steps; None = `train.ttt_length`."""
+
+
 class TrainConfig(_Strict):
-    def for_round(self, r: int, seconds: float | None = None) -> TrainConfig:
-        """This section with round r's epochs in `epochs` and the budget plan's time box (what
-        the workers run)."""
+    def for_round(
+        self, r: int, seconds: float | None = None, from_drafter: bool = False
+    ) -> TrainConfig:
+        """This section as round r's workers run it: the fine-tuning recipe when the round
+        starts from a trained drafter (`from_drafter`), round 0's epochs, the budget plan's time
+        box. The one place that decides which recipe a round trains with."""
         update: dict[str, Any] = {}
-        if r == 0 and self.first_round_epochs is not None:
+        ft = self.finetune
+        if from_drafter and ft is not None:
+            update.update(lr=ft.lr, warmup_ratio=ft.warmup_ratio, anchor=ft.anchor)
+            update.update({k: v for k in ("epochs", "ttt_length") if (v := getattr(ft, k))})
+        elif r == 0 and self.first_round_epochs is not None:
             update["epochs"] = self.first_round_epochs
         if seconds is not None:
             update["max_seconds"] = seconds
@@ -128,6 +156,12 @@ class TrainConfig(_Strict):
     patience: int | None = Field(None, ge=1)
     """Stop a round's training after this many held-out evaluations in a row without a new best
     simulated acceptance (loss keeps falling after acceptance peaks); None = never early."""
+    finetune: FinetuneConfig | None = FinetuneConfig()
+    """The recipe of rounds that start from a trained drafter (`for_round`); None = every
+    round trains with the settings above."""
+    anchor: float = Field(0.0, ge=0)
+    """L2-SP weight toward the starting weights, as the workers run it: `finetune.anchor` when
+    the round fine-tunes (set by `for_round`); from scratch there is no start to keep."""
     max_seconds: float | None = Field(None, gt=0)
     """Time box of a round's training: after its first steps the workers fix the step count
     that fits (at most `epochs`), and the LR schedule decays over it. None = `epochs` decide.

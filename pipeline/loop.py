@@ -388,7 +388,7 @@ def _train(
     if r > 0:  # keep learning from the drafter that serves (the last one the gate promoted)
         init = _serving_drafter(state) or state.rounds[r - 1].drafter_dir
     res = run_train(
-        cfg=cfg.model_copy(update={"train": cfg.train.for_round(r, seconds)}),
+        cfg=cfg.model_copy(update={"train": cfg.train.for_round(r, seconds, init != "scratch")}),
         data_dirs=data_dirs,
         init=init,
         out_dir=RunDir(run_dir).train(r),
@@ -399,6 +399,12 @@ def _train(
         tracker.log(child, {f"train/{k}": v for k, v in metrics.items()}, step=step)
     tracker.log(child, {f"train/final_{k}": v for k, v in (rec.get("final_metrics") or {}).items()})
     tracker.log(child, {f"train/eval_{k}": v for k, v in (rec.get("eval_metrics") or {}).items()})
+    start = rec.get("start_eval_metrics") or {}
+    tracker.log(child, {f"train/start_eval_{k}": v for k, v in start.items()})
+    tracker.log(child, {"train/kept_start": float(bool(rec.get("kept_start")))})
+    if rec.get("kept_start"):
+        log.info("round %d: no trained state beat the drafter it started from (held-out sim "
+                 "%.3f); it is exported unchanged", r, start.get("sim_accept_len", 0.0))  # fmt: skip
     tracker.log_artifact(child, Path(rec["drafter_dir"]), "drafter")
     return rec
 

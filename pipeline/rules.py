@@ -32,6 +32,9 @@ def round_row(index: int, done: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "champion_accept_len": (done.get("gate") or {}).get("champion_accept_len"),
         "traffic_records": (done.get("generate") or {}).get("traffic_records", 0),
         "predicted_accept_len": (done.get("gate") or {}).get("predicted_accept_len"),
+        # the drafter the round started from, on the same held-out samples (fine-tuning only)
+        "predicted_start_accept_len": (train.get("start_eval_metrics") or {}).get("sim_accept_len"),
+        "kept_start": bool(train.get("kept_start")),
         "stage_s": {k: round(v["wall_s"], 1) for k, v in done.items() if "wall_s" in v},
     }
 
@@ -57,9 +60,31 @@ def costs(rows: list[dict[str, Any]], cpus: int, gpus: int) -> dict[str, Any]:
         (r["predicted_accept_len"], r["accept_len"]) for r in rows if r.get("predicted_accept_len")
     ]
     err = sum(abs(p - a) for p, a in pairs) / len(pairs) if pairs else None
+    # Each round's start counts too: the drafter it started from, simulated on the round's
+    # held-out samples, against what the benchmark measured for that drafter.
+    ranked = pairs + [
+        (r["predicted_start_accept_len"], r["champion_accept_len"])
+        for r in rows
+        if r.get("predicted_start_accept_len") and r.get("champion_accept_len")
+    ]
     return {"cpus": cpus, "gpus": gpus, "per_round": per_round,
             "sim_accept_mean_abs_error": None if err is None else round(err, 4),
-            "sim_accept_pairs": [[round(p, 3), round(a, 3)] for p, a in pairs]}  # fmt: skip
+            "sim_accept_pairs": [[round(p, 3), round(a, 3)] for p, a in pairs],
+            "sim_rank_agreement": kendall_tau(ranked), "sim_rank_pairs": len(ranked)}  # fmt: skip
+
+
+def kendall_tau(pairs: list[tuple[float, float]]) -> float | None:
+    """Rank agreement of (predicted, measured) pairs: +1 when the simulation orders the drafters
+    as the benchmark does, -1 when it reverses them; None below 2 pairs. Ties count neither way."""
+    n = len(pairs)
+    if n < 2:
+        return None
+    score = 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            dp, da = pairs[i][0] - pairs[j][0], pairs[i][1] - pairs[j][1]
+            score += (dp * da > 0) - (dp * da < 0)
+    return round(score / (n * (n - 1) / 2), 4)
 
 
 def required_accept_len(stop: StopConfig, bench: dict[str, Any]) -> float | None:
@@ -119,13 +144,15 @@ def stop_reason(
 def format_table(rows: list[dict[str, Any]]) -> str:
     """One line per round: accept_len overall and per domain (held-out prompts), speed and
     speedup of the configured shape, the serving shape chosen and its speedup (`served`), the
-    training tokens, the traffic records learnt from, and whether the round was promoted."""
+    training tokens, the traffic records learnt from, the held-out simulation of the drafter
+    the round started from and of the one it exports (`sim`; `kept` when no trained state beat
+    the start, which is then exported unchanged), and whether the round was promoted."""
     domains = list(dict.fromkeys(d for r in rows for d in r.get("domains") or {}))
     head = (
         f"{'round':>5} {'accept_len':>10} "
         + "".join(f"{d[:9]:>10}" for d in domains)
         + f" {'tok/s':>7} {'speedup':>7} {'shape':>11} {'served':>6} {'train_tok':>9}"
-        + f" {'traffic':>7} {'promoted':>8}"
+        + f" {'traffic':>7} {'sim start>end':>13} {'promoted':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -134,10 +161,19 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{r['round']:>5} {r['accept_len']:>10.3f} {doms} {r['tok_per_s']:>7.1f} "
             f"{r['speedup']:>7.2f} {r.get('shape') or '-':>11} "
             f"{r.get('served_speedup') or r['speedup']:>6.2f} {r['train_tokens']:>9} "
-            f"{r.get('traffic_records', 0):>7} "
+            f"{r.get('traffic_records', 0):>7} {_sim_cell(r):>13} "
             f"{'yes' if r.get('promoted', True) else 'no':>8}"
         )
     return "\n".join(lines)
+
+
+def _sim_cell(r: dict[str, Any]) -> str:
+    start, end = r.get("predicted_start_accept_len"), r.get("predicted_accept_len")
+    if r.get("kept_start") and start:
+        return f"{start:.2f} kept"
+    if start and end:
+        return f"{start:.2f}>{end:.2f}"
+    return f"{end:.2f}" if end else "-"
 
 
 # ---- the promotion gate and the collapse check -------------------------------------------------

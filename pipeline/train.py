@@ -13,7 +13,8 @@ Workers (`train_worker`, pipeline/train_worker.py): read their share of the shar
 evaluate, checkpoint through `ray.train.report` and resume; see that module.
 
 Output folder:
-    <out>/init/           vocab_map.safetensors (scratch) or drafter/ (existing drafter, as loaded)
+    <out>/init/           vocab_map.safetensors (scratch) or drafter/ (existing drafter, as loaded,
+                          fp32) and given/ (its files as they came)
     <out>/metrics.jsonl   one JSON line per step ({"step", loss, acc_i, lr, tok_per_s, ...}) and per
                           eval ({"step", eval_loss, eval_acc_i, ...}); rewritten past the resumed step
     <out>/events.jsonl    one line per worker-group start: {"start_step": ..} (resumes show here)
@@ -66,6 +67,8 @@ class TrainResult:
     resumed_from: tuple[int, ...] = ()  # steps the run restarted from (failures, restarts)
     best_step: int = 0  # the step the exported drafter is from
     last_eval_metrics: dict[str, float] = field(default_factory=dict)  # the last evaluation
+    kept_start: bool = False  # no trained state beat the drafter given: its files, as they came
+    start_eval_metrics: dict[str, float] = field(default_factory=dict)  # step 0's ({}: scratch)
 
 
 class TrainInputError(ValueError):
@@ -287,10 +290,11 @@ def _write_vocab_map(paths: list[str], drafter: dict[str, Any], init_dir: Path) 
 
 def _copy_existing(init: str, info, aux_ids: list[int], dest: Path) -> dict[str, Any]:
     """Load an existing drafter (folder or repo id), check it against the target and the data,
-    and keep a local copy (fp32, d2t/t2d untouched) that every worker loads."""
+    and keep a local copy (fp32, d2t/t2d untouched) that every worker loads, beside the files as
+    they came (`given/`: what a round exports when no trained state beats its start)."""
     import shutil
 
-    from eagle3.checkpoint import load_drafter, save_drafter
+    from eagle3.checkpoint import load_drafter, local_or_download, save_drafter
 
     if init == "previous":
         raise TrainInputError(
@@ -314,9 +318,18 @@ def _copy_existing(init: str, info, aux_ids: list[int], dest: Path) -> dict[str,
         )
     if problems:
         raise TrainInputError("cannot fine-tune:\n  " + "\n  ".join(problems))
-    if dest.exists():
-        shutil.rmtree(dest)
+    given = dest.parent / "given"
+    for d in (dest, given):
+        if d.exists():
+            shutil.rmtree(d)
     save_drafter(state, dcfg, dest, dtype=torch.float32)
+    src = local_or_download(
+        init, None, ["config.json", "*.safetensors", "*.safetensors.index.json"]
+    )
+    given.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name == "config.json" or ".safetensors" in f.name:
+            shutil.copy2(f, given / f.name)
     return dcfg.as_dict()
 
 
@@ -352,7 +365,8 @@ def main(argv: list[str] | None = None) -> TrainResult:
     from actors.cluster import start_ray
 
     start_ray(cfg.runtime_env)
-    cfg = cfg.model_copy(update={"train": cfg.train.for_round(0)})  # a list of epochs: the first
+    from_drafter = (args.init or cfg.drafter.init) != "scratch"
+    cfg = cfg.model_copy(update={"train": cfg.train.for_round(0, from_drafter=from_drafter)})
     res = run_train(cfg, args.data, args.out, init=args.init)
     _say(json.dumps(dataclasses.asdict(res)))
     return res

@@ -25,6 +25,7 @@ import torch
 
 from actors.files import atomic_write
 from eagle3.train_step import (
+    Anchor,
     ShardSet,
     SoftTargets,
     eval_metrics,
@@ -97,6 +98,8 @@ def train_worker(config: dict[str, Any]) -> None:
         plan.total = min(plan.total, boxed)
     opt = make_optimizer(module, tc.lr, tc.weight_decay)
     sched = make_scheduler(opt, plan.total, tc.warmup_ratio)
+    # Before the resume: the anchor holds the weights the round was given, not a checkpoint's.
+    anchor = Anchor(module, tc.anchor) if tc.anchor and job.init == "drafter" else None
     step = _resume(module, opt, sched)
     start, first = time.perf_counter(), step
     # After the resume: soft labels use the vocab map the checkpoint restored.
@@ -112,6 +115,13 @@ def train_worker(config: dict[str, Any]) -> None:
 
     best = Best(Path(job.out_dir), rank == 0, device)
     stale = 0  # evaluations since the last new best (a resumed attempt starts counting afresh)
+    if job.init == "drafter" and step == 0 and plan.eval_refs:
+        # The drafter given is the first candidate: a round exports it unchanged unless a
+        # trained state beats it on the same held-out measure.
+        m = mlog.eval(0, 0, _evaluate(module, plan, soft, tc, autocast, device))
+        best.offer(0, m["sim_accept_len"], module, drafter)
+        if rank == 0:
+            _say(f"[train] step 0 (the drafter given): sim_accept {m['sim_accept_len']:.3f}")
     while step < plan.total:
         if tc.max_seconds and not boxed and step - first == PROBE_STEPS:
             boxed = _fix_total(
@@ -121,7 +131,9 @@ def train_worker(config: dict[str, Any]) -> None:
         epoch, i = divmod(step, plan.steps_per_epoch)
         batch = plan.batch(i, epoch).to(device)
         t0 = time.perf_counter()
-        res = train_step(module, batch, soft, opt, sched, tc.ttt_length, tc.grad_clip, autocast)
+        res = train_step(
+            module, batch, soft, opt, sched, tc.ttt_length, tc.grad_clip, autocast, anchor
+        )
         sums = torch.tensor([res.loss, res.tokens, *res.correct, *res.counted], dtype=torch.float64)
         step += 1
         mlog.train(
@@ -141,7 +153,7 @@ def train_worker(config: dict[str, Any]) -> None:
             _checkpoint(module, opt, sched, step, mlog.last)
         if job.crash_at_step == step and rank == world - 1:
             _crash_once(Path(job.out_dir), step)
-    _export(module, drafter, Path(job.out_dir), rank, mlog, plan.train_tokens, plan.total, best)
+    _export(module, drafter, Path(job.out_dir), rank, mlog, plan, best, job.init == "drafter")
 
 
 @dataclass
@@ -332,6 +344,11 @@ def _build(job: TrainJob, tc: TrainConfig, tensors: dict, device: torch.device):
     drafter = drafter.to(device)
     if tc.fsdp and device.type != "cuda":
         _say("[train] train.fsdp needs GPUs (FSDP2 over NCCL); falling back to DDP on CPU")
+    elif tc.fsdp and tc.anchor and job.init == "drafter":
+        raise ValueError(
+            f"train.finetune.anchor: {tc.anchor} needs DDP (FSDP2 shards the weights it anchors); "
+            "set train.fsdp: false, or train.finetune.anchor: 0"
+        )
     # one row length for the whole run (the budget): each new length recompiles the fast path
     module, autocast, dt = parallelize(drafter, device, tc.precision, tc.fsdp, tc.tokens_per_batch)
     return module, drafter, autocast, dt
@@ -417,13 +434,14 @@ def _export(
     out: Path,
     rank: int,
     mlog: MetricsLog,
-    train_tokens: int,
-    total: int,
+    plan: Plan,
     best: Best,
+    from_drafter: bool,
 ) -> None:
     """Rank 0 writes the drafter (SGLang format) and result.json: the best one by held-out
     simulated acceptance when evaluated, else the last; the last state is gathered on every rank
-    first (a collective under FSDP)."""
+    first (a collective under FSDP). When the best is the drafter the round was given (step 0),
+    its files are copied as they came (`kept_start`)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from eagle3.checkpoint import save_drafter
@@ -437,19 +455,39 @@ def _export(
     dest = out / "drafter"
     if dest.exists():
         shutil.rmtree(dest)  # a re-run after completion rewrites the same weights
-    if best.dir.is_dir():
+    evals = [m for m in mlog.read() if "eval_loss" in m]
+    kept = from_drafter and best.dir.is_dir() and best.step == 0
+    if kept:
+        shutil.copytree(out / "init" / "given", dest)
+        after = max((m for m in evals if m["step"] > 0), key=lambda m: m["eval_sim_accept_len"], default=None)  # fmt: skip
+        _say(
+            f"[train] no trained state beat the start (sim_accept {best.score:.3f} at step 0"
+            + (
+                f"; best after training {after['eval_sim_accept_len']:.3f} at step {after['step']}"
+                if after
+                else ""
+            )  # fmt: skip
+            + "): exporting the starting drafter unchanged"
+        )
+    elif best.dir.is_dir():
         shutil.copytree(best.dir, dest)
     else:
         save_drafter(state, drafter.cfg, dest)
     train_lines = [m for m in mlog.read() if "loss" in m]
     secs = sum(m["step_s"] for m in train_lines)
     toks = sum(m["tokens"] for m in train_lines)
-    evals = [m for m in mlog.read() if "eval_loss" in m]
     chosen = [m for m in evals if m["step"] == best.step] or evals
+    start = [m for m in evals if m["step"] == 0 and from_drafter]
     rec = {
         "drafter_dir": str(dest),
-        "train_tokens": int(train_tokens),
-        "steps": total,
+        "kept_start": kept,
+        "start_eval_metrics": {
+            k.removeprefix("eval_"): v
+            for k, v in (start[-1] if start else {}).items()
+            if k.startswith("eval_")
+        },
+        "train_tokens": int(plan.train_tokens),
+        "steps": plan.total,
         "tok_per_s": toks / secs if secs else 0.0,
         "final_metrics": {
             k: v
@@ -461,7 +499,7 @@ def _export(
             for k, v in (chosen[-1] if chosen else {}).items()
             if k.startswith("eval_")
         },
-        "best_step": best.step if best.dir.is_dir() else total,
+        "best_step": best.step if best.dir.is_dir() else plan.total,
         "last_eval_metrics": {
             k.removeprefix("eval_"): v
             for k, v in (evals[-1] if evals else {}).items()

@@ -10,7 +10,7 @@ for _dep in ("mlflow", "pydantic"):  # bare GPU host (torch only): skip
 import mlflow  # noqa: E402
 
 from pipeline.config import StopConfig, TrackingConfig
-from pipeline.rules import stop_reason
+from pipeline.rules import costs, kendall_tau, stop_reason
 from pipeline.state import RunState
 from pipeline.tracking import Tracker
 
@@ -35,6 +35,19 @@ def test_stop_rules_in_order():
     assert stop_reason(s2, rows(1.5), BENCH, 30, None) is None
     got = stop_reason(s2, rows(1.5), BENCH, 30, "stop.max_wall_minutes: 30 s left")
     assert got == "budget: the next round does not fit: stop.max_wall_minutes: 30 s left"
+
+
+def test_the_simulations_rank_agreement_with_the_benchmark():
+    assert kendall_tau([(1.8, 2.1)]) is None
+    assert kendall_tau([(1.8, 2.1), (1.9, 2.4), (2.0, 2.5)]) == 1.0
+    assert kendall_tau([(1.8, 2.5), (1.9, 2.4)]) == -1.0
+    # round 1 started from round 0's drafter (sim 1.83, served 2.12) and exported one at 1.87
+    # that served 2.30: two pairs, ordered alike
+    rows = [{"round": 0, "accept_len": 2.12, "wall_s": 60.0},
+            {"round": 1, "accept_len": 2.30, "wall_s": 60.0, "predicted_accept_len": 1.87,
+             "predicted_start_accept_len": 1.83, "champion_accept_len": 2.12}]  # fmt: skip
+    c = costs(rows, 2, 0)
+    assert c["sim_rank_agreement"] == 1.0 and c["sim_rank_pairs"] == 2
 
 
 def test_tok_per_s_goal_uses_the_planner():

@@ -1,5 +1,5 @@
-"""The base drafter shipped in the repository (drafters/smollm2-135m-base, the demo's
-`drafter.init`): it fits the embedded target by the compat check, keeps the format's size and
+"""The drafters shipped in the repository (drafters/smollm2-135m-base, the on-policy base the
+GPU configs start from, and drafters/smollm2-135m-offpolicy, the demo's `drafter.init`): each fits the embedded target by the compat check, keeps the format's size and
 sharing rules, and is what the suite's first vLLM start serves.
 
 vLLM starts once here (about 40 s+ on 2 cores): SmolLM2 (fp32, the session's converted HF folder
@@ -24,13 +24,15 @@ from safetensors import safe_open
 
 from actors.vllm_server import vllm_available
 
-BASE = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m-base"
+DRAFTERS = Path(__file__).resolve().parents[1] / "drafters"
+SHIPPED = [DRAFTERS / "smollm2-135m-base", DRAFTERS / "smollm2-135m-offpolicy"]
 EVERYDAY = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "everyday.jsonl"
 STEPS = 3
 MAX_TOKENS = 32
 
 
-def test_the_shipped_drafter_fits_the_embedded_target():
+@pytest.mark.parametrize("BASE", SHIPPED, ids=lambda p: p.name)
+def test_the_shipped_drafter_fits_the_embedded_target(BASE):
     from eagle3.compat import check_compat
 
     rep = check_compat(BASE, "smollm2")
@@ -51,7 +53,8 @@ def test_the_shipped_drafter_fits_the_embedded_target():
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.skipif(not vllm_available(), reason="no Python with vllm: make setup-vllm")
-def test_vllm_serves_the_shipped_drafter(ray_local, smollm2_hf, smollm2_gguf_lm, tmp_path):
+@pytest.mark.parametrize("BASE", SHIPPED, ids=lambda p: p.name)
+def test_vllm_serves_the_shipped_drafter(BASE, ray_local, smollm2_hf, smollm2_gguf_lm, tmp_path):
     """vLLM started once, SmolLM2 (fp32) with the shipped drafter: greedy output equal to the
     embedded engine's plain decoding (fp32 greedy: speculation changes nothing), accept length
     above 1.3 and within 3% of the embedded engine's with the same drafter and prompts, the

@@ -352,3 +352,29 @@ def test_one_gpu_worker_trains_over_nccl_and_exports(ray_module, target_and_data
         state["fc.weight"].dtype == torch.bfloat16
         and not torch.isnan(state["fc.weight"].float()).any()
     )
+
+
+@pytest.mark.slow
+def test_a_round_whose_training_only_hurts_exports_its_start_unchanged(
+    ray_module, target_and_data, tmp_path
+):
+    """A round starts from a drafter that already fits (trained here first) and trains at a
+    learning rate that wrecks it: the starting drafter is evaluated at step 0, no later state
+    beats it, and the round exports the files it was given, byte for byte (`kept_start`)."""
+    target, data = target_and_data
+    start = run_train(config(target, epochs=6), [data], tmp_path / "start")
+    given = Path(start.drafter_dir)
+    res = run_train(
+        config(target, epochs=2, lr=3.0, warmup_ratio=0.0, eval_every=2),
+        [data],
+        tmp_path / "hurt",
+        init=str(given),
+    )
+    evals = [m for m in read_jsonl(Path(res.metrics_file)) if "eval_loss" in m]
+    assert evals[0]["step"] == 0 and len(evals) > 2
+    first = evals[0]["eval_sim_accept_len"]
+    assert all(m["eval_sim_accept_len"] < first for m in evals[1:]), evals
+    assert res.kept_start and res.best_step == 0
+    assert res.start_eval_metrics["sim_accept_len"] == first
+    for f in ("config.json", "model.safetensors"):
+        assert (Path(res.drafter_dir) / f).read_bytes() == (given / f).read_bytes()
