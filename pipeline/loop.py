@@ -45,6 +45,7 @@ from pipeline.rules import (
     format_table,
     promote,
     round_row,
+    sim_vs_bench,
     stop_reason,
 )
 from pipeline.state import Clock, RunState, write_json_atomic, write_text_atomic
@@ -387,8 +388,9 @@ def _train(
     init = cfg.drafter.resolved_init()
     if r > 0:  # keep learning from the drafter that serves (the last one the gate promoted)
         init = _serving_drafter(state) or state.rounds[r - 1].drafter_dir
+    tc = cfg.train.for_round(r, seconds, from_drafter=init != "scratch")  # the recipe it takes
     res = run_train(
-        cfg=cfg.model_copy(update={"train": cfg.train.for_round(r, seconds, init != "scratch")}),
+        cfg=cfg.model_copy(update={"train": tc}),
         data_dirs=data_dirs,
         init=init,
         out_dir=RunDir(run_dir).train(r),
@@ -620,6 +622,7 @@ def _write_summary(state: RunState, run_dir: Path) -> dict[str, Any]:
     rows = _rows(state)
     summary = {"rounds": rows, "stopped_because": state.stopped_because, "champion": state.champion,
                "elapsed_s": round(state.elapsed_s, 1), "costs": costs(rows, *_machine()),
+               "sim_vs_bench": sim_vs_bench(rows),
                "plans": [rs.done["plan"] for rs in state.rounds if rs.is_done("plan")]}  # fmt: skip
     write_json_atomic(RunDir(run_dir).summary, summary)
     return summary

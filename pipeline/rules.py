@@ -31,7 +31,8 @@ def round_row(index: int, done: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "promoted": (done.get("gate") or {}).get("promoted", True),
         "champion_accept_len": (done.get("gate") or {}).get("champion_accept_len"),
         "traffic_records": (done.get("generate") or {}).get("traffic_records", 0),
-        "predicted_accept_len": (done.get("gate") or {}).get("predicted_accept_len"),
+        # training's held-out simulation of the drafter it exported (the gate reads the same)
+        "predicted_accept_len": (train.get("eval_metrics") or {}).get("sim_accept_len"),
         # the drafter the round started from, on the same held-out samples (fine-tuning only)
         "predicted_start_accept_len": (train.get("start_eval_metrics") or {}).get("sim_accept_len"),
         "kept_start": bool(train.get("kept_start")),
@@ -60,17 +61,32 @@ def costs(rows: list[dict[str, Any]], cpus: int, gpus: int) -> dict[str, Any]:
         (r["predicted_accept_len"], r["accept_len"]) for r in rows if r.get("predicted_accept_len")
     ]
     err = sum(abs(p - a) for p, a in pairs) / len(pairs) if pairs else None
-    # Each round's start counts too: the drafter it started from, simulated on the round's
-    # held-out samples, against what the benchmark measured for that drafter.
-    ranked = pairs + [
-        (r["predicted_start_accept_len"], r["champion_accept_len"])
+    return {"cpus": cpus, "gpus": gpus, "per_round": per_round,
+            "sim_accept_mean_abs_error": None if err is None else round(err, 4),
+            "sim_accept_pairs": [[round(p, 3), round(a, 3)] for p, a in pairs]}  # fmt: skip
+
+
+def sim_vs_bench(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each round's exported drafter as training's held-out simulation predicted it and as the
+    benchmark measured it (`rounds`), the drafter each fine-tuning round started from likewise
+    (`starts`: its simulation on the round's held-out samples against the serving drafter's
+    benchmark), and whether the simulation ranks them all as the benchmark does: the export
+    picks by the simulation, so a poor rank agreement means it picks blind."""
+    both = [
+        (r["round"], r["predicted_accept_len"], r["accept_len"])
+        for r in rows
+        if r.get("predicted_accept_len") is not None and r.get("accept_len") is not None
+    ]
+    starts = [
+        (r["round"], r["predicted_start_accept_len"], r["champion_accept_len"])
         for r in rows
         if r.get("predicted_start_accept_len") and r.get("champion_accept_len")
     ]
-    return {"cpus": cpus, "gpus": gpus, "per_round": per_round,
-            "sim_accept_mean_abs_error": None if err is None else round(err, 4),
-            "sim_accept_pairs": [[round(p, 3), round(a, 3)] for p, a in pairs],
-            "sim_rank_agreement": kendall_tau(ranked), "sim_rank_pairs": len(ranked)}  # fmt: skip
+    return {
+        "rounds": [[i, round(p, 3), round(a, 3)] for i, p, a in both],
+        "starts": [[i, round(p, 3), round(a, 3)] for i, p, a in starts],
+        "rank_agreement": kendall_tau([(p, a) for _, p, a in both + starts]),
+    }
 
 
 def kendall_tau(pairs: list[tuple[float, float]]) -> float | None:

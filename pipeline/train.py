@@ -170,6 +170,13 @@ def prepare(
         problems.append(
             f"{[str(d) for d in data_dirs]}: no samples with loss tokens; rerun the generate stage"
         )
+    tc = cfg.train
+    if init != "scratch" and tc.use_gpu and tc.fsdp and tc.anchor:
+        # the workers refuse it too (`_build`); here it fails before Ray starts and retries them
+        problems.append(
+            f"train.finetune.anchor: {tc.anchor} needs DDP (FSDP2 shards the weights it "
+            "anchors); set train.fsdp: false, or train.finetune.anchor: 0"
+        )
     if problems:
         raise TrainInputError("cannot train:\n  " + "\n  ".join(problems))
     aux_ids = list(next(iter(ids)))

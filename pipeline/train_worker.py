@@ -101,7 +101,6 @@ def train_worker(config: dict[str, Any]) -> None:
     # Before the resume: the anchor holds the weights the round was given, not a checkpoint's.
     anchor = Anchor(module, tc.anchor) if tc.anchor and job.init == "drafter" else None
     step = _resume(module, opt, sched)
-    start, first = time.perf_counter(), step
     # After the resume: soft labels use the vocab map the checkpoint restored.
     soft = SoftTargets(
         tensors.pop("lm_head"), drafter.d2t, drafter.t2d, dt or torch.float32, device
@@ -113,7 +112,7 @@ def train_worker(config: dict[str, Any]) -> None:
     if rank == 0:
         _say(plan.describe(tc, world, step, device, dt))
 
-    best = Best(Path(job.out_dir), rank == 0, device)
+    best = Best(Path(job.out_dir), rank == 0, device, tc.min_gain if job.init == "drafter" else 0.0)
     stale = 0  # evaluations since the last new best (a resumed attempt starts counting afresh)
     if job.init == "drafter" and step == 0 and plan.eval_refs:
         # The drafter given is the first candidate: a round exports it unchanged unless a
@@ -122,6 +121,8 @@ def train_worker(config: dict[str, Any]) -> None:
         best.offer(0, m["sim_accept_len"], module, drafter)
         if rank == 0:
             _say(f"[train] step 0 (the drafter given): sim_accept {m['sim_accept_len']:.3f}")
+    # After the step-0 evaluation: the time box's probe times training steps only.
+    start, first = time.perf_counter(), step
     while step < plan.total:
         if tc.max_seconds and not boxed and step - first == PROBE_STEPS:
             boxed = _fix_total(
@@ -287,8 +288,9 @@ class Best:
     as <out>/best/ with best.json, so a resumed run still knows it. Loss keeps falling after
     acceptance peaks: the exported drafter is this one, not the last."""
 
-    def __init__(self, out: Path, enabled: bool, device):
+    def __init__(self, out: Path, enabled: bool, device, start_margin: float = 0.0):
         self.dir, self.meta, self.enabled = out / "best", out / "best.json", enabled
+        self.start_margin = start_margin  # what a trained state must beat the start (step 0) by
         rec = json.loads(self.meta.read_text()) if enabled and self.meta.exists() else {}
         # rank 0's record reaches every rank: they must agree on when `offer` saves (a collective)
         t = torch.tensor([1.0, rec["step"], rec["sim_accept_len"]] if rec else [0.0, 0.0, 0.0])
@@ -301,7 +303,7 @@ class Best:
 
         from eagle3.checkpoint import save_drafter
 
-        if score <= self.score:
+        if score <= self.score + (self.start_margin if self.step == 0 else 0.0):
             return False
         self.step, self.score = step, score  # every rank: the eval sums are all-reduced
         sd = get_model_state_dict(  # a collective under FSDP: every rank calls

@@ -120,10 +120,12 @@ def test_round_0_has_its_own_size_and_epochs():
 def test_a_round_that_starts_from_a_trained_drafter_takes_the_fine_tuning_recipe():
     cfg = parse_config({"train": {"lr": 1e-3, "warmup_ratio": 0.015, "epochs": 4, "ttt_length": 5,
                                   "finetune": {"lr": 2e-5, "anchor": 1e-4, "ttt_length": 4}}})  # fmt: skip
-    scratch, tuned = cfg.train.for_round(0), cfg.train.for_round(1, 60.0, from_drafter=True)
+    scratch = cfg.train.for_round(0, from_drafter=False)
+    tuned = cfg.train.for_round(1, 60.0, from_drafter=True)
     assert (scratch.lr, scratch.warmup_ratio, scratch.anchor, scratch.ttt_length) == (1e-3, 0.015, 0.0, 5)  # fmt: skip
     assert (tuned.lr, tuned.warmup_ratio, tuned.anchor, tuned.ttt_length) == (2e-5, 0.1, 1e-4, 4)
     assert tuned.epochs == 4 and tuned.max_seconds == 60.0  # None in the recipe keeps train's
+    assert (scratch.min_gain, tuned.min_gain) == (0.0, 0.01)  # only a start has a bar to clear
     off = parse_config({"train": {"lr": 1e-3, "finetune": None}}).train
     assert off.for_round(1, from_drafter=True).lr == 1e-3 and off.for_round(1).anchor == 0.0
 

@@ -10,7 +10,7 @@ for _dep in ("mlflow", "pydantic"):  # bare GPU host (torch only): skip
 import mlflow  # noqa: E402
 
 from pipeline.config import StopConfig, TrackingConfig
-from pipeline.rules import costs, kendall_tau, stop_reason
+from pipeline.rules import kendall_tau, round_row, sim_vs_bench, stop_reason
 from pipeline.state import RunState
 from pipeline.tracking import Tracker
 
@@ -46,8 +46,43 @@ def test_the_simulations_rank_agreement_with_the_benchmark():
     rows = [{"round": 0, "accept_len": 2.12, "wall_s": 60.0},
             {"round": 1, "accept_len": 2.30, "wall_s": 60.0, "predicted_accept_len": 1.87,
              "predicted_start_accept_len": 1.83, "champion_accept_len": 2.12}]  # fmt: skip
-    c = costs(rows, 2, 0)
-    assert c["sim_rank_agreement"] == 1.0 and c["sim_rank_pairs"] == 2
+    got = sim_vs_bench(rows)
+    assert got["rounds"] == [[1, 1.87, 2.3]] and got["starts"] == [[1, 1.83, 2.12]]
+    assert got["rank_agreement"] == 1.0
+
+
+def test_kendall_tau_counts_concordant_minus_discordant_pairs():
+    assert kendall_tau([]) is None and kendall_tau([(1.0, 2.0)]) is None
+    # 3 pairs of pairs: (a,b) and (a,c) ordered alike, (b,c) reversed -> (2 - 1) / 3
+    assert kendall_tau([(1.0, 1.0), (2.0, 3.0), (3.0, 2.0)]) == round(1 / 3, 4)
+    # a tie on either side counts neither way
+    assert kendall_tau([(1.0, 1.0), (1.0, 2.0), (2.0, 3.0)]) == round(2 / 3, 4)
+
+
+def test_summary_rows_and_sim_vs_bench_carry_what_each_round_exported():
+    """A round row holds training's prediction of the drafter it exported beside the
+    benchmark's figure and whether it kept its start; sim_vs_bench ranks the rounds by both."""
+
+    def done(pred, acc, kept=False):
+        train = {
+            "train_tokens": 1,
+            "eval_metrics": {"sim_accept_len": pred},
+            "kept_start": kept,
+            "start_eval_metrics": {"sim_accept_len": pred} if kept else {},
+        }
+        return {"train": train, "bench": {"accept_len": acc, "tok_per_s": 1.0,
+                                          "baseline_tok_per_s": 1.0, "speedup": 1.0}}  # fmt: skip
+
+    rows = [
+        round_row(i, done(*d)) for i, d in enumerate([(1.8, 2.1), (1.9, 2.4), (1.9, 2.4, True)])
+    ]
+    assert [(r["predicted_accept_len"], r["accept_len"], r["kept_start"]) for r in rows] == [
+        (1.8, 2.1, False), (1.9, 2.4, False), (1.9, 2.4, True)]  # fmt: skip
+    got = sim_vs_bench(rows)
+    assert got["rounds"] == [[0, 1.8, 2.1], [1, 1.9, 2.4], [2, 1.9, 2.4]]
+    assert got["rank_agreement"] == round(2 / 3, 4)  # rounds 1 and 2 tie: neither way
+    no_sim = round_row(0, {"train": {"train_tokens": 0}, "bench": done(0, 2.0)["bench"]})
+    assert sim_vs_bench([no_sim]) == {"rounds": [], "starts": [], "rank_agreement": None}
 
 
 def test_tok_per_s_goal_uses_the_planner():

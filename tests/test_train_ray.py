@@ -191,6 +191,11 @@ def test_bad_inputs_are_rejected_before_training(small_data, tmp_path):
     with pytest.raises(TrainInputError, match="target's own embedding"):
         prepare(wide, [data], tmp_path / "out", "scratch")
 
+    given, *_ = existing_drafter(tmp_path / "given", 0)
+    sharded = config(target, use_gpu=True, fsdp=True, anchor=0.01)
+    with pytest.raises(TrainInputError, match=r"train\.finetune\.anchor: 0\.01 needs DDP"):
+        prepare(sharded, [data], tmp_path / "out", str(given))
+
     # A draft vocab above the target's is capped (DrafterConfig.draft_vocab_size), not an error.
     capped = parse_config({**cfg.model_dump(), "drafter": {"draft_vocab_size": 60000}})
     job = prepare(capped, [data], tmp_path / "capped", "scratch")
@@ -370,11 +375,14 @@ def test_a_round_whose_training_only_hurts_exports_its_start_unchanged(
         tmp_path / "hurt",
         init=str(given),
     )
+    # the goal first: what the round exports is the drafter it was given, as it came
+    assert res.kept_start and res.best_step == 0
+    for f in ("config.json", "model.safetensors"):
+        assert (Path(res.drafter_dir) / f).read_bytes() == (given / f).read_bytes()
+    # why: step 0 scored the start, and every trained state scored below it
     evals = [m for m in read_jsonl(Path(res.metrics_file)) if "eval_loss" in m]
     assert evals[0]["step"] == 0 and len(evals) > 2
     first = evals[0]["eval_sim_accept_len"]
     assert all(m["eval_sim_accept_len"] < first for m in evals[1:]), evals
-    assert res.kept_start and res.best_step == 0
     assert res.start_eval_metrics["sim_accept_len"] == first
-    for f in ("config.json", "model.safetensors"):
-        assert (Path(res.drafter_dir) / f).read_bytes() == (given / f).read_bytes()
+    assert res.eval_metrics == res.start_eval_metrics  # the exported drafter's figures
