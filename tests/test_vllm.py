@@ -187,13 +187,15 @@ def test_the_trained_export_has_the_shipped_drafters_format(trained):
     """The drafter the project's train stage exports is in the format of the shipped one, which
     vLLM serves (tests/test_shipped_drafter.py): so vLLM's one start with a real drafter covers
     the project's exports too, and this needs no vLLM start of its own. Sizes may differ."""
-    from test_shipped_drafter import BASE
+    from test_shipped_drafter import SHIPPED
 
     _, drafter = trained
-    got, want = drafter_format(drafter), drafter_format(BASE)
-    assert want["vllm_ids_are_sglang_ids_plus_one"] and want["num_aux_ids"] == 3
-    for k in want:
-        assert got[k] == want[k], (k, got[k], want[k])
+    got = drafter_format(drafter)
+    for shipped in SHIPPED:
+        want = drafter_format(shipped)
+        assert want["vllm_ids_are_sglang_ids_plus_one"] and want["num_aux_ids"] == 3
+        for k in want:
+            assert got[k] == want[k], (shipped.name, k, got[k], want[k])
 
 
 def test_vllm_regenerates_like_hf_and_reads_the_drafters_layer_ids(trained, reference, tmp_path):
