@@ -328,8 +328,9 @@ class Anchor:
     """L2-SP: `weight` x the squared distance of every trainable parameter from where training
     started, added to the loss. Fine-tuning a trained drafter on a few thousand samples pulls it
     toward them and away from what it knew (over-specialising); the anchor keeps it near its
-    start unless the data pays for the move. Built after wrapping (DDP/FSDP), so each rank
-    anchors the parameters it holds."""
+    start unless the data pays for the move. Built after wrapping (DDP), before any resume, so
+    it holds the weights the round was given. FSDP2's sharded weights are not supported
+    (pipeline.train.prepare refuses the pair)."""
 
     def __init__(self, module: nn.Module, weight: float):
         self.weight = weight
@@ -400,7 +401,7 @@ def train_step(
     is a TTTModule, possibly DDP/FSDP-wrapped. The reported loss is the TTT loss alone."""
     target_p, valid = soft(batch)
     out = _forward(module, batch, target_p, valid, ttt_length, autocast)
-    (out.loss + anchor() if anchor is not None and anchor.weight else out.loss).backward()
+    (out.loss if anchor is None else out.loss + anchor()).backward()
     norm = torch.nn.utils.clip_grad_norm_(
         [p for p in module.parameters() if p.grad is not None], grad_clip
     )

@@ -103,8 +103,9 @@ class TrainConfig(_Strict):
         update: dict[str, Any] = {}
         ft = self.finetune
         if from_drafter and ft is not None:
-            update.update(lr=ft.lr, warmup_ratio=ft.warmup_ratio, anchor=ft.anchor)
-            update.update(min_gain=ft.min_gain)
+            update.update(
+                lr=ft.lr, warmup_ratio=ft.warmup_ratio, anchor=ft.anchor, min_gain=ft.min_gain
+            )
             update.update({k: v for k in ("epochs", "ttt_length") if (v := getattr(ft, k))})
         elif r == 0 and self.first_round_epochs is not None:
             update["epochs"] = self.first_round_epochs

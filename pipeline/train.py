@@ -172,7 +172,7 @@ def prepare(
         )
     tc = cfg.train
     if init != "scratch" and tc.use_gpu and tc.fsdp and tc.anchor:
-        # the workers refuse it too (`_build`); here it fails before Ray starts and retries them
+        # refused here, before Ray starts: in a worker it would fail every retry of the group
         problems.append(
             f"train.finetune.anchor: {tc.anchor} needs DDP (FSDP2 shards the weights it "
             "anchors); set train.fsdp: false, or train.finetune.anchor: 0"
@@ -310,7 +310,10 @@ def _copy_existing(init: str, info, aux_ids: list[int], dest: Path) -> dict[str,
         )
     from eagle3.fit import drafter_fit_problems
 
-    dcfg, state = load_drafter(init)
+    src = local_or_download(
+        init, None, ["config.json", "*.safetensors", "*.safetensors.index.json"]
+    )
+    dcfg, state = load_drafter(src)  # the folder fetched once: read here, copied to given/ below
     problems = drafter_fit_problems(
         dcfg,
         vocab_size=info.vocab_size,
@@ -330,9 +333,6 @@ def _copy_existing(init: str, info, aux_ids: list[int], dest: Path) -> dict[str,
         if d.exists():
             shutil.rmtree(d)
     save_drafter(state, dcfg, dest, dtype=torch.float32)
-    src = local_or_download(
-        init, None, ["config.json", "*.safetensors", "*.safetensors.index.json"]
-    )
     given.mkdir(parents=True)
     for f in src.iterdir():
         if f.name == "config.json" or ".safetensors" in f.name:

@@ -346,11 +346,6 @@ def _build(job: TrainJob, tc: TrainConfig, tensors: dict, device: torch.device):
     drafter = drafter.to(device)
     if tc.fsdp and device.type != "cuda":
         _say("[train] train.fsdp needs GPUs (FSDP2 over NCCL); falling back to DDP on CPU")
-    elif tc.fsdp and tc.anchor and job.init == "drafter":
-        raise ValueError(
-            f"train.finetune.anchor: {tc.anchor} needs DDP (FSDP2 shards the weights it anchors); "
-            "set train.fsdp: false, or train.finetune.anchor: 0"
-        )
     # one row length for the whole run (the budget): each new length recompiles the fast path
     module, autocast, dt = parallelize(drafter, device, tc.precision, tc.fsdp, tc.tokens_per_batch)
     return module, drafter, autocast, dt
