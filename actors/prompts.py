@@ -157,10 +157,18 @@ def load_jsonl_prompts(path: Path) -> list[Prompt]:
     return [Prompt(c, d or path.stem, "jsonl") for c, d in _load_jsonl(path, with_domain=True)]
 
 
-def plan_prompts(data: DataConfig, seed: int | None = None) -> PromptPlan:
+def plan_prompts(
+    data: DataConfig, seed: int | None = None, eval_files: list[str] | tuple[str, ...] = ()
+) -> PromptPlan:
     """Load every prompt source of `data` and split it: per source `data.heldout_prompts` held
-    out, then its share of `data.user_prompts`, the rest training material in a seeded order."""
+    out, then its share of `data.user_prompts`, the rest training material in a seeded order.
+    Source `pool` trains on actors/pool.py's pool, without those and the prompts of `eval_files`
+    (`bench.eval_files`) and of the repository's benchmark sets."""
     seed = data.seed if seed is None else seed
+    if "pool" in data.sources():
+        from actors.pool import pool_plan
+
+        return pool_plan(data, seed, eval_files)
     weights = {k: w for k, w in data.sources().items() if k != "traffic"}
     total = sum(weights.values())
     weights = {k: w / total for k, w in weights.items()}
@@ -235,6 +243,21 @@ def mixed_round(
             )
         out += [pool[(start + i) % len(pool)] for i in range(k)]
     return out, counts
+
+
+def round_slices(
+    plan: PromptPlan, n: int, earlier: list[dict[str, int]]
+) -> tuple[list[Conversation], dict[str, list[int]]]:
+    """A round's `n` fresh prompts and the slice of each source's training order they are:
+    `{source: [start, end)}`, starting where the `earlier` rounds' draws (`{source: count}`
+    each) ended. The same earlier draws give the same slice, so a resumed round redoes its own;
+    consecutive rounds get consecutive, disjoint slices (until a source wraps, with a warning)."""
+    drawn: dict[str, int] = {}
+    for counts in earlier:
+        for src, k in counts.items():
+            drawn[src] = drawn.get(src, 0) + k
+    prompts, counts = mixed_round(plan, n, drawn)
+    return prompts, {s: [drawn.get(s, 0), drawn.get(s, 0) + k] for s, k in counts.items() if k}
 
 
 def split_prompts(

@@ -9,6 +9,7 @@ and metrics pass through here; tensors stay on disk or inside the stages.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -185,7 +186,7 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
 def _prompts(cfg: Config):
     from actors.prompts import plan_prompts
 
-    return plan_prompts(cfg.data)
+    return plan_prompts(cfg.data, eval_files=cfg.bench.eval_files or [])
 
 
 def _eval_set(cfg: Config, plan) -> tuple[list, list[str]]:
@@ -260,15 +261,14 @@ def _generate_round(
     import time
 
     from actors.generate import run_generate
-    from actors.prompts import mixed_round
+    from actors.prompts import round_slices
 
     out = RunDir(run_dir).data(r)
     records = _traffic_for_round(cfg, run_dir, state, r, out, evalset)
-    drawn: dict[str, int] = {}
-    for i in range(r):
-        for src, k in (state.rounds[i].done["generate"].get("drawn") or {}).items():
-            drawn[src] = drawn.get(src, 0) + k
-    prompts, counts = mixed_round(plan, cfg.data.prompts_for_round(r) - len(records), drawn)
+    earlier = [state.rounds[i].done["generate"].get("drawn") or {} for i in range(r)]
+    prompts, slices = round_slices(plan, cfg.data.prompts_for_round(r) - len(records), earlier)
+    _keep_slice(out / "slice.json", r, slices)
+    counts = {s: b - a for s, (a, b) in slices.items()}
     prompts, replied = _with_replies(prompts, plan.replies, cfg.data.dataset_replies)
     res = run_generate(
         cfg.target,
@@ -282,9 +282,27 @@ def _generate_round(
         deadline=None if seconds is None else time.time() + seconds,
         only=None if only is None else set(only),
     )
-    return {**_record(res), "drawn": counts, "traffic_records": len(records),
+    return {**_record(res), "drawn": counts, "slice": slices, "traffic_records": len(records),
             "fresh_prompts": len(prompts), "replied_prompts": len(replied),
             "traffic_ids": [x["id"] for x in records]}  # fmt: skip
+
+
+def _keep_slice(path: Path, r: int, slices: dict[str, list[int]]) -> None:
+    """Record which slice of each source's training order round r takes (`{source: [start,
+    end)}`), or, when the round is resumed, check it takes the one it began: a changed slice
+    would train on prompts beside the shards already made (a changed config or state)."""
+    from pipeline.state import write_json_atomic
+
+    if path.exists():
+        had = json.loads(path.read_text())["slices"]
+        if had != slices:
+            raise RuntimeError(
+                f"{path}: round {r} began on prompt slices {had}, its resume would take {slices} "
+                "(the config or state.json changed since); resume with the config it began "
+                "with, or start a new run directory"
+            )
+        return
+    write_json_atomic(path, {"round": r, "slices": slices})
 
 
 def _with_replies(prompts: list, replies: dict[str, str], share: float) -> tuple[list, list]:

@@ -3,6 +3,7 @@ gives its simulated users, multi-turn with bounded context, distinct, at least 5
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,71 @@ def test_bounded_turns_keep_context_dropping_the_oldest_turns_first():
     assert [[m["content"][0] for m in c] for c in got] == [["c"], ["c", "d", "e"]]
     whole = bounded_turns(conv, max_turn_chars=40, max_context_chars=1000)
     assert whole[-1] == conv[:5]  # within the bounds, the whole conversation so far
+
+
+# ---- data.source: pool, the product's source of the whole pool ---------------------------------
+
+GPU_CONFIG = REPO / "configs" / "smollm2-1gpu.yaml"
+
+
+def _pool_config(**data):
+    return load_config(GPU_CONFIG, [f"data.{k}={v}" for k, v in {"source": "pool", **data}.items()])
+
+
+def test_the_pool_source_never_yields_a_held_out_user_or_benchmark_prompt(tmp_path):
+    real = plan_prompts(load_config(GPU_CONFIG, ["data.source=real"]).data)
+    # an eval file holding a prompt the pool has: the pool must leave it out too
+    some = build_pool(set()).prompts[123]
+    eval_file = tmp_path / "mine.jsonl"
+    eval_file.write_text(json.dumps({"messages": some.messages}) + "\n")
+    plan = plan_prompts(_pool_config().data, eval_files=[str(eval_file)])
+    train = {prompt_key(c) for c in plan.train["pool"]}
+    assert len(train) == len(plan.train["pool"]) > 50_000
+    # judged on exactly what `real` would judge on, with the same users
+    assert [p.messages for p in plan.heldout] == [p.messages for p in real.heldout]
+    assert [p.messages for p in plan.users] == [p.messages for p in real.users]
+    held = [p.messages for p in plan.heldout + plan.users]
+    held += [p.messages for f in sorted((REPO / "benchmarks/prompts").glob("*.jsonl"))
+             for p in load_jsonl_prompts(f)]  # fmt: skip
+    held.append(some.messages)
+    held_keys = {prompt_key(c) for c in held}
+    assert not train & held_keys
+    starts = {prompt_key(c[:n]) for c in plan.train["pool"] for n in range(1, len(c))}
+    assert not starts & held_keys  # nor the context a training prompt continues
+    assert plan.weights == {"pool": 1.0} and not plan.replies
+
+
+def test_successive_rounds_take_disjoint_slices_and_a_resumed_round_the_same(tmp_path):
+    from actors.prompts import round_slices
+    from pipeline.loop import _keep_slice
+
+    plan = plan_prompts(_pool_config().data)
+    earlier, seen = [], set()
+    for r, n in enumerate([3000, 5000, 4000]):
+        prompts, slices = round_slices(plan, n, earlier)
+        start = sum(sum(c.values()) for c in earlier)
+        assert slices == {"pool": [start, start + n]}
+        keys = {prompt_key(c) for c in prompts}
+        assert len(keys) == n and not keys & seen  # nothing trained on twice
+        seen |= keys
+        # the round resumed (same earlier draws) takes the same prompts, and its record agrees
+        again, same = round_slices(plan, n, earlier)
+        assert again == prompts and same == slices
+        _keep_slice(tmp_path / f"{r}.json", r, slices)
+        _keep_slice(tmp_path / f"{r}.json", r, same)
+        earlier.append({s: b - a for s, (a, b) in slices.items()})
+    # a resume that would take another slice (a changed config or state) is refused, by file
+    with pytest.raises(RuntimeError, match=r"2\.json: round 2 began on prompt slices"):
+        _keep_slice(tmp_path / "2.json", 2, {"pool": [0, 4000]})
+
+
+def test_the_pool_mixes_only_with_traffic_and_has_no_source_replies():
+    from actors.config import ConfigError
+
+    assert _pool_config().data.sources() == {"pool": 1.0}
+    mixed = load_config(GPU_CONFIG, ["data.source={pool: 0.75, traffic: 0.25}"])
+    assert mixed.data.sources() == {"pool": 0.75, "traffic": 0.25}
+    with pytest.raises(ConfigError, match=r"data.source: .*mixes pool with other prompt sources"):
+        load_config(GPU_CONFIG, ["data.source={pool: 0.5, sharegpt: 0.5}"])
+    with pytest.raises(ConfigError, match=r"data.dataset_replies: 0.5 with data.source pool"):
+        _pool_config(dataset_replies=0.5)
