@@ -94,6 +94,10 @@ class FinetuneConfig(_Strict):
 
 
 class TrainConfig(_Strict):
+    def data_window(self, made: list[Any]) -> list[Any]:
+        """Of the rounds that made data, oldest first, those a round trains on (`data_rounds`)."""
+        return made if self.data_rounds is None else made[-self.data_rounds :]
+
     def for_round(
         self, r: int, seconds: float | None = None, from_drafter: bool = False
     ) -> TrainConfig:
@@ -132,8 +136,13 @@ class TrainConfig(_Strict):
     fsdp: bool = False
     """Shard the drafter with FSDP2 instead of DDP (large drafters)."""
     epochs: int = Field(6, ge=1)
-    """Passes over all accumulated data per round (rounds after the first fine-tune the serving
-    drafter)."""
+    """Passes over the round's training data (`data_rounds`) per round (rounds after the first
+    fine-tune the serving drafter)."""
+    data_rounds: int | None = Field(None, ge=1)
+    """Rounds of data a round trains on: its own and the `data_rounds - 1` before it; None = all
+    accumulated data. A loop of many large rounds (the pool climb) fine-tunes each round's
+    drafter on its fresh slice (1) or a short window, so a round costs the same in round 9 as
+    in round 1; the fine-tuning anchor keeps what earlier data taught."""
     first_round_epochs: int | None = Field(None, ge=1)
     """Epochs of round 0, which trains from `drafter.init` (often from scratch) and so usually
     needs more; None = `epochs`."""

@@ -43,6 +43,7 @@ from pipeline.rules import (
     AcceptanceCollapsed,
     collapse_problem,
     costs,
+    curve,
     format_table,
     promote,
     round_row,
@@ -302,6 +303,7 @@ def _keep_slice(path: Path, r: int, slices: dict[str, list[int]]) -> None:
                 "with, or start a new run directory"
             )
         return
+    path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, {"round": r, "slices": slices})
 
 
@@ -402,7 +404,7 @@ def _train(
     from pipeline.train import run_train
 
     made = [rs for rs in state.rounds[: r + 1] if "manifest" in rs.done["generate"]]
-    data_dirs = [rs.manifest.parent for rs in made]  # a skipped round 0 made none
+    data_dirs = [rs.manifest.parent for rs in cfg.train.data_window(made)]  # skipped round 0: none
     init = cfg.drafter.resolved_init()
     if r > 0:  # keep learning from the drafter that serves (the last one the gate promoted)
         init = _serving_drafter(state) or state.rounds[r - 1].drafter_dir
@@ -640,7 +642,7 @@ def _write_summary(state: RunState, run_dir: Path) -> dict[str, Any]:
     rows = _rows(state)
     summary = {"rounds": rows, "stopped_because": state.stopped_because, "champion": state.champion,
                "elapsed_s": round(state.elapsed_s, 1), "costs": costs(rows, *_machine()),
-               "sim_vs_bench": sim_vs_bench(rows),
+               "sim_vs_bench": sim_vs_bench(rows), "curve": curve(rows, _machine()[1]),
                "plans": [rs.done["plan"] for rs in state.rounds if rs.is_done("plan")]}  # fmt: skip
     write_json_atomic(RunDir(run_dir).summary, summary)
     return summary
@@ -660,6 +662,40 @@ def _machine() -> tuple[int, int]:
     except ImportError:
         pass
     return len(os.sched_getaffinity(0)), gpus
+
+
+def summary_curve(state: RunState) -> dict[str, Any]:
+    return curve(_rows(state), _machine()[1])
+
+
+def _curve_plot(cur: dict[str, Any], path: Path, extra: dict[str, dict] | None = None) -> Path:
+    """accept_len (held-out, overall and per domain) against the training tokens and the machine
+    minutes spent so far, round by round (rules.curve); `extra`: labelled single points drawn
+    beside it (benchmarks/climb_vs_scratch.py: the same data trained from scratch in one round)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = cur["points"]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
+    for ax, key, label in ((axes[0], "train_tokens", "training tokens (accumulated data)"),
+                           (axes[1], "minutes", cur["minutes"])):  # fmt: skip
+        ax.plot([p[key] for p in pts], [p["accept_len"] for p in pts], "o-", label="overall")
+        for dom in dict.fromkeys(d for p in pts for d in p["domains"]):
+            xy = [(p[key], p["domains"][dom]) for p in pts if p["domains"].get(dom)]
+            ax.plot(*zip(*xy, strict=True), ".--", label=dom)
+        for p in pts:
+            ax.annotate(f"r{p['round']}" + ("" if p["promoted"] else " (not promoted)"),
+                        (p[key], p["accept_len"]), fontsize=7)  # fmt: skip
+        for name, e in (extra or {}).items():
+            ax.plot([e[key]], [e["accept_len"]], "*", markersize=11, label=name)
+        ax.set(xlabel=label)
+    axes[0].set(ylabel="accept_len (held-out)", title="accept_len vs data")
+    axes[1].set(title="accept_len vs cost")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout(), fig.savefig(path), plt.close(fig)
+    return path
 
 
 def _commit(state: RunState, clock: Clock, run_dir: Path) -> None:
@@ -689,6 +725,8 @@ def _plots(state: RunState, run_dir: Path) -> list[Path]:
     ax.legend(fontsize=7)
     paths.append(out / "accept_len_per_round.png")
     fig.tight_layout(), fig.savefig(paths[-1]), plt.close(fig)
+
+    paths.append(_curve_plot(summary_curve(state), out / "accept_len_curve.png"))
 
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for rs in state.rounds:

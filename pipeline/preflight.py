@@ -98,13 +98,16 @@ def _drafter_problems(cfg: Config) -> list[str]:
 
 
 def _prompt_problems(cfg: Config) -> list[str]:
-    from actors.prompts import load_prompts, split_prompts
+    from actors.prompts import load_prompts, plan_prompts, split_prompts
 
     d = cfg.data
     if d.source == "hf":  # a dataset name; a local-looking one must exist
         return [p] if d.path and (p := path_problem("data.path", d.path)) else []
     try:
-        split_prompts(load_prompts(d), d.heldout_prompts, d.seed)
+        if "pool" in d.sources():  # the pool's split is the plan's own (a few seconds)
+            plan_prompts(d, eval_files=cfg.bench.eval_files or [])
+        else:
+            split_prompts(load_prompts(d), d.heldout_prompts, d.seed)
     except (OSError, ValueError) as e:
         return [str(e)]
     return []

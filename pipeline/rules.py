@@ -66,6 +66,21 @@ def costs(rows: list[dict[str, Any]], cpus: int, gpus: int) -> dict[str, Any]:
             "sim_accept_pairs": [[round(p, 3), round(a, 3)] for p, a in pairs]}  # fmt: skip
 
 
+def curve(rows: list[dict[str, Any]], gpus: int) -> dict[str, Any]:
+    """What each round's accept_len cost so far: the tokens its drafter learnt from (the loop's
+    accumulated data, one epoch) and the machine minutes of the rounds up to it, GPU minutes
+    (wall time x the cluster's GPUs) when there are GPUs, else wall minutes. A loop that climbs
+    shows accept_len rising with both; the price of a round is its step to the right."""
+    minutes, points = 0.0, []
+    for r in rows:
+        minutes += r["wall_s"] / 60.0 * (gpus or 1)
+        points.append({"round": r["round"], "train_tokens": r["train_tokens"],
+                       "minutes": round(minutes, 2), "accept_len": r["accept_len"],
+                       "domains": r.get("domains") or {},
+                       "promoted": r.get("promoted", True)})  # fmt: skip
+    return {"minutes": "GPU minutes" if gpus else "wall minutes", "points": points}
+
+
 def sim_vs_bench(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Each round's exported drafter as training's held-out simulation predicted it and as the
     benchmark measured it (`rounds`), the drafter each fine-tuning round started from likewise

@@ -152,3 +152,12 @@ def test_a_relative_drafter_init_is_found_from_the_working_dir_else_the_checkout
 def test_a_time_budget_needs_the_engine_the_start_up_measurement_times():
     with pytest.raises(ConfigError, match="stop.max_wall_minutes: the budget plan is sized"):
         parse_config({"stop": {"max_wall_minutes": 10}, "serve": {"engine": "sglang"}})
+
+
+def test_a_round_trains_on_the_data_window_of_train_data_rounds():
+    made = ["r0", "r1", "r2", "r3"]  # the rounds that made data, oldest first
+    assert parse_config({}).train.data_window(made) == made  # all accumulated data
+    assert parse_config({"train": {"data_rounds": 1}}).train.data_window(made) == ["r3"]
+    assert parse_config({"train": {"data_rounds": 2}}).train.data_window(made[:1]) == ["r0"]
+    with pytest.raises(ConfigError, match="train.data_rounds"):
+        parse_config({"train": {"data_rounds": 0}})

@@ -174,3 +174,23 @@ def test_the_runs_page_asks_for_model_training_and_hides_a_password():
     assert got.endswith("127.0.0.1:5099/#/experiments/7/runs?workflowType=machine_learning")
     assert "pw" not in got
     assert runs_page("sqlite:////tmp/x/mlflow.db", "7") is None  # no UI address
+
+
+def test_the_curve_puts_each_rounds_accept_len_against_its_data_and_the_minutes_so_far(tmp_path):
+    from pipeline.loop import _curve_plot
+    from pipeline.rules import curve
+
+    rs = [{"round": i, "accept_len": a, "train_tokens": t, "wall_s": w, "promoted": p,
+           "domains": {"chat": a + 0.1, "math": a - 0.1}}
+          for i, (a, t, w, p) in enumerate([(2.4, 1000, 120, True), (2.3, 2000, 60, False),
+                                            (2.6, 3000, 180, True)])]  # fmt: skip
+    gpu = curve(rs, gpus=2)
+    assert gpu["minutes"] == "GPU minutes"
+    assert [p["minutes"] for p in gpu["points"]] == [4.0, 6.0, 12.0]  # accumulated, x 2 GPUs
+    assert [p["train_tokens"] for p in gpu["points"]] == [1000, 2000, 3000]
+    assert [p["promoted"] for p in gpu["points"]] == [True, False, True]
+    cpu = curve(rs, gpus=0)
+    assert cpu["minutes"] == "wall minutes" and cpu["points"][-1]["minutes"] == 6.0
+    png = _curve_plot(gpu, tmp_path / "c.png", {"scratch": {"train_tokens": 3000, "minutes": 9.0,
+                                                           "accept_len": 2.5}})  # fmt: skip
+    assert png.read_bytes()[:4] == b"\x89PNG"
