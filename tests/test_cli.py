@@ -147,3 +147,40 @@ def test_a_run_that_stops_is_failed(ray_local, tiny_target, tmp_path, capsys):
     RunState(config_digest=load_config(path).digest(), parent_run_id="0" * 32).save(run_dir)
     assert main(["run", "--config", str(path), "--run-dir", str(run_dir)]) == FAILED
     assert "does not have: parent " + "0" * 32 in (run_dir / "logs" / "driver.log").read_text()
+
+
+@pytest.mark.ray_free
+def test_bench_defaults_to_the_loops_heldout_real_prompts(tmp_path, capsys):
+    """Without --prompts-jsonl: the held-out split of real prompts the loop judges rounds on
+    (a config's data section, or data.source real), never the built-in generated set."""
+    import argparse
+
+    from actors.config import DataConfig
+    from actors.prompts import plan_prompts
+    from serve.cli import bench_prompts
+
+    ns = argparse.Namespace(prompts_jsonl=None, interleave=False, suite=None, config=None,
+                            set=[], heldout=2, seed=None)  # fmt: skip
+    convs, domains = bench_prompts(ns)
+    held = plan_prompts(DataConfig(heldout_prompts=2)).heldout
+    assert convs == [p.messages for p in held] and domains[:3] == ["chat", "coding", "math"]
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("data:\n  source: {humaneval: 1.0}\n  heldout_prompts: 3\n")
+    convs, domains = bench_prompts(argparse.Namespace(**{**vars(ns), "config": str(cfg),
+                                                         "heldout": None}))  # fmt: skip
+    assert domains == ["coding"] * 3
+    assert "3 prompts, the held-out split of" in capsys.readouterr().err
+
+
+@pytest.mark.ray_free
+def test_bench_suite_says_what_it_needs_first(capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("datasets") is not None:
+        pytest.skip("datasets is installed here")
+    argv = ["bench", "--url", "http://127.0.0.1:9", "--prompts-jsonl", "/nonexistent.jsonl",
+            "--suite", "gsm8k"]  # fmt: skip
+    assert main(argv) == CONFIG  # before the missing prompt file is read
+    err = capsys.readouterr().err
+    assert "needs the `datasets` package" in err and "network" in err
+    assert main(["bench", "--url", "http://127.0.0.1:9", "--suite", "nope"]) == USAGE
