@@ -414,11 +414,17 @@ def _check_storage(
         )
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str = "python -m actors.generate") -> None:
     from actors.config import add_set_argument, load_data_stage_config
     from actors.prompts import mixed_round, plan_prompts, source_quotas
 
-    ap = argparse.ArgumentParser(description="Run the generate stage alone (one round).")
+    ap = argparse.ArgumentParser(
+        prog=prog,
+        description="Run the generate stage alone (one round).",
+        epilog=f"example:\n  {prog} --config configs/smollm2-cpu.yaml --out runs/x/data/round-000 "
+        "--set data.prompts_per_round=64",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--config", required=True, help="YAML config (target: and data: are used)")
     ap.add_argument("--out", required=True, type=Path, help="data directory of the round")
     ap.add_argument(

@@ -16,9 +16,12 @@ import sys
 from eagle3.compat import CompatReport, Row, check_compat  # noqa: F401  (re-exported)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m pipeline.compat") -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m pipeline.compat", description=__doc__.split("\n\n")[0]
+        prog=prog,
+        description=__doc__.split("\n\n")[0],
+        epilog=f"example:\n  {prog} --drafter drafters/smollm2-135m-offpolicy --target smollm2",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--drafter", required=True, help="drafter folder or HF repo id")
     ap.add_argument(

@@ -116,9 +116,12 @@ def _fmt(x: Any) -> str:
     return f"{x:.4g}" if isinstance(x, float) else str(x)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m pipeline.plan") -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m pipeline.plan", description=__doc__.split("\n\n")[0]
+        prog=prog,
+        description=__doc__.split("\n\n")[0],
+        epilog=f"example:\n  {prog} --baseline-tps 82.5 --verify-ms 30 --target-tps 150 --steps 5",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--baseline-tps", type=float, required=True, help="plain decoding tok/s (T0)")
     ap.add_argument("--verify-ms", type=float, required=True, help="one verify forward (ms)")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from actors.config import add_set_argument
 from pipeline.config import Config, ConfigError, load_config
+from pipeline.exit_codes import CONFIG, OK
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -113,8 +114,13 @@ def _prompt_problems(cfg: Config) -> list[str]:
     return []
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m pipeline.preflight") -> int:
+    ap = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__.split("\n\n")[0],
+        epilog=f"example:\n  {prog} --config configs/llama31-8b-1gpu.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--config", required=True)
     add_set_argument(ap)
     args = ap.parse_args(argv)
@@ -122,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         preflight(load_config(args.config, args.set))
     except (ConfigError, PreflightError) as e:
         print(e, file=sys.stderr)
-        return 2
+        return CONFIG
     print("preflight: ok")
-    return 0
+    return OK
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Entry point of the loop: `python pipeline/run.py --config configs/smollm2-cpu.yaml`.
+"""Entry point of the loop: `python pipeline/run.py --config configs/smollm2-cpu.yaml`
+(`eagle-loop run`).
 
 Submitted with `ray job submit --working-dir . -- python pipeline/run.py --config ...` it joins
 the job's cluster (RAY_ADDRESS is set by Ray); run directly it starts a local Ray on loopback.
@@ -20,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from actors.config import add_set_argument  # noqa: E402
 from pipeline.config import Config, ConfigError, load_config  # noqa: E402
 from pipeline.console import driver_console, final_report, log, ray_logs_dir  # noqa: E402
+from pipeline.exit_codes import BUSY, CONFIG, FAILED, OK  # noqa: E402
 from pipeline.layout import RunDir  # noqa: E402
 from pipeline.preflight import PreflightError, preflight  # noqa: E402
 from pipeline.state import RunDirBusy, hold_run_dir  # noqa: E402
@@ -37,8 +39,24 @@ def local_num_cpus(cfg: Config) -> int:
     return stage + server
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+PROG = "python pipeline/run.py"
+ENV_COMMANDS = ("runtime-env", "node-env")
+
+
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    """The loop (exit codes: pipeline/exit_codes.py); `runtime-env` or `node-env` first runs
+    that command instead (`env_main`)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] and argv[0] in ENV_COMMANDS:
+        return env_main(argv, prog)
+    ap = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"example:\n  {prog} --config configs/smollm2-cpu.yaml --run-dir runs/demo\n\n"
+        f"also: {prog} runtime-env CONFIG, {prog} node-env CONFIG (see `{prog} runtime-env "
+        "--help`)",
+    )
     ap.add_argument("--config", required=True, help="YAML config (see configs/)")
     ap.add_argument(
         "--run-dir", default=None, help="run directory (default runs/<name>); re-run to resume"
@@ -52,13 +70,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.set)
     except ConfigError as err:
         print(err, file=sys.stderr)
-        return 2
+        return CONFIG
     run_dir = Path(args.run_dir or f"runs/{cfg.name}").resolve()
     try:
         preflight(cfg)  # seconds; before Ray starts and before any MLflow run exists
     except PreflightError as err:
         print(err, file=sys.stderr)
-        return 2
+        return CONFIG
     # Every worker line Ray forwards, once each in the driver log: deduplication would fold an
     # actor's repeats into one line and a notice. Read when Ray is imported, after this.
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -67,12 +85,12 @@ def main(argv: list[str] | None = None) -> int:
             summary = _run(cfg, run_dir)
     except RunDirBusy as err:
         print(err, file=sys.stderr)
-        return 2
+        return BUSY
     if summary is None:
-        return 2
+        return FAILED
     print(final_report(summary))
     print(f"summary:  {RunDir(run_dir).summary}")
-    return 0
+    return OK
 
 
 def _run(cfg: Config, run_dir: Path) -> dict | None:
@@ -145,20 +163,44 @@ def job_runtime_env(config: str, working_dir: str = ".") -> dict:
     return env
 
 
-if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "runtime-env":  # used by scripts/demo.sh
-        print(json.dumps(job_runtime_env(sys.argv[2])))
-        left = sorted(split_secrets(load_config(sys.argv[2]).runtime_env)[1])
-        if left:
-            print(f"runtime_env.env_vars: {', '.join(left)} left out of the job's runtime env "
-                  "(Ray would show them in `ps` and its logs); give them to the nodes' "
-                  "environment: `source <(python pipeline/run.py node-env CONFIG)` before "
-                  "`ray start`", file=sys.stderr)  # fmt: skip
-        sys.exit(0)
-    if len(sys.argv) > 1 and sys.argv[1] == "node-env":  # shell exports of the secret env vars
+def env_main(argv: list[str], prog: str = PROG) -> int:
+    """`runtime-env CONFIG`: the job's runtime env as JSON (scripts/demo.sh: `ray job submit
+    --runtime-env`); `node-env CONFIG`: shell exports of the config's secret env vars, for the
+    nodes' environment before `ray start`."""
+    ap = argparse.ArgumentParser(prog=prog, description="The runtime env of a Ray job, and the "
+                                 "secrets it leaves to the nodes.")  # fmt: skip
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name, help_, example in (
+        ("runtime-env", "print the job's runtime_env as JSON (secret env vars left out)",
+         "runtime-env configs/smollm2-cpu.yaml > runtime-env.json"),
+        ("node-env", "print `export K=V` lines of the config's secret env vars",
+         "node-env configs/smollm2-cpu.yaml > secrets.sh   # then `source secrets.sh`, `ray start`"),
+    ):  # fmt: skip
+        p = sub.add_parser(name, help=help_, description=help_, epilog=f"example:\n  {prog} "
+                           f"{example}", formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+        p.add_argument("config", help="YAML config (see configs/)")
+        if name == "runtime-env":
+            p.add_argument("--working-dir", default=".", help="the job's working dir (default .)")
+    args = ap.parse_args(argv)
+    try:
+        secrets = split_secrets(load_config(args.config).runtime_env)[1]
+        if args.cmd == "runtime-env":
+            print(json.dumps(job_runtime_env(args.config, args.working_dir)))
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return CONFIG
+    if args.cmd == "node-env":
         import shlex
 
-        for k, v in split_secrets(load_config(sys.argv[2]).runtime_env)[1].items():
+        for k, v in secrets.items():
             print(f"export {k}={shlex.quote(v)}")
-        sys.exit(0)
+    elif secrets:
+        print(f"runtime_env.env_vars: {', '.join(sorted(secrets))} left out of the job's runtime "
+              "env (Ray would show them in `ps` and its logs); give them to the nodes' "
+              f"environment: `source <({prog} node-env CONFIG)` before `ray start`",
+              file=sys.stderr)  # fmt: skip
+    return OK
+
+
+if __name__ == "__main__":
     sys.exit(main())

@@ -344,10 +344,13 @@ def _copy_existing(init: str, info, aux_ids: list[int], dest: Path) -> dict[str,
 # CLI
 
 
-def main(argv: list[str] | None = None) -> TrainResult:
+def main(argv: list[str] | None = None, prog: str = "python -m pipeline.train") -> TrainResult:
     ap = argparse.ArgumentParser(
-        prog="python -m pipeline.train",
+        prog=prog,
         description="Train an EAGLE-3 drafter on captured shards (Ray Train).",
+        epilog=f"example:\n  {prog} --config configs/smollm2-cpu.yaml --data runs/x/data/round-000 "
+        "--out runs/x/train/round-000",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
         "--config", required=True, help="YAML config (target:, drafter:, train: are used)"

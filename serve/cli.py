@@ -11,8 +11,10 @@ blocks until Ctrl-C. `swap` hot-swaps the drafter of that server: it asks the se
 /drafter) for its app, joins its Ray (`--address`, default the one on this machine) and swaps as the loop does (the replica
 checks the checkpoint first; a refused one exits 1 and the old drafter keeps serving). `bench`
 scores any OpenAI-compatible endpoint on every prompt of the files given (one domain per file)
-or on the held-out split of the built-in set (`--heldout`, `--seed`), and prints the summary,
-overall and per domain, as JSON.
+or suites given, else on the loop's own held-out split of real prompts (the prompt sources of
+`--config`'s data section, or `real`'s; `serve/bench_prompts.py`), and prints the summary,
+overall and per domain, as JSON. `serve --engine sglang|vllm` starts that engine's server
+instead of the embedded one (serve/external.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ def _ints(text: str) -> list[int]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.engine != "embedded":
+        from serve.external import serve_external
+
+        return serve_external(args)
     import ray
     from ray import serve
 
@@ -112,6 +118,8 @@ def suite_prompts(name: str) -> tuple[list[Any], list[str]]:
     """A standard benchmark suite's prompts (first user turns), all in domain `name`."""
     import importlib
 
+    from serve.bench_prompts import suite_load_error
+
     if name not in SUITES:
         raise SystemExit(f"--suite {name!r}: unknown; use one of {sorted(SUITES)}")
     try:
@@ -119,15 +127,22 @@ def suite_prompts(name: str) -> tuple[list[Any], list[str]]:
     except ImportError:
         raise SystemExit(f"--suite {name}: needs `pip install datasets` and a network") from None
     repo, config, split, key = SUITES[name]
-    rows = datasets.load_dataset(repo, config, split=split)
+    print(f"--suite {name}: loading {repo} ({split}) from the Hugging Face Hub", file=sys.stderr)
+    try:
+        rows = datasets.load_dataset(repo, config, split=split)
+    except Exception as e:  # offline, no such revision, a gated set: a message, not a traceback
+        raise SystemExit(suite_load_error(name, repo, e)) from None
     texts = [r[key][0] if isinstance(r[key], list) else r[key] for r in rows]
     return [[{"role": "user", "content": t}] for t in texts], [name] * len(texts)
 
 
 def bench_prompts(args: argparse.Namespace) -> tuple[list[Any], list[str]]:
     """(prompts, domain of each): every prompt of the given files (one domain per file, or a
-    record's `domain`) and suites, else the built-in set's held-out split (as the loop's)."""
-    from actors.prompts import builtin_prompts, interleave, load_jsonl_prompts, split_prompts
+    record's `domain`) and suites, else the loop's held-out split of real prompts."""
+    from actors.prompts import interleave, load_jsonl_prompts
+    from serve.bench_prompts import check_suites, heldout_prompts
+
+    check_suites(args.suite or [])  # what they need, before any prompt is read
 
     groups = [load_jsonl_prompts(Path(f)) for f in args.prompts_jsonl or []]
     prompts = [p for g in groups for p in g]
@@ -140,8 +155,7 @@ def bench_prompts(args: argparse.Namespace) -> tuple[list[Any], list[str]]:
         out = out[0] + convs, out[1] + doms
     if out[0]:
         return out
-    held = split_prompts(builtin_prompts(args.seed), args.heldout, args.seed)[1]
-    return held, ["builtin"] * len(held)
+    return heldout_prompts(args.config, args.set, heldout=args.heldout, seed=args.seed)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -190,11 +204,34 @@ def _batch_size(text: str) -> int:
     return n
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m serve.cli", description=__doc__.split("\n\n")[0])
+def _example(text: str) -> dict[str, Any]:
+    """A subcommand's `--help` epilog: one example."""
+    return {
+        "epilog": f"example:\n  {text}",
+        "formatter_class": argparse.RawDescriptionHelpFormatter,
+    }
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m serve.cli") -> int:
+    from actors.config import add_set_argument
+
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    s = sub.add_parser("serve", help="deploy the embedded engine on Ray Serve and block")
+    s = sub.add_parser(
+        "serve",
+        help="deploy a drafter (embedded engine on Ray Serve, or SGLang / vLLM) and block",
+        **_example(
+            f"{prog} serve --target smollm2 --drafter drafters/smollm2-135m-offpolicy --port 8000"
+        ),  # fmt: skip
+    )
+    s.add_argument(
+        "--engine",
+        default="embedded",
+        choices=["embedded", "sglang", "vllm"],
+        help="embedded: the project's engine on Ray Serve; sglang / vllm: that engine's server in "
+        "a Ray actor (needs the engine installed: serve/external.py)",
+    )
     s.add_argument("--target", default="smollm2", help="HF repo id, local folder, or `smollm2`")
     s.add_argument("--gguf-file", default=None, help="GGUF file inside --target")
     s.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
@@ -213,9 +250,22 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--threads", type=int, default=None, help="torch threads in the replica")
     s.add_argument("--max-batch-size", type=_batch_size, default=8, help="requests per batch")
     s.add_argument("--app", default="eagle3", help="Serve application name")
+    s.add_argument(
+        "--extra-arg",
+        action="append",
+        metavar="ARG",
+        help="sglang / vllm: one more server argument, e.g. --extra-arg=--max-model-len=2048",
+    )
+    s.add_argument("--log-dir", default="serve-logs", help="sglang / vllm: the server's logs")
     s.set_defaults(func=cmd_serve)
 
-    w = sub.add_parser("swap", help="hot-swap the drafter of a running `serve`")
+    w = sub.add_parser(
+        "swap",
+        help="hot-swap the drafter of a running `serve`",
+        **_example(
+            f"{prog} swap --url http://127.0.0.1:8000 --drafter runs/x/train/round-001/drafter"
+        ),
+    )
     w.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     w.add_argument("--drafter", required=True, help="EAGLE-3 checkpoint folder")
     w.add_argument(
@@ -226,24 +276,47 @@ def main(argv: list[str] | None = None) -> int:
     )
     w.set_defaults(func=cmd_swap)
 
-    b = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint")
+    b = sub.add_parser(
+        "bench",
+        help="benchmark an OpenAI-compatible endpoint",
+        **_example(
+            f"{prog} bench --url http://127.0.0.1:8000 --config configs/smollm2-cpu.yaml "
+            "--num-prompts 12 --max-tokens 64"
+        ),  # fmt: skip
+    )
     b.add_argument("--url", required=True, help="base URL without /v1, e.g. http://127.0.0.1:8000")
     b.add_argument(
         "--prompts-jsonl",
         action="append",
         help="prompt file, benchmarked whole, one domain per file (repeatable; default: the "
-        "built-in set's held-out split)",
+        "loop's held-out split of real prompts, see --config)",
     )
     b.add_argument(
-        "--suite", action="append", help=f"a standard suite by HF id ({', '.join(SUITES)})"
+        "--suite",
+        action="append",
+        choices=list(SUITES),
+        help="a standard suite, downloaded from the Hugging Face Hub (needs `pip install "
+        "datasets` and a network)",
     )
+    b.add_argument(
+        "--config",
+        default=None,
+        help="the loop's config: its data section's held-out prompts (and bench.eval_files) are "
+        "the default prompts; without it, those of data.source `real`",
+    )
+    add_set_argument(b)
     b.add_argument(
         "--interleave",
         action="store_true",
         help="alternate the files' prompts (with --num-prompts)",
     )
-    b.add_argument("--heldout", type=int, default=64, help="built-in set: held-out split size")
-    b.add_argument("--seed", type=int, default=0, help="built-in set: split seed (as data.seed)")
+    b.add_argument(
+        "--heldout",
+        type=int,
+        default=None,
+        help="held-out prompts per source (data.heldout_prompts)",
+    )
+    b.add_argument("--seed", type=int, default=None, help="split seed (data.seed)")
     b.add_argument(
         "--num-prompts", type=int, default=None, help="first N prompts (default: all of them)"
     )

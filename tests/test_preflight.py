@@ -106,13 +106,14 @@ def test_drafter_that_does_not_fit_is_refused(tiny_target, tmp_path):
 def test_run_py_stops_before_ray_and_mlflow(tiny_target, tmp_path):
     import ray
 
+    from pipeline.exit_codes import CONFIG
     from pipeline.run import main
 
     cfg = cfg_for(tiny_target, tmp_path, target={"aux_layer_ids": [0, 1, 9]})
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     t0 = time.monotonic()
-    assert main(["--config", str(path), "--run-dir", str(tmp_path / "run")]) == 2
+    assert main(["--config", str(path), "--run-dir", str(tmp_path / "run")]) == CONFIG
     assert time.monotonic() - t0 < 10
     assert not ray.is_initialized() and not (tmp_path / "mlflow.db").exists()
     assert not (tmp_path / "run").exists()
