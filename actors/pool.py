@@ -1,5 +1,6 @@
-"""The base drafter's prompt pool: every real prompt the installed sources give that the demo
-never benchmarks nor gives its simulated users (issue 23; benchmarks/base_pool.py writes it).
+"""The prompt pool: every real prompt the installed sources give that a run never benchmarks nor
+gives its simulated users; `data.source: pool` trains on it (actors/prompts.py decides the keys
+left out) and benchmarks/base_pool.py writes it for the base drafter's build.
 
 - ShareGPT: each user turn of at most `TURN_CHARS` characters is a prompt, with the turns before
   it (user and assistant, as the dataset has them) as context, at most `CONTEXT_CHARS`
@@ -19,19 +20,10 @@ import gzip
 import json
 import random
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors.config import DataConfig
-from actors.prompts import (
-    Conversation,
-    Prompt,
-    PromptPlan,
-    load_jsonl_prompts,
-    plan_prompts,
-    prompt_key,
-)
+from actors.prompt_record import Conversation, Prompt, prompt_key
 from actors.sources import (
     bounded_turns,
     humaneval_prompts,
@@ -42,7 +34,6 @@ from actors.sources import (
 
 TURN_CHARS = 2000  # the user turn to answer
 CONTEXT_CHARS = 6000  # the whole prompt: that turn and the earlier turns kept as its context
-BENCH_FILES = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts"
 
 
 @dataclass(frozen=True)
@@ -51,34 +42,6 @@ class Pool:
     counts: dict[str, int]  # per source, in the pool
     left_out: dict[str, int]  # per source, prompts left out because the demo uses them
     duplicates: int  # prompts dropped as repeats of an earlier one
-
-
-def demo_prompt_keys(data: DataConfig, eval_files: Sequence[str] = ()) -> set[str]:
-    """The prompt keys of everything a demo with this `data` section and `bench.eval_files`
-    benchmarks or gives its simulated users: its held-out split (all of it, not only
-    `bench.num_prompts`), its users' pool, those files and the repository's benchmark sets."""
-    return _held_keys(plan_prompts(_as_real(data)), eval_files)
-
-
-def pool_plan(data: DataConfig, seed: int, eval_files: Sequence[str] = ()) -> PromptPlan:
-    """`data.source: pool`'s split: the held-out and user prompts `real` would give (so a pool
-    run is judged on the demo's benchmark), and the pool without them as the training order."""
-    real = plan_prompts(_as_real(data), seed)
-    pool = build_pool(_held_keys(real, eval_files), seed)
-    return PromptPlan({"pool": [p.messages for p in pool.prompts]}, real.heldout, real.users, {"pool": 1.0})
-
-
-def _as_real(data: DataConfig) -> DataConfig:
-    """`pool` as `real` (whose prompts it holds): the held-out and user split is per source, and
-    traffic's weight does not change it."""
-    return data.model_copy(update={"source": "real"}) if "pool" in data.sources() else data
-
-
-def _held_keys(plan: PromptPlan, eval_files: Sequence[str]) -> set[str]:
-    prompts = plan.heldout + plan.users
-    files = [Path(f) for f in eval_files] + sorted(BENCH_FILES.glob("*.jsonl"))
-    prompts += [p for f in files for p in load_jsonl_prompts(f)]
-    return {prompt_key(p.messages) for p in prompts}
 
 
 def build_pool(

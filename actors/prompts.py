@@ -23,17 +23,20 @@ import random
 import subprocess
 import sys
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from actors.config import DataConfig
+from actors.pool import build_pool
 
 # Conversation, Prompt and prompt_key live in actors/prompt_record.py (the readers in
 # actors/sources.py need them too) and stay importable from here, where callers take them.
 from actors.prompt_record import Conversation, Prompt, prompt_key
 from actors.sources import READERS, sharegpt_prompts
 
+BENCH_FILES = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts"  # never trained on
 ACCEPTED_FORMATS = (
     '{"conversations": [{"role": "user", "content": "..."}, ...]} (or "messages"), '
     'ShareGPT {"conversations": [{"from": "human", "value": "..."}, ...]}, '
@@ -158,7 +161,7 @@ def load_jsonl_prompts(path: Path) -> list[Prompt]:
 
 
 def plan_prompts(
-    data: DataConfig, seed: int | None = None, eval_files: list[str] | tuple[str, ...] = ()
+    data: DataConfig, seed: int | None = None, eval_files: Sequence[str] = ()
 ) -> PromptPlan:
     """Load every prompt source of `data` and split it: per source `data.heldout_prompts` held
     out, then its share of `data.user_prompts`, the rest training material in a seeded order.
@@ -166,9 +169,7 @@ def plan_prompts(
     (`bench.eval_files`) and of the repository's benchmark sets."""
     seed = data.seed if seed is None else seed
     if "pool" in data.sources():
-        from actors.pool import pool_plan
-
-        return pool_plan(data, seed, eval_files)
+        return _pool_plan(data, seed, eval_files)
     weights = {k: w for k, w in data.sources().items() if k != "traffic"}
     total = sum(weights.values())
     weights = {k: w / total for k, w in weights.items()}
@@ -203,6 +204,35 @@ def plan_prompts(
         if p.reply and prompt_key(p.messages) not in taken
     }
     return PromptPlan(train, interleave(list(heldout_by.values())), users, weights, replies)
+
+
+def demo_prompt_keys(data: DataConfig, eval_files: Sequence[str] = ()) -> set[str]:
+    """The prompt keys of everything a demo with this `data` section and `bench.eval_files`
+    benchmarks or gives its simulated users: its held-out split (all of it, not only
+    `bench.num_prompts`), its users' pool, those files and the repository's benchmark sets."""
+    return _held_keys(plan_prompts(_as_real(data)), eval_files)
+
+
+def _pool_plan(data: DataConfig, seed: int, eval_files: Sequence[str]) -> PromptPlan:
+    """`data.source: pool`'s split: the held-out and user prompts `real` would give (so a pool
+    run is judged on the demo's benchmark), and the pool without them as the training order."""
+    real = plan_prompts(_as_real(data), seed)
+    pool = build_pool(_held_keys(real, eval_files), seed)
+    train = {"pool": [p.messages for p in pool.prompts]}
+    return PromptPlan(train, real.heldout, real.users, {"pool": 1.0})
+
+
+def _as_real(data: DataConfig) -> DataConfig:
+    """`pool` as `real` (whose prompts it holds): the held-out and user split is per source, and
+    traffic's weight does not change it."""
+    return data.model_copy(update={"source": "real"}) if "pool" in data.sources() else data
+
+
+def _held_keys(plan: PromptPlan, eval_files: Sequence[str]) -> set[str]:
+    prompts = plan.heldout + plan.users
+    files = [Path(f) for f in eval_files] + sorted(BENCH_FILES.glob("*.jsonl"))
+    prompts += [p for f in files for p in load_jsonl_prompts(f)]
+    return {prompt_key(p.messages) for p in prompts}
 
 
 def interleave(groups: list[list[Prompt]]) -> list[Prompt]:

@@ -19,7 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.pool import CONTEXT_CHARS, TURN_CHARS, build_pool, demo_prompt_keys  # noqa: E402
+from actors.pool import CONTEXT_CHARS, TURN_CHARS, build_pool  # noqa: E402
+from actors.prompts import demo_prompt_keys  # noqa: E402
 from benchmarks.harness import Results, parser  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 

@@ -34,7 +34,8 @@ def main() -> None:
     a = ap.parse_args()
 
     from actors.cluster import start_ray
-    from pipeline.loop import _curve_plot, _eval_set, _machine, _prompts, _serve
+    from pipeline.loop import _eval_set, _machine, _prompts, _serve
+    from pipeline.plots import curve_plot
     from pipeline.train import run_train
     from serve.bench import bench_endpoint
 
@@ -74,7 +75,7 @@ def main() -> None:
     (out / "result.json").write_text(json.dumps(point, indent=1))
     curve = json.loads(run.summary.read_text())["curve"]
     run.plots.mkdir(exist_ok=True)
-    plot = _curve_plot(curve, run.plots / "climb_vs_scratch.png", {"one round from scratch": point})
+    plot = curve_plot(curve, run.plots / "climb_vs_scratch.png", {"one round from scratch": point})
     pts = curve["points"]
     Results("climb_vs_scratch").emit({
         "scratch": point, "plot": str(plot), "minutes_unit": curve["minutes"],

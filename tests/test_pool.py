@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("pydantic")  # bare GPU host (torch only): skip
 
-from actors.pool import CONTEXT_CHARS, TURN_CHARS, build_pool, demo_prompt_keys
-from actors.prompts import load_jsonl_prompts, plan_prompts, prompt_key
+from actors.pool import CONTEXT_CHARS, TURN_CHARS, build_pool
+from actors.prompts import demo_prompt_keys, load_jsonl_prompts, plan_prompts, prompt_key
 from actors.sources import bounded_turns, parse_conversation
 from pipeline.config import load_config
 

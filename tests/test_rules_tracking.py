@@ -177,7 +177,7 @@ def test_the_runs_page_asks_for_model_training_and_hides_a_password():
 
 
 def test_the_curve_puts_each_rounds_accept_len_against_its_data_and_the_minutes_so_far(tmp_path):
-    from pipeline.loop import _curve_plot
+    from pipeline.plots import curve_plot
     from pipeline.rules import curve
 
     rs = [{"round": i, "accept_len": a, "train_tokens": t, "wall_s": w, "promoted": p,
@@ -191,6 +191,6 @@ def test_the_curve_puts_each_rounds_accept_len_against_its_data_and_the_minutes_
     assert [p["promoted"] for p in gpu["points"]] == [True, False, True]
     cpu = curve(rs, gpus=0)
     assert cpu["minutes"] == "wall minutes" and cpu["points"][-1]["minutes"] == 6.0
-    png = _curve_plot(gpu, tmp_path / "c.png", {"scratch": {"train_tokens": 3000, "minutes": 9.0,
+    png = curve_plot(gpu, tmp_path / "c.png", {"scratch": {"train_tokens": 3000, "minutes": 9.0,
                                                            "accept_len": 2.5}})  # fmt: skip
     assert png.read_bytes()[:4] == b"\x89PNG"
