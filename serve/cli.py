@@ -8,8 +8,11 @@
 
 `serve` starts a local Ray bound to 127.0.0.1 (or joins RAY_ADDRESS), deploys the engine and
 blocks until Ctrl-C. `swap` hot-swaps the drafter of that server: it asks the server (GET
-/drafter) for its app, joins its Ray (`--address`, default the one on this machine) and swaps as the loop does (the replica
-checks the checkpoint first; a refused one exits 1 and the old drafter keeps serving). `bench`
+/drafter) for its app and instance id, joins its Ray (`--address`, default the one on this
+machine), checks through the Serve handle that the app there is that same server (another
+server's app of the same name is refused, naming both ids: exit 1) and swaps as the loop does
+(the replica checks the checkpoint first; a refused one exits 1 and the old drafter keeps
+serving). `bench`
 scores any OpenAI-compatible endpoint on every prompt of the files given (one domain per file)
 or suites given, else on the loop's own held-out split of real prompts (the prompt sources of
 `--config`'s data section, or `real`'s; `serve/bench_prompts.py`), and prints the summary,
@@ -94,7 +97,18 @@ def cmd_swap(args: argparse.Namespace) -> int:
 
     info = httpx.get(f"{args.url.rstrip('/')}/drafter", timeout=60).json()
     start_ray(address=args.address)  # the server's own Ray (GET /drafter never names it)
-    adopt_app(info["app"])
+    reached = adopt_app(info["app"])
+    if not info.get("instance") or reached.get("instance") != info["instance"]:
+        import ray
+
+        print(
+            f"swap refused: {args.url} is server instance {info.get('instance')!r}, but app "
+            f"{info['app']!r} on the Ray at {ray.get_runtime_context().gcs_address} (--address "
+            f"{args.address}) is instance {reached.get('instance')!r}, another server; pass "
+            "--address of the Ray that this server's `serve.cli serve` started",
+            file=sys.stderr,
+        )
+        return 1
     try:
         out = swap_drafter(Path(args.drafter).resolve(), info["app"])
     except DrafterRejected as e:

@@ -65,6 +65,24 @@ class ServeConfig(Strict):
     `messages`, `prompt`, `prompt_ids` and `completion_ids` (docs/serving.md, "The traffic log
     and user text"): a hook that masks the text but returns the prompt ids unchanged gets them
     derived again from its text; completion ids are the hook's to mask or drop."""
+    max_ongoing_requests: int = Field(256, ge=1)
+    """Embedded engine: HTTP requests one replica holds at once, whatever they are doing
+    (sending their body, waiting for the engine, generating, `/health`). Far above what the
+    engine runs, so that slow clients cannot fill the replica and stall `/health`; beyond it
+    Serve's proxy queues up to `max_queued_requests` more and answers 503 past them."""
+    max_queued_requests: int = Field(32, ge=0)
+    """Embedded engine: requests waiting for the engine beyond one full batch
+    (`max_batch_size`); one more is answered 503 with `Retry-After` at once instead of waiting
+    without bound. Also the length of Serve's proxy queue when the replica holds
+    `max_ongoing_requests`."""
+    retry_after_s: int = Field(2, ge=1)
+    """Embedded engine: the `Retry-After` seconds of a 503 (queue full)."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Embedded engine: a request still unanswered this long after its body arrived is stopped
+    (the engine drops it at its next step) and answered 504, or ends its stream with an error."""
+    body_timeout_s: float = Field(10.0, gt=0)
+    """Embedded engine: seconds a client has to send its whole request body; a slower one gets
+    a 408 and its slot back."""
     simulate_users: int = Field(0, ge=0)
     """After each round's benchmark (when another round follows), replay this many prompts from
     the simulated users' pool (`data.user_prompts`) against the live server, as users would send

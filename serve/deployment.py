@@ -10,6 +10,16 @@
   that names no shape drafts; plain = requests that leave `speculative` out do not draft.
 - Concurrent requests are batched (`serve.batch`): one engine call per group of requests with the
   same sampling settings; streaming requests join batches too and get tokens after every cycle.
+- Nobody waits without bound (serve/config.py has the knobs): a body must arrive within
+  `body_timeout_s` (408); a request the engine cannot take soon (more than `max_batch_size` +
+  `max_queued_requests` already wait or run) gets a 503 with `Retry-After` at once; one past
+  `request_timeout_s` is stopped (504, or an error event in its stream). A request whose client
+  hangs up, streamed or not, is dropped by the engine at its next step (its batch row and KV go
+  with it) and never reaches the traffic log. `/health` runs on the event loop, which waits on
+  nothing, and the replica holds far more connections (`max_ongoing_requests`) than the engine
+  runs, so slow clients cannot queue it.
+- `GET /drafter` publishes the server's instance id (one per `deploy()`), which `serve.cli swap`
+  checks through the Serve handle before it swaps, and `usage.drafter` is the drafter's digest.
 - Drafter hot-swap: `reconfigure({"drafter": path})` loads and checks the checkpoint against the
   target before swapping. A checkpoint that fails is refused: the error is logged and kept in
   `drafter_info()`, and the old drafter keeps serving (raising there would kill the replica).
@@ -32,6 +42,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -46,12 +57,28 @@ from ray import serve
 from actors.cluster import reserved_device
 from actors.engine_server import DrafterRejected
 from actors.sglang_server import deploy_sglang
-from serve.config import batch_problem
-from serve.engine import Generation, SpecEngine, eos_ids, load_eagle, load_target, tree_problem
+from serve.config import ServeConfig, batch_problem
+from serve.engine import (
+    Generation,
+    RequestStats,
+    SpecEngine,
+    eos_ids,
+    load_eagle,
+    load_target,
+    tree_problem,
+)
 from serve.jobs import _Job, run_isolated
 from serve.shapes import Shape
 from serve.startup import retry, start_serve, wait_http_ready
-from serve.validation import BadRequest, Limits, check_request, parse_body, read_body
+from serve.validation import (
+    BadRequest,
+    BodyTimeout,
+    Limits,
+    check_request,
+    max_prompt_chars,
+    parse_body,
+    read_body,
+)
 
 log = logging.getLogger("ray.serve")
 
@@ -87,7 +114,28 @@ def _traffic_log(opts: dict[str, Any] | None, tokenizer: Any):
     )
 
 
-@serve.deployment(name="SpecServer", max_ongoing_requests=64, graceful_shutdown_timeout_s=5)
+def drafter_digest(path: str) -> str:
+    """What `usage.drafter` names a drafter by: a digest of the files a drafter is loaded from
+    (config and weights), never its path (a client learns nothing of the server's disk)."""
+    h = hashlib.sha256()
+    for f in sorted(Path(path).iterdir()):
+        if f.is_file() and (f.name == "config.json" or f.suffix == ".safetensors"):
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return "sha256:" + h.hexdigest()[:16]
+
+
+class RequestTimeout(BadRequest):
+    """Past `serve.request_timeout_s`; HTTP 504."""
+
+    status = 504
+
+
+class _Slot:
+    """A request's place among those the engine runs or queues (`SpecServer.slots`): freed
+    when the request ends, or when nothing refers to it any more (a stream that never began)."""
+
+
+@serve.deployment(name="SpecServer", max_ongoing_requests=256, graceful_shutdown_timeout_s=5)
 @serve.ingress(app)
 class SpecServer:
     def __init__(self, target: dict[str, Any], options: dict[str, Any], actor: dict | None = None):
@@ -116,8 +164,19 @@ class SpecServer:
         )
         self.model_name = options.get("model_name") or str(target["model"])
         self.max_context = int(getattr(lm.config, "max_position_embeddings", 0) or 0)
+        self.max_chars = max_prompt_chars(self.tokenizer.get_vocab(), self.max_context)
+        self.instance = str(options.get("instance") or "")  # which deploy() this server is
+        d = ServeConfig.model_fields  # the defaults of the knobs a caller left out
+        knob = lambda k: options.get(k, d[k].default)  # noqa: E731
+        self.max_running = int(options.get("max_batch_size", 8)) + int(knob("max_queued_requests"))
+        self.retry_after_s = int(knob("retry_after_s"))
+        self.request_timeout_s = float(knob("request_timeout_s"))
+        self.body_timeout_s = float(knob("body_timeout_s"))
+        self.slots: weakref.WeakSet[_Slot] = weakref.WeakSet()  # requests admitted to the engine
+        self.counts = {"cancelled": 0, "completion_tokens": 0}  # what the engine did, for tests
         self.lock = threading.Lock()  # the engine runs one batch at a time
         self.drafter_path: str | None = None
+        self.drafter_digest: str | None = None
         self.swap_error: str | None = None
         self.swaps = 0
         self.plain = False  # the serving shape is plain decoding: requests that do not ask
@@ -134,7 +193,7 @@ class SpecServer:
         """What requests are checked against (steps may change through reconfigure)."""
         e = self.engine
         cap = e.static.capacity if e.static is not None else 0
-        return Limits(e.target.vocab_size, self.max_context, e.steps, e.topk, e.num_draft_tokens, cap)  # fmt: skip
+        return Limits(e.target.vocab_size, self.max_context, e.steps, e.topk, e.num_draft_tokens, cap, self.max_chars)  # fmt: skip
 
     # -- drafter management -----------------------------------------------------------------
     def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -161,7 +220,7 @@ class SpecServer:
         if path is None:
             with self.lock:
                 self.engine.set_drafter(None)
-            self.drafter_path, self.swap_error = None, None
+            self.drafter_path, self.drafter_digest, self.swap_error = None, None, None
             return
         try:
             drafter = load_eagle(path, self.engine.target.model)
@@ -173,9 +232,10 @@ class SpecServer:
                 "drafter swap refused, still serving %s: %s", self.drafter_path, self.swap_error
             )
             return
+        digest = drafter_digest(path)
         with self.lock:
             self.engine.set_drafter(drafter)
-        self.drafter_path, self.swap_error = path, refused
+        self.drafter_path, self.drafter_digest, self.swap_error = path, digest, refused
         self.swaps += 1
         log.info("drafter now %s (swap %d)", path, self.swaps)
 
@@ -211,6 +271,9 @@ class SpecServer:
             "shape": self.shape_name(),  # what a request that names no shape gets
             "pid": os.getpid(),
             "app": serve.get_replica_context().app_name,
+            "instance": self.instance,
+            "digest": self.drafter_digest,
+            **self.counts,  # requests the engine dropped, tokens it generated
         }
 
     def public_drafter_info(self) -> dict[str, Any]:
@@ -223,6 +286,8 @@ class SpecServer:
             "steps": self.engine.steps,
             "shape": self.shape_name(),
             "app": serve.get_replica_context().app_name,
+            "instance": self.instance,  # `serve.cli swap` checks it through the handle
+            "digest": self.drafter_digest,
         }
 
     def spec(self) -> dict[str, Any]:
@@ -247,23 +312,39 @@ class SpecServer:
         finally:
             for j in jobs:
                 j.push(None)
+        gens = [g for g in results if isinstance(g, Generation)]
+        self.counts["cancelled"] += sum(g.stats.finish_reason == "cancelled" for g in gens)
+        self.counts["completion_tokens"] += sum(g.stats.completion_tokens for g in gens)
         return results  # type: ignore[return-value]
 
     def _generate(self, sub: list[_Job]) -> list[Generation]:
-        """One engine call for jobs of one key (equal sampling settings)."""
+        """One engine call for jobs of one key (equal sampling settings); a job nobody waits
+        for any more (`_Job.stopped`, e.g. while it waited for the lock) is not started, and
+        one that stops while it runs leaves the batch at the engine's next step."""
         with self.lock:
-            return self.engine.generate(
-                [j.prompt for j in sub],
-                sub[0].params,
-                on_tokens=lambda r, toks: sub[r].push(toks),
-                speculative=sub[0].speculative,
-                max_tokens_each=[j.params.max_tokens for j in sub],
+            live = [j for j in sub if not j.stopped]
+            out = iter(
+                self.engine.generate(
+                    [j.prompt for j in live],
+                    live[0].params,
+                    on_tokens=lambda r, toks: live[r].push(toks),
+                    speculative=live[0].speculative,
+                    max_tokens_each=[j.params.max_tokens for j in live],
+                )
+                if live
+                else []
             )
+        ran = {id(j) for j in live}  # by identity: equal requests are equal dataclasses
+        skipped = lambda j: Generation([], RequestStats(len(j.prompt), finish_reason="cancelled"))  # noqa: E731
+        return [next(out) if id(j) in ran else skipped(j) for j in sub]
 
-    async def _job(self, body: dict[str, Any], chat: bool, stream: bool) -> _Job:
+    async def _job(
+        self, body: dict[str, Any], chat: bool, stream: bool, deadline: float = float("inf")
+    ) -> _Job:
         """A checked request (BadRequest names every bad field); only these join a batch. The
         tokenizer runs in a thread: a long prompt must not stall the replica's event loop."""
         job = await asyncio.to_thread(self._checked_job, body, chat)
+        job.deadline = deadline
         if stream:
             job.queue, job.loop = asyncio.Queue(), asyncio.get_running_loop()
         return job
@@ -287,21 +368,36 @@ class SpecServer:
                           "prompt": None if chat else body.get("prompt")}  # fmt: skip
         return job
 
-    async def complete(self, body: dict[str, Any], chat: bool = True) -> dict[str, Any]:
-        """One non-streaming request (also the handle API); returns the OpenAI response body."""
-        job = await self._job(body, chat, stream=False)
-        gen = await self._run(job)
+    async def complete(
+        self, body: dict[str, Any], chat: bool = True, deadline: float = float("inf")
+    ) -> dict[str, Any]:
+        """One non-streaming request (also the handle API); returns the OpenAI response body.
+        Past `deadline` (time.monotonic()) the engine drops it and RequestTimeout is raised."""
+        job = await self._job(body, chat, stream=False, deadline=deadline)
+        try:
+            gen = await self._run(job)
+        except asyncio.CancelledError:  # the client hung up (Serve cancels its task)
+            job.cancelled = True  # the engine drops it at its next step
+            raise
         if isinstance(gen, Exception):
             raise gen  # this request alone failed (run_isolated retried it by itself)
+        if gen.stats.finish_reason == "cancelled":
+            raise RequestTimeout(self._timeout_message())
         await self._log_traffic(job, gen)
         return self._response(gen, chat, job.speculative)
+
+    def _timeout_message(self) -> str:
+        return (
+            f"request: not finished within serve.request_timeout_s={self.request_timeout_s:g} "
+            "s; ask for fewer max_tokens or retry later"
+        )
 
     async def _log_traffic(self, job: _Job, gen: Generation) -> None:
         """Append the finished request to the traffic log (serve/traffic.py), fsynced in a
         thread (off the event loop) before the response goes out, so a crash loses only the
         requests in flight; a logging failure costs the record, never the response."""
-        if self.traffic is None or job.record is None:
-            return
+        if self.traffic is None or job.record is None or job.stopped:
+            return  # a request nobody waited for to the end is not traffic to learn from
         st, p = gen.stats, job.params
         try:
             await asyncio.to_thread(self.traffic.append, {
@@ -339,10 +435,14 @@ class SpecServer:
     def _usage(self, gen: Generation, speculative: bool) -> dict[str, Any]:
         usage = gen.stats.usage()
         usage["speculative"] = speculative and self.engine.drafter is not None
-        usage["drafter"] = self.drafter_path if usage["speculative"] else None
+        usage["drafter"] = self.drafter_digest if usage["speculative"] else None
         return usage
 
-    async def _sse(self, job: _Job, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    async def _sse(
+        self, job: _Job, chat: bool, include_usage: bool, slot: _Slot
+    ) -> AsyncIterator[str]:
+        """The stream of one request; `slot` is its place in the engine's queue, held until the
+        stream ends (released by the finally below)."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created, obj = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
 
@@ -380,50 +480,84 @@ class SpecServer:
         task = asyncio.ensure_future(self._run(job))
         tokens: list[int] = []
         sent = ""
-        if chat:
-            yield chunk(None, role=True)
-        assert job.queue is not None
         try:
-            while (item := await job.queue.get()) is not None:
-                tokens += item
-                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-                if text.endswith("\ufffd"):
-                    continue  # an incomplete UTF-8 sequence: wait for the next token
-                if len(text) > len(sent):
-                    yield chunk(text[len(sent) :])
-                    sent = text
-            gen = await task
-            if isinstance(gen, Exception):
-                raise gen
-        except Exception as e:  # noqa: BLE001 - report inside the stream, headers are gone
-            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
+            if chat:
+                yield chunk(None, role=True)
+            assert job.queue is not None
+            try:
+                while (item := await job.queue.get()) is not None:
+                    tokens += item
+                    text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                    if text.endswith("\ufffd"):
+                        continue  # an incomplete UTF-8 sequence: wait for the next token
+                    if len(text) > len(sent):
+                        yield chunk(text[len(sent) :])
+                        sent = text
+                gen = await task
+                if isinstance(gen, Exception):
+                    raise gen
+                if gen.stats.finish_reason == "cancelled":
+                    raise RequestTimeout(self._timeout_message())
+            except Exception as e:  # noqa: BLE001 - report inside the stream, headers are gone
+                err = {"message": str(e), "type": "server_error"}
+                yield f"data: {json.dumps({'error': err})}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            await self._log_traffic(job, gen)
+            text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+            yield chunk(text[len(sent) :] or None, finish=gen.stats.finish_reason)
+            if include_usage:
+                yield chunk(None, usage=self._usage(gen, job.speculative))
             yield "data: [DONE]\n\n"
-            return
-        await self._log_traffic(job, gen)
-        text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-        yield chunk(text[len(sent) :] or None, finish=gen.stats.finish_reason)
-        if include_usage:
-            yield chunk(None, usage=self._usage(gen, job.speculative))
-        yield "data: [DONE]\n\n"
+        finally:  # ended, or the client hung up (Serve cancels the task, or closes us)
+            if not task.done():
+                job.cancelled = True  # the engine drops it at its next step
+            self.slots.discard(slot)
 
     async def _http(self, request: Request, chat: bool):
+        slot, streaming = None, False
         try:
-            raw = await read_body(request.stream(), request.headers.get("content-length"))
-            body = parse_body(raw)
-            stream = body.get("stream", False) is True
-            if not stream:
-                return JSONResponse(await self.complete(body, chat))
-            job = await self._job(body, chat, stream=True)
+            try:
+                raw = await asyncio.wait_for(
+                    read_body(request.stream(), request.headers.get("content-length")),
+                    self.body_timeout_s,
+                )
+            except TimeoutError:
+                raise BodyTimeout(
+                    f"body: not received within serve.body_timeout_s={self.body_timeout_s:g} "
+                    "s; send the whole request at once"
+                ) from None
+            deadline = time.monotonic() + self.request_timeout_s
+            body = await asyncio.to_thread(parse_body, raw)  # 16 MB of JSON: off the loop
+            if len(self.slots) >= self.max_running:
+                return JSONResponse(
+                    {"error": {"message": f"server busy: {len(self.slots)} requests run or wait "
+                               "for the engine (serve.max_queued_requests); retry after "
+                               f"{self.retry_after_s} s", "type": "server_busy"}},
+                    status_code=503,
+                    headers={"Retry-After": str(self.retry_after_s)},
+                )  # fmt: skip
+            slot = _Slot()
+            self.slots.add(slot)
+            if body.get("stream", False) is not True:
+                try:  # wait_for cancels complete(), which cancels the job (the engine drops it)
+                    left = deadline - time.monotonic()
+                    return JSONResponse(await asyncio.wait_for(self.complete(body, chat, deadline), left))  # fmt: skip
+                except TimeoutError:
+                    raise RequestTimeout(self._timeout_message()) from None
+            job = await self._job(body, chat, stream=True, deadline=deadline)
             opts = body.get("stream_options") or {}
-            return StreamingResponse(
-                self._sse(job, chat, bool(opts.get("include_usage", False))),
-                media_type="text/event-stream",
-            )
+            stream = self._sse(job, chat, bool(opts.get("include_usage", False)), slot)
+            streaming = True  # the stream holds the slot now, and releases it when it ends
+            return StreamingResponse(stream, media_type="text/event-stream")
         except BadRequest as e:
             return JSONResponse(
                 {"error": {"message": str(e), "type": "invalid_request_error"}},
                 status_code=e.status,
             )
+        finally:
+            if slot is not None and not streaming:
+                self.slots.discard(slot)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
@@ -433,19 +567,20 @@ class SpecServer:
     async def completions(self, request: Request):
         return await self._http(request, chat=False)
 
+    # async: these run on the event loop, never behind requests in a thread pool
     @app.get("/v1/models")
-    def models(self) -> dict[str, Any]:
+    async def models(self) -> dict[str, Any]:
         return {
             "object": "list",
             "data": [{"id": self.model_name, "object": "model", "owned_by": "eagle-loop"}],
         }
 
     @app.get("/health")
-    def health(self) -> dict[str, str]:
+    async def health(self) -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/drafter")
-    def drafter(self) -> dict[str, Any]:
+    async def drafter(self) -> dict[str, Any]:
         return self.public_drafter_info()
 
 
@@ -461,6 +596,8 @@ class Endpoint:
 
 
 _APPS: dict[str, dict[str, Any]] = {}  # app name -> what deploy() bound, for swap_drafter
+# serve: knobs that bound a client's waiting (serve/config.py), passed to the replica
+LIMIT_KEYS = ("max_ongoing_requests", "max_queued_requests", "retry_after_s", "request_timeout_s", "body_timeout_s")  # fmt: skip
 
 
 def _as_dict(cfg: Any) -> dict[str, Any]:
@@ -482,8 +619,9 @@ def deploy(
     traffic_dir: str | Path | None = None,
 ) -> Endpoint:
     """Start Serve on serve.host:serve.port and run the engine app with `drafter_dir` (None = no
-    drafter: plain decoding only); a batch waits `batch_wait_s` for mates. Returns its address."""
-    s, t = _as_dict(serve_cfg), _as_dict(target_cfg)
+    drafter: plain decoding only); a batch waits `batch_wait_s` for mates. Returns its address.
+    A dict `serve_cfg` (the CLI's) goes through ServeConfig's validation and defaults."""
+    s, t = ServeConfig.model_validate(_as_dict(serve_cfg)).model_dump(), _as_dict(target_cfg)
     if s.get("engine", "embedded") != "embedded":
         raise ValueError(
             f"serve.engine={s['engine']!r}: this deployment is the embedded engine; use the SGLang deployment"
@@ -502,6 +640,8 @@ def deploy(
         "batch_wait_s": batch_wait_s,
         "model_name": model_name,
         "traffic": _traffic_options(s, traffic_dir),
+        **{k: s[k] for k in LIMIT_KEYS},
+        "instance": uuid.uuid4().hex[:16],  # this deploy(): what `serve.cli swap` checks
     }
     actor = {"num_cpus": num_cpus, "num_gpus": s.get("num_gpus", 0.0)}
     host, port = s.get("host", "127.0.0.1"), s.get("port", 8000)
@@ -534,7 +674,17 @@ def _run_app(app_name: str, drafter: str | None) -> None:
     restarted replica serves when the declared one does not load."""
     spec = _APPS[app_name]
     user_config = {"drafter": drafter, "fallback": spec.get("good"), "shape": spec.get("shape")}
-    dep = SpecServer.options(user_config=user_config, ray_actor_options=spec["actor"])
+    opts = spec["options"]
+    dep = SpecServer.options(
+        user_config=user_config,
+        ray_actor_options=spec["actor"],
+        # Serve's own bound, for when the replica holds max_ongoing_requests: its proxy queues
+        # this many more and answers the rest 503 with Retry-After (the replica's own 503
+        # comes first, past max_batch_size + max_queued_requests waiting for the engine)
+        max_ongoing_requests=int(opts.get("max_ongoing_requests", 256)),
+        max_queued_requests=int(opts.get("max_queued_requests", 32)),
+        backpressure_config={"retry_after_s": float(opts.get("retry_after_s", 2))},
+    )
     # A fixed version makes a user_config change an in-place `reconfigure` (no replica restart,
     # no target reload). Ray 2.60 only takes it through the internal flag; without it the swap
     # still works, by restarting the replica.
@@ -582,12 +732,15 @@ def set_shape(shape: Shape, app_name: str = APP_NAME) -> dict[str, Any]:
     return serve.get_app_handle(app_name).drafter_info.remote().result()
 
 
-def adopt_app(app_name: str = APP_NAME) -> None:
+def adopt_app(app_name: str = APP_NAME) -> dict[str, Any]:
     """Make an app another process deployed swappable from this one (`serve.cli swap`): read
-    what it was bound with from the replica, so a redeploy keeps its version (in place)."""
+    what it was bound with from the replica, so a redeploy keeps its version (in place).
+    Returns the replica's drafter_info (its `instance` says which server this handle reached)."""
     handle = serve.get_app_handle(app_name)
     spec = handle.spec.remote().result()
-    _APPS[app_name] = {**spec, "good": handle.drafter_info.remote().result()["path"]}
+    info = handle.drafter_info.remote().result()
+    _APPS[app_name] = {**spec, "good": info["path"]}
+    return info
 
 
 def shutdown(app_name: str = APP_NAME) -> None:

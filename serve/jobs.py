@@ -4,6 +4,8 @@ engine fails only itself. serve/deployment.py batches them (`serve.batch`)."""
 
 import asyncio
 import logging
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +23,15 @@ class _Job:
     queue: asyncio.Queue | None = None  # streaming: token lists, then None
     loop: asyncio.AbstractEventLoop | None = None
     record: dict[str, Any] | None = None  # what the traffic log keeps of the request, if any
+    # Set on the event loop, read by the engine's thread at every step (a plain bool: one
+    # attribute store is atomic under the GIL). The client hung up, or its time is up.
+    cancelled: bool = False
+    deadline: float = math.inf  # time.monotonic() past which the engine drops the request
+
+    @property
+    def stopped(self) -> bool:
+        """Nobody waits for this request any more: the engine skips or drops it."""
+        return self.cancelled or time.monotonic() > self.deadline
 
     @property
     def key(self) -> tuple:
@@ -39,15 +50,18 @@ class _Job:
     seen: int = 0  # tokens the current attempt produced
     sent: int = 0  # tokens already streamed to the client (a retry does not repeat them)
 
-    def push(self, item: list[int] | None) -> None:
+    def push(self, item: list[int] | None) -> bool:
+        """Hand new tokens (None: the end) to the stream; True when the engine should stop
+        this request (the engine's TokenCallback)."""
         if item is not None:
             self.seen += len(item)
             fresh = self.seen - self.sent
             if fresh <= 0:
-                return
+                return self.stopped
             item, self.sent = item[len(item) - fresh :], self.seen
         if self.queue is not None and self.loop is not None:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        return self.stopped
 
     def restart(self) -> None:
         """Before a retry: the tokens it produces again up to `sent` are not streamed twice."""

@@ -5,6 +5,9 @@
 vocabulary, UTF-8 of every string, prompt + max_tokens against the context) and returns the
 settled values, or raises BadRequest naming every bad field at once. Nothing that failed here
 ever joins a batch, so a malformed request cannot fail the valid requests batched with it.
+OpenAI fields the server does not implement are refused by name (UNSUPPORTED), never ignored;
+a role is one of ROLES, never template markup; text longer than the context could hold is
+refused by its characters before any tokenizer sees it (`Limits.max_chars`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,35 @@ MAX_STEPS = 16
 MAX_TOPK = 16
 MAX_BODY_BYTES = 16 << 20  # far above any context's worth of text; a bigger body is refused
 MESSAGE_KEYS = frozenset({"role", "content"})  # what the server reads and the traffic log keeps
+# The roles the chat template renders: any other string reached the template verbatim, so a
+# role holding "<|im_end|>...<|im_start|>assistant" became real turn markup (issue 43).
+ROLES = ("system", "user", "assistant")
+# OpenAI (and vLLM) fields this server does not implement -> the values that change nothing
+# (clients often send the defaults). Anything else is refused by name: silently ignored, a
+# client got plain output and believed it had, e.g., JSON mode or a penalty.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "top_k": (None, -1, 0),
+    "min_p": (None, 0),
+    "min_tokens": (None, 0),
+    "stop_token_ids": (None, []),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+}
 # Below this a draw is all but always the greedy token, and far enough down (1e-40) the sampler's
 # logits / temperature overflows float32 (NaN probabilities: torch.multinomial raised, a 500), so
 # such a temperature is served as 0, greedy (vLLM draws the line at the same place).
@@ -40,12 +72,21 @@ class BodyTooLarge(BadRequest):
     status = 413
 
 
+class BodyTimeout(BadRequest):
+    """A body not received within `serve.body_timeout_s`; HTTP 408."""
+
+    status = 408
+
+
 @dataclass(frozen=True)
 class Limits:
     """What the served model allows: token ids in [0, vocab_size), prompt + completion within
     max_context (0 = unknown), and the engine's default drafting shape (for the tree check).
     `static_capacity`: KV slots of the engine's static runner (0 = none), which must also hold
-    one verify pass beyond prompt + completion (serve/engine/loop.py `_check_fits`)."""
+    one verify pass beyond prompt + completion (serve/engine/loop.py `_check_fits`).
+    `max_chars`: the most characters of text a prompt may hold (0 = no limit): the context
+    times the longest vocabulary entry, since no token covers more characters than its own
+    string has (`max_prompt_chars`); longer text cannot fit and is refused untokenized."""
 
     vocab_size: int
     max_context: int
@@ -53,6 +94,7 @@ class Limits:
     topk: int
     num_draft_tokens: int | None
     static_capacity: int = 0
+    max_chars: int = 0
 
 
 @dataclass(frozen=True)
@@ -100,6 +142,25 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _same(a: Any, b: Any) -> bool:
+    """a == b as JSON values: 0 and 0.0 alike, but a bool is not the number 0 or 1."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    return a == b
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def max_prompt_chars(vocab: dict[str, int], max_context: int) -> int:
+    """`Limits.max_chars` for a tokenizer's vocabulary (`get_vocab()`): a byte-level or
+    SentencePiece entry spells each byte or character it covers with at least one character,
+    so text of more characters than this needs more tokens than the context holds."""
+    return max_context * max(map(len, vocab), default=0) if max_context else 0
+
+
 def _utf8(v: str) -> bool:
     try:
         v.encode("utf-8")  # a lone surrogate (JSON "\ud800") cannot be encoded
@@ -116,8 +177,12 @@ def check_request(
     apply_template: Callable[[list[dict[str, Any]]], list[int]],
 ) -> CheckedRequest:
     """Every field the server reads, checked; BadRequest lists each problem as `field: why`."""
-    problems: list[str] = []
-    prompt = _prompt(body, chat, encode, apply_template, problems)
+    problems = [
+        f"{k}: {_short(body[k])} is not supported by this server; leave it out"
+        for k, neutral in UNSUPPORTED.items()
+        if k in body and not any(_same(body[k], v) for v in neutral)
+    ]
+    prompt = _prompt(body, chat, encode, apply_template, problems, limits.max_chars)
     bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
     if bad:
         field = "messages" if chat else "prompt"
@@ -246,24 +311,40 @@ def _prompt(
     encode: Callable[[str], list[int]],
     apply_template: Callable[[list[dict[str, Any]]], list[int]],
     problems: list[str],
+    max_chars: int = 0,
 ) -> list[int]:
     """The prompt's token ids ([] after recording a problem)."""
+
+    def too_long(n: int, field: str) -> bool:
+        if max_chars and n > max_chars:
+            problems.append(
+                f"{field}: {n} characters cannot fit the context (at most {max_chars} "
+                "characters of text); shorten it"
+            )
+        return bool(max_chars and n > max_chars)
+
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             problems.append("messages: a non-empty list of {role, content} is required")
             return []
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                problems.append(f"messages[{i}]: must be an object with a string role")
+            if not isinstance(m, dict):
+                problems.append(f"messages[{i}]: must be an object with a role and a content")
+                return []
+            if m.get("role") not in ROLES:
+                problems.append(f"messages[{i}].role: {_short(m.get('role'))} must be one of "
+                                f"{', '.join(ROLES)}")  # fmt: skip
                 return []
             if extra := sorted(set(m) - MESSAGE_KEYS):
                 problems.append(f"messages[{i}]: unsupported key(s) {extra}; send role and content only")  # fmt: skip
                 return []
             content = m.get("content")
-            if not isinstance(content, str) or not _utf8(content) or not _utf8(m["role"]):
+            if not isinstance(content, str) or not _utf8(content):
                 problems.append(f"messages[{i}].content: must be a valid UTF-8 string")
                 return []
+        if too_long(sum(len(m["content"]) for m in messages), "messages"):
+            return []
         try:
             return list(apply_template(messages))
         except Exception as e:  # noqa: BLE001 - template errors are the client's
@@ -273,6 +354,8 @@ def _prompt(
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
+        if too_long(len(prompt), "prompt"):
+            return []
         if not _utf8(prompt):
             problems.append("prompt: not a valid UTF-8 string")
             return []

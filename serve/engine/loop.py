@@ -80,8 +80,9 @@ class _Rows:
                     break
         self.out[req].extend(new)
         self.stats[req].completion_tokens = len(self.out[req])
-        if self.on_tokens is not None and new:
-            self.on_tokens(req, new)
+        if self.on_tokens is not None and new and self.on_tokens(req, new):
+            self.stats[req].finish_reason = "cancelled"  # its caller is gone: drop the row now
+            return True
         return self.stats[req].finish_reason == "stop" or len(self.out[req]) >= self.limits[req]
 
     def charge(self, field_name: str, ms: float) -> None:
@@ -196,7 +197,8 @@ class SpecEngine:
     ) -> list[Generation]:
         """Speculative decoding of a batch (plain decoding without a drafter or when not
         `speculative`). `max_tokens_each` overrides `params.max_tokens` per prompt; `on_tokens` is
-        called after every cycle with each request's new tokens."""
+        called after every cycle with each request's new tokens; when it returns True that
+        request ends there (finish_reason "cancelled") and its row and cache leave the batch."""
         if not speculative or self.drafter is None:
             return self.plain_generate(prompts, params, on_tokens, max_tokens_each)
         if self.static is not None and len(prompts) > 1:

@@ -10,7 +10,9 @@ from typing import Any
 # ----------------------------------------------------------------------------------------------
 # Requests and their statistics
 
-TokenCallback = Callable[[int, list[int]], None]  # (request index, new token ids)
+# (request index, new token ids) -> True to stop that request (its client is gone); called once
+# per engine step for every request still running, so a stop takes effect at the next step
+TokenCallback = Callable[[int, list[int]], bool | None]
 
 
 @dataclass(frozen=True)
