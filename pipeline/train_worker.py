@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from actors.files import atomic_write
+from actors.files import atomic_write, replaced_dir
 from eagle3.train_step import (
     STATE_FILE,
     Anchor,
@@ -454,21 +454,17 @@ def _export(
     its files are copied as they came (`kept_start`)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from eagle3.checkpoint import save_drafter
-
     sd = get_model_state_dict(
         module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
     if rank != 0:
         return
     state = {k.removeprefix("drafter."): v for k, v in sd.items()}
-    dest = out / "drafter"
-    if dest.exists():
-        shutil.rmtree(dest)  # a re-run after completion rewrites the same weights
+    dest = out / "drafter"  # a re-run after completion rewrites the same weights
     evals = [m for m in mlog.read() if "eval_loss" in m]
     kept = from_drafter and best.dir.is_dir() and best.step == 0
     if kept:
-        shutil.copytree(out / "init" / "given", dest)
+        write_drafter_dir(dest, out / "init" / "given", state, drafter.cfg)
         after = max((m for m in evals if m["step"] > 0), key=lambda m: m["eval_sim_accept_len"], default=None)  # fmt: skip
         _say(
             f"[train] no trained state beat the start (sim_accept {best.score:.3f} at step 0"
@@ -479,10 +475,8 @@ def _export(
             )  # fmt: skip
             + "): exporting the starting drafter unchanged"
         )
-    elif best.dir.is_dir():
-        shutil.copytree(best.dir, dest)
     else:
-        save_drafter(state, drafter.cfg, dest)
+        write_drafter_dir(dest, best.dir if best.dir.is_dir() else None, state, drafter.cfg)
     train_lines = [m for m in mlog.read() if "loss" in m]
     secs = sum(m["step_s"] for m in train_lines)
     toks = sum(m["tokens"] for m in train_lines)
@@ -519,6 +513,19 @@ def _export(
         "resumed_from": [e["start_step"] for e in mlog.events() if e["start_step"] > 0],
     }
     atomic_write(out / "result.json", json.dumps(rec, indent=1) + "\n")
+
+
+def write_drafter_dir(dest: Path, copy_from: Path | None, state: dict, cfg) -> None:
+    """The exported drafter folder: a copy of `copy_from`, else `state` saved with `cfg`. It
+    replaces what `dest` held atomically (actors/files.py replaced_dir): the old export stays
+    whole until the new one is, where it was deleted before the copy began."""
+    from eagle3.checkpoint import save_drafter
+
+    with replaced_dir(dest) as tmp:
+        if copy_from is not None:
+            shutil.copytree(copy_from, tmp, dirs_exist_ok=True)
+        else:
+            save_drafter(state, cfg, tmp)
 
 
 RESUME = "resume_from"

@@ -351,3 +351,27 @@ def test_resume_skips_any_unreadable_checkpoint_and_names_it(tmp_path, capsys):
     for p, q in zip(module.parameters(), module2.parameters(), strict=True):
         assert torch.equal(p, q)
     assert load_newest_readable([dirs[3], dirs[2]], module2, opt2, sched2) is None
+
+
+def test_the_export_replaces_the_drafter_folder_atomically(tmp_path):
+    """A failed export leaves the previous one whole (it was deleted before the new one was
+    written); a good one replaces it, with no temp folder left beside."""
+    from eagle3.checkpoint import CheckpointError, load_drafter, save_drafter
+    from pipeline.train_worker import write_drafter_dir
+
+    cfg, model, *_ = _setup()
+    dest = tmp_path / "drafter"
+    save_drafter(model.state_dict(), cfg, dest)
+    before = load_drafter(dest)[1]
+    broken = {k: v for k, v in model.state_dict().items() if k != "fc.weight"}
+    with pytest.raises(CheckpointError):
+        write_drafter_dir(dest, None, broken, cfg)
+    assert torch.equal(load_drafter(dest)[1]["fc.weight"], before["fc.weight"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]
+
+    other = _setup(seed=3)[1]
+    src = tmp_path / "given"
+    save_drafter(other.state_dict(), cfg, src)
+    write_drafter_dir(dest, src, {}, cfg)
+    assert torch.equal(load_drafter(dest)[1]["fc.weight"], load_drafter(src)[1]["fc.weight"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "given"]
