@@ -10,6 +10,8 @@ The temp name carries the process and thread, so concurrent writers of one name 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -50,3 +52,26 @@ def atomic_write(path: str | Path, data: bytes | str, fsync: bool = True) -> Non
     """Write `data` (str as UTF-8) to `path` atomically."""
     with atomic_file(path, fsync=fsync) as f:
         f.write(data.encode() if isinstance(data, str) else data)
+
+
+@contextmanager
+def replaced_dir(path: str | Path) -> Iterator[Path]:
+    """Yield a new empty folder beside `path` to fill; on a clean exit it takes `path`'s place,
+    on an error it is removed and `path` is left as it was. A reader finds the old folder whole
+    or the new one whole: the old one is renamed aside, the new one renamed in, then the old
+    removed; a crash between the two renames leaves the old one beside as `.<name>.old-*`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would hide it from a server running as another user
+    try:
+        yield tmp
+        old = path.parent / tmp.name.replace(".tmp-", ".old-", 1)
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        fsync_dir(path.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -92,8 +92,10 @@ def run_generate(
     ``answered``: batches of served requests (the traffic log): captured, not generated; they
     run first (the cheapest data, and the most telling).
     ``replied``: batches of prompts with their source's own replies: captured, not generated.
-    ``deadline`` (a ``time.time()``): no batch starts that would end after it, by the time the
-    batches so far took (``DataResult.made`` lists what was made; the rest is left out).
+    ``deadline`` (a ``time.monotonic()`` of this process): no batch starts that would end after
+    it, by the time the batches so far took (``DataResult.made`` lists what was made; the rest is
+    left out). Monotonic, so a step of the wall clock cuts nothing; it is compared here only, never
+    sent to an actor (another host's monotonic clock counts from its own boot).
     ``only``: make just these batch indices (what a cut stage made, when it is healed)."""
     start = time.perf_counter()
     two_phase = target.backend == "sglang" if two_phase is None else two_phase
@@ -357,7 +359,7 @@ def _dispatch(
         if deadline is None or not per_actor:
             return True
         # a batch handed out now queues behind the one its actor computes: it ends two means on
-        return time.time() + 2 * sum(per_actor) / len(per_actor) <= deadline
+        return time.monotonic() + 2 * sum(per_actor) / len(per_actor) <= deadline
 
     def submit(actor: Any) -> None:
         if todo and fits():

@@ -228,6 +228,10 @@ class Config(_Strict):
     tracking: TrackingConfig = TrackingConfig()
     runtime_env: dict[str, Any] = Field(default_factory=dict)
     """Ray job runtime_env (env_vars reach every worker and actor)."""
+    ray_host: str = "127.0.0.1"
+    """The address every listener of a Ray that `pipeline/run.py` starts itself binds (GCS,
+    raylet, workers, metrics agent): loopback keeps it off the network. Another address exposes
+    it to whoever reaches that one. Unused when joining a cluster (RAY_ADDRESS)."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
@@ -277,11 +281,11 @@ class Config(_Strict):
         return self
 
     def digest(self) -> str:
-        """Stable hash of the resolved config (recorded in manifests). `tracking` is left out:
-        where results are tracked does not change them, and a run may move to another store."""
-        return hashlib.sha256(
-            json.dumps(self.model_dump(mode="json", exclude={"tracking"}), sort_keys=True).encode()
-        ).hexdigest()[:16]
+        """Stable hash of the resolved config (recorded in manifests). `tracking` and `ray_host`
+        are left out: where results are tracked or Ray listens does not change them, and a run
+        may move to another store or host."""
+        kept = self.model_dump(mode="json", exclude={"tracking", "ray_host"})
+        return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def parse_config(data: dict[str, Any], source: str = "config") -> Config:

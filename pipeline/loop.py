@@ -280,7 +280,7 @@ def _generate_round(
         round_index=r,
         answered=_answered_batches(records, cfg.data.batch_size),
         replied=_replied_batches(replied, plan.replies, cfg.data.batch_size),
-        deadline=None if seconds is None else time.time() + seconds,
+        deadline=None if seconds is None else time.monotonic() + seconds,  # in this process
         only=None if only is None else set(only),
     )
     return {**_record(res), "drawn": counts, "slice": slices, "traffic_records": len(records),

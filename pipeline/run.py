@@ -102,7 +102,8 @@ def _run(cfg: Config, run_dir: Path) -> dict | None:
     runtime_env, secrets = split_secrets(cfg.runtime_env)
     if not os.environ.get("RAY_ADDRESS"):
         os.environ.update(secrets)
-    start_ray(runtime_env, num_cpus=local_num_cpus(cfg), join_with_runtime_env=False)
+    start_ray(runtime_env, num_cpus=local_num_cpus(cfg), join_with_runtime_env=False,
+              host=cfg.ray_host)  # fmt: skip
     log.info("driver log: %s  (all else the driver prints: libraries, HTTP requests, MLflow, "
              "Serve, its Ray workers' output)", RunDir(run_dir).driver_log)  # fmt: skip
     log.info("Ray logs:   %s  (each worker's own files; Serve's access logs in serve/)",

@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
-from actors.files import atomic_write
+from actors.files import atomic_write, replaced_dir
 from eagle3.train_step import (
+    STATE_FILE,
     Anchor,
     ShardSet,
     SoftTargets,
@@ -373,32 +374,44 @@ def _resume(module, opt, sched) -> int:
     """Step to start from: the latest checkpoint's (worker failure or driver restart), else 0.
 
     A driver killed while Ray persisted a checkpoint can leave Ray's latest one without (or with
-    a truncated) state file; then the newest complete checkpoint beside it is used."""
+    a truncated) state file, and a disk can corrupt one; then the newest readable checkpoint
+    beside it is used."""
     import ray.train
 
     ckpt = ray.train.get_checkpoint()
     if ckpt is None:
         return 0
-    bad = (FileNotFoundError, RuntimeError, EOFError)
-    try:
-        with ckpt.as_directory() as d:
-            step = load_training_state(Path(d), module, opt, sched)
-        _say(f"[train] resumed from checkpoint at step {step}")
+    with ckpt.as_directory() as d:
+        step = load_newest_readable([Path(d)], module, opt, sched)
+    if step is not None:
         return step
-    except bad as err:
-        _say(f"[train] latest checkpoint is incomplete ({type(err).__name__}); trying older ones")
     latest = Path(ckpt.path)  # local storage: older checkpoints sit beside it
-    for cand in sorted(latest.parent.glob("step-*"), reverse=True):
-        if cand.name >= latest.name:
-            continue
-        try:
-            step = load_training_state(cand, module, opt, sched)
-        except bad:
-            continue
-        _say(f"[train] resumed from checkpoint {cand.name} at step {step}")
+    older = sorted((p for p in latest.parent.glob("step-*") if p.name < latest.name), reverse=True)
+    step = load_newest_readable(older, module, opt, sched)
+    if step is not None:
         return step
-    _say("[train] no complete checkpoint found; starting from step 0")
+    _say(f"[train] no readable checkpoint in {latest.parent}; starting from step 0")
     return 0
+
+
+def load_newest_readable(dirs: list[Path], module, opt, sched) -> int | None:
+    """Load the first checkpoint of `dirs` (newest first) that loads; its step, or None when
+    none did. Any error counts as unreadable, not only a missing or truncated file: torch.load
+    raised UnpicklingError on random bytes and ValueError on a bit-flipped file, and a retry
+    that raised those again would fail every attempt of the run. Each one skipped is named.
+    A load fails before anything is applied when the file is what is wrong (torch.load comes
+    first); the next one loaded overwrites all of model, optimizer, scheduler and RNG."""
+    for d in dirs:
+        try:
+            step = load_training_state(d, module, opt, sched)
+        except Exception as err:  # noqa: BLE001 - see above: whatever the bytes make torch raise
+            why = (str(err).strip().splitlines() or [""])[0][:200]
+            _say(f"[train] checkpoint {d / STATE_FILE} is unreadable ({type(err).__name__}: "
+                 f"{why}); trying an older one")  # fmt: skip
+            continue
+        _say(f"[train] resumed from checkpoint {d.name} at step {step}")
+        return step
+    return None
 
 
 def _checkpoint(module, opt, sched, step: int, metrics: dict[str, float]) -> None:
@@ -441,21 +454,17 @@ def _export(
     its files are copied as they came (`kept_start`)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from eagle3.checkpoint import save_drafter
-
     sd = get_model_state_dict(
         module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
     if rank != 0:
         return
     state = {k.removeprefix("drafter."): v for k, v in sd.items()}
-    dest = out / "drafter"
-    if dest.exists():
-        shutil.rmtree(dest)  # a re-run after completion rewrites the same weights
+    dest = out / "drafter"  # a re-run after completion rewrites the same weights
     evals = [m for m in mlog.read() if "eval_loss" in m]
     kept = from_drafter and best.dir.is_dir() and best.step == 0
     if kept:
-        shutil.copytree(out / "init" / "given", dest)
+        write_drafter_dir(dest, out / "init" / "given", state, drafter.cfg)
         after = max((m for m in evals if m["step"] > 0), key=lambda m: m["eval_sim_accept_len"], default=None)  # fmt: skip
         _say(
             f"[train] no trained state beat the start (sim_accept {best.score:.3f} at step 0"
@@ -466,10 +475,8 @@ def _export(
             )  # fmt: skip
             + "): exporting the starting drafter unchanged"
         )
-    elif best.dir.is_dir():
-        shutil.copytree(best.dir, dest)
     else:
-        save_drafter(state, drafter.cfg, dest)
+        write_drafter_dir(dest, best.dir if best.dir.is_dir() else None, state, drafter.cfg)
     train_lines = [m for m in mlog.read() if "loss" in m]
     secs = sum(m["step_s"] for m in train_lines)
     toks = sum(m["tokens"] for m in train_lines)
@@ -506,6 +513,19 @@ def _export(
         "resumed_from": [e["start_step"] for e in mlog.events() if e["start_step"] > 0],
     }
     atomic_write(out / "result.json", json.dumps(rec, indent=1) + "\n")
+
+
+def write_drafter_dir(dest: Path, copy_from: Path | None, state: dict, cfg) -> None:
+    """The exported drafter folder: a copy of `copy_from`, else `state` saved with `cfg`. It
+    replaces what `dest` held atomically (actors/files.py replaced_dir): the old export stays
+    whole until the new one is, where it was deleted before the copy began."""
+    from eagle3.checkpoint import save_drafter
+
+    with replaced_dir(dest) as tmp:
+        if copy_from is not None:
+            shutil.copytree(copy_from, tmp, dirs_exist_ok=True)
+        else:
+            save_drafter(state, cfg, tmp)
 
 
 RESUME = "resume_from"

@@ -10,6 +10,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 TOKENIZERS_PARALLELISM=false
 # Ray token auth: the head, `ray job submit` and the job's driver share ~/.ray/auth_token.
 export RAY_AUTH_MODE=token
 ray get-auth-token --generate >/dev/null
+chmod 600 ~/.ray/auth_token  # Ray writes it 0644: readable by every local user
 CONFIG=${CONFIG:-configs/smollm2-cpu.yaml}
 RUN_DIR=$(realpath -m "${RUN_DIR:-demo-run}")
 MLFLOW_PORT=${MLFLOW_PORT:-5000}

@@ -236,6 +236,7 @@ def test_cli_benchmarks_a_whole_small_file_by_domain(endpoint, tmp_path, capsys)
     assert out["accept_len"] == pytest.approx(total)  # the overall figure is the same requests
 
 
+@pytest.mark.timing  # the chooser compares measured speeds: a busy core can upset one
 def test_shape_chooser_serves_plain_decoding_when_the_drafter_is_broken(endpoint, tmp_path):
     """A drafter with random weights (accept ~1.0): every chain and the configured shape are
     slower than plain decoding, so the benchmark chooses plain, the record says so, and the

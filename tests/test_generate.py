@@ -487,7 +487,9 @@ def test_a_deadline_cuts_the_stage_at_a_batch_and_healing_makes_the_same_batches
     out = tmp_path / "cut"
     # One actor, a deadline already passed: the two batches it is handed before any has been
     # timed run, then nothing more fits. The served request (the last index) goes first.
-    res = run_generate(target, data, prompts[1:], out, "h", answered=[served], deadline=time.time())
+    res = run_generate(
+        target, data, prompts[1:], out, "h", answered=[served], deadline=time.monotonic()
+    )
     assert res.made == (0, 11) and res.left_out == 10
     m = verify_manifest(out)
     assert m.num_samples == len(res.made)
@@ -500,6 +502,13 @@ def test_a_deadline_cuts_the_stage_at_a_batch_and_healing_makes_the_same_batches
     after = {p.name for p in out.glob("*.safetensors")}
     assert after == set(before)
     assert verify_manifest(out).shards == m.shards
+
+    # The deadline is on the monotonic clock (a wall-clock step cuts nothing): one an hour on
+    # cuts none of 3 batches. Compared with time.time() it had passed long ago: the third was
+    # left out.
+    whole = run_generate(target, data, prompts[1:4], tmp_path / "whole", "h",
+                         deadline=time.monotonic() + 3600)  # fmt: skip
+    assert whole.made == (0, 1, 2) and whole.left_out == 0
 
 
 def test_a_replied_batch_trains_on_the_sources_reply_without_generating(

@@ -318,3 +318,60 @@ def test_training_state_loads_tensors_only(tmp_path):
     torch.save(payload, tmp_path / STATE_FILE)
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         load_training_state(tmp_path, module, opt, sched)
+
+
+def test_resume_skips_any_unreadable_checkpoint_and_names_it(tmp_path, capsys):
+    """The newest checkpoint that loads is resumed, whatever the others' bytes make torch raise:
+    random bytes raise UnpicklingError and a corrupted byte ValueError (UnicodeDecodeError here),
+    neither of which resume skipped (only FileNotFoundError, RuntimeError and EOFError), so
+    every retry of the run failed on the same file."""
+    from pipeline.train_worker import load_newest_readable
+
+    *_, module, opt, sched, _ = _setup()
+    dirs = {s: tmp_path / f"step-{s:07d}" for s in (1, 2, 3)}
+    for s, d in dirs.items():
+        d.mkdir()
+        save_training_state(d, module, opt, sched, step=s)
+    noise = torch.randint(
+        0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
+    (dirs[3] / STATE_FILE).write_bytes(noise.numpy().tobytes())
+    raw = bytearray((dirs[2] / STATE_FILE).read_bytes())
+    at = raw.index(b"optim")  # a key of the pickle, stored uncompressed: no longer UTF-8
+    raw[at] = 0xFF
+    (dirs[2] / STATE_FILE).write_bytes(bytes(raw))
+
+    *_, module2, opt2, sched2, _ = _setup(seed=99)
+    newest_first = [dirs[3], dirs[2], dirs[1]]
+    assert load_newest_readable(newest_first, module2, opt2, sched2) == 1
+    said = capsys.readouterr().out
+    for s, err in ((3, "UnpicklingError"), (2, "UnicodeDecodeError")):
+        assert f"checkpoint {dirs[s] / STATE_FILE} is unreadable ({err}" in said, said
+    assert "resumed from checkpoint step-0000001 at step 1" in said
+    for p, q in zip(module.parameters(), module2.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert load_newest_readable([dirs[3], dirs[2]], module2, opt2, sched2) is None
+
+
+def test_the_export_replaces_the_drafter_folder_atomically(tmp_path):
+    """A failed export leaves the previous one whole (it was deleted before the new one was
+    written); a good one replaces it, with no temp folder left beside."""
+    from eagle3.checkpoint import CheckpointError, load_drafter, save_drafter
+    from pipeline.train_worker import write_drafter_dir
+
+    cfg, model, *_ = _setup()
+    dest = tmp_path / "drafter"
+    save_drafter(model.state_dict(), cfg, dest)
+    before = load_drafter(dest)[1]
+    broken = {k: v for k, v in model.state_dict().items() if k != "fc.weight"}
+    with pytest.raises(CheckpointError):
+        write_drafter_dir(dest, None, broken, cfg)
+    assert torch.equal(load_drafter(dest)[1]["fc.weight"], before["fc.weight"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]
+
+    other = _setup(seed=3)[1]
+    src = tmp_path / "given"
+    save_drafter(other.state_dict(), cfg, src)
+    write_drafter_dir(dest, src, {}, cfg)
+    assert torch.equal(load_drafter(dest)[1]["fc.weight"], load_drafter(src)[1]["fc.weight"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "given"]
