@@ -437,7 +437,7 @@ class EngineServer:
 @dataclass
 class EngineHandle:
     """What the driver holds: a Ray actor running an `EngineServer` on what it reserved. A
-    `serve.deployment.ServingEndpoint` (url, swap_drafter, info, baseline, shutdown)."""
+    `serve.endpoint.ServingEndpoint` (url, swap_drafter, info, baseline, shutdown)."""
 
     engine: str
     actor: Any

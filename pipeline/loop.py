@@ -436,7 +436,7 @@ def _serve(cfg: Config, run_dir: Path, drafter: str | None, server, shape: dict 
     first: a bad one is refused and the old drafter keeps serving). Embedded engine: a Ray Serve
     hot-swap; SGLang: a restart. `shape`: the serving shape a benchmark chose for `drafter`
     (its BenchResult.shape; plain = no drafting), applied where the server can (embedded)."""
-    from serve.deployment import deploy_endpoint
+    from serve.endpoint import deploy_endpoint
     from serve.shapes import Shape
 
     if server is None:

@@ -14,7 +14,7 @@ reads, where a drafter trained on real responses accepts less; see docs/serving.
      (`speculative: false`: the baseline on the same target and server).
 SGLang ignores `speculative` and `steps` in a request, so its baseline comes from a server
 without a drafter: `baseline_url`, or figures measured once (`measure_baseline_levels`) and
-cached (`bench_endpoint` does this through the endpoint: serve.deployment.ServingEndpoint).
+cached (`bench_endpoint` does this through the endpoint: serve.endpoint.ServingEndpoint).
 Reported: accept_len (mean over requests, histogram), output tok/s per request and aggregate,
 verify and draft ms, baseline tok/s, speedup, per-position acceptance (fraction of cycles that
 accepted >= i drafts) and the measured costs for the planner (`BenchResult.costs` are the keyword
@@ -294,7 +294,7 @@ def bench_endpoint(
     timeout_s: float = 900.0,
     domains: list[str] | None = None,
 ) -> BenchResult:
-    """`run_bench` the way the endpoint's engine needs (a serve.deployment.ServingEndpoint):
+    """`run_bench` the way the endpoint's engine needs (a serve.endpoint.ServingEndpoint):
     embedded = baseline per request on the same replica and the steps sweep; SGLang = steps fixed
     at launch and the baseline from `baseline_cache` or measured once by restarting the endpoint
     without its drafter (the speculative server holds the GPUs a second server would need).

@@ -45,7 +45,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from actors.cluster import RayStartError, start_ray
-    from serve.deployment import deploy
+    from serve.endpoint import deploy
     from serve.startup import ServeStartupError, check_port
 
     serve_cfg = {
@@ -93,7 +93,7 @@ def cmd_swap(args: argparse.Namespace) -> int:
 
     from actors.cluster import start_ray
     from actors.engine_server import DrafterRejected
-    from serve.deployment import adopt_app, swap_drafter
+    from serve.endpoint import adopt_app, swap_drafter
 
     info = httpx.get(f"{args.url.rstrip('/')}/drafter", timeout=60).json()
     start_ray(address=args.address)  # the server's own Ray (GET /drafter never names it)

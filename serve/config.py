@@ -13,7 +13,7 @@ from actors.config import Strict
 
 
 def batch_problem(max_batch_size: int, batch_wait_s: float) -> str | None:
-    """What is wrong with the embedded replica's batching (serve/deployment.py's `deploy()`
+    """What is wrong with the embedded replica's batching (serve/endpoint.py's `deploy()`
     keywords, the CLI's `--max-batch-size`), or None. Checked before Serve starts because
     Ray's setters (`set_max_batch_size`, `set_batch_wait_timeout_s`) take any value unchecked."""
     if type(max_batch_size) is not int or max_batch_size < 1:  # type(): True is no batch size

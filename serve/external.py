@@ -1,5 +1,5 @@
 """`serve --engine sglang|vllm` from the command line: the engine servers the loop itself deploys
-(actors/sglang_server.py, actors/vllm_server.py), started by serve/deployment.py's
+(actors/sglang_server.py, actors/vllm_server.py), started by serve/endpoint.py's
 `deploy_endpoint` with the command line's settings, until Ctrl-C or SIGTERM.
 
   python -m serve.cli serve --engine vllm --target smollm2 --drafter drafters/smollm2-135m-offpolicy
@@ -74,7 +74,7 @@ def serve_external(args: argparse.Namespace) -> int:
 
     from actors.cluster import start_ray
     from actors.engine_server import DrafterRejected
-    from serve.deployment import deploy_endpoint
+    from serve.endpoint import deploy_endpoint
 
     start_ray()
     try:

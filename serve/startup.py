@@ -1,5 +1,5 @@
 """Ray Serve start-up that a busy machine does not break: Serve's own proxy timeouts, a bounded
-retry, and waits until the proxy and the app answer. serve/deployment.py, serve/cli.py and the
+retry, and waits until the proxy and the app answer. serve/endpoint.py, serve/cli.py and the
 tests start Serve only through here.
 
 Why it failed (Ray 2.60, serve/_private/proxy_state.py): the controller gives a new HTTP proxy

@@ -340,7 +340,7 @@ def shared_endpoint(serve_port, tiny_target, drafters, tmp_path_factory):
     its modules run first and it is deleted after the last of them (before other modules deploy
     apps of their own)."""
     from pipeline.config import ServeConfig, TargetConfig
-    from serve.deployment import deploy_endpoint
+    from serve.endpoint import deploy_endpoint
 
     serve_cfg = ServeConfig(
         port=serve_port, steps=SHARED_APP["steps"], num_cpus=SHARED_APP["num_cpus"]

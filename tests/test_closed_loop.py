@@ -303,7 +303,7 @@ def live(closed_run, ray_module):
     from ray import serve
 
     from pipeline.config import load_config
-    from serve.deployment import deploy_endpoint
+    from serve.endpoint import deploy_endpoint
 
     run_dir = closed_run["run_dir"]
     cfg = load_config(next(run_dir.parent.glob("closed.yaml")))

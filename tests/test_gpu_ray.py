@@ -63,7 +63,7 @@ def test_the_data_stage_actor_generates_and_captures_on_its_gpu(tiny_target, ray
 @pytest.mark.gpu
 @cuda
 def test_the_serve_replica_runs_on_the_gpu_it_reserved(tiny_target, serve_port, tmp_path):
-    from serve.deployment import deploy_endpoint
+    from serve.endpoint import deploy_endpoint
 
     lm = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
     d = random_drafter(lm, draft_vocab_size=4000, seed=1, aux_layer_ids=AUX).model

@@ -18,13 +18,8 @@ from conftest import SHARED_APP
 
 from actors.engine_server import validate_drafter
 from pipeline.config import ServeConfig, TargetConfig
-from serve.deployment import (
-    DrafterRejected,
-    _run_app,
-    deploy_endpoint,
-    drafter_digest,
-    swap_drafter,
-)
+from serve.deployment import DrafterRejected, drafter_digest
+from serve.endpoint import _run_app, deploy_endpoint, swap_drafter
 
 APP = SHARED_APP["name"]
 CHAT = {

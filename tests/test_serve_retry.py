@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle3.checkpoint import save_drafter
 from pipeline.config import ServeConfig, TargetConfig
-from serve.deployment import deploy
+from serve.endpoint import deploy
 from serve.engine import random_drafter
 
 APP = "test-serve-retry"

@@ -27,7 +27,7 @@ for _dep in ("fastapi", "ray", "pydantic"):  # bare GPU host (torch only): skip
 from conftest import free_port
 
 from pipeline.config import ServeConfig, TargetConfig
-from serve.deployment import deploy_endpoint
+from serve.endpoint import deploy_endpoint
 from serve.startup import ServeStartupError, serve_running, start_serve
 
 REPO = Path(__file__).resolve().parent.parent
@@ -124,7 +124,7 @@ def test_cli_serve_on_a_taken_port_exits_with_a_message_before_ray_starts(tiny_t
 def test_bad_batching_is_refused_naming_it_before_serve_starts(tiny_target, monkeypatch):
     """A batch of 0 requests or a negative wait: the CLI exits 2 naming --max-batch-size, and
     `deploy()` raises naming the keyword, both before Serve starts (Ray's setters take anything)."""
-    from serve import deployment
+    from serve import endpoint as deployment
 
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "serve.cli", "serve", "--target", str(tiny_target)]

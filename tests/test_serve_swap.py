@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_swap_against_another_servers_cluster_is_refused(ray_module, tiny_target, drafters, capsys):  # fmt: skip
     from serve.cli import main
-    from serve.deployment import deploy, shutdown
+    from serve.endpoint import deploy, shutdown
 
     here = deploy({"port": free_port()}, {"model": str(tiny_target)}, drafters["good1"])
     env = dict(os.environ, RAY_ADDRESS="", PYTHONPATH=str(REPO))

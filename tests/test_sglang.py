@@ -662,7 +662,8 @@ _SERVE_SCRIPT = textwrap.dedent(
     import httpx, ray
     from pipeline.config import ServeConfig, TargetConfig
     from serve.bench import bench_endpoint
-    from serve.deployment import DrafterRejected, deploy_endpoint
+    from serve.deployment import DrafterRejected
+    from serve.endpoint import deploy_endpoint
     from actors.sglang_server import spec_stats_from_sglang
 
     model, good, broken, port, logs, cpu = sys.argv[1:7]

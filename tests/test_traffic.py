@@ -153,7 +153,8 @@ def test_served_requests_are_logged_and_survive_a_replica_killed_mid_writes(
     from actors.chat import prompt_ids
     from pipeline.config import ServeConfig, TargetConfig
     from pipeline.loop import _answered_batches
-    from serve.deployment import _traffic_log, _traffic_options, deploy_endpoint
+    from serve.deployment import _traffic_log
+    from serve.endpoint import _traffic_options, deploy_endpoint
 
     target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
     d = random_drafter(target, draft_vocab_size=4000, seed=1, aux_layer_ids=[0, 1, 2]).model
