@@ -125,6 +125,32 @@ class RequestTimeout(BadRequest):
     status = 504
 
 
+def _grpc_on_loopback() -> None:
+    """Ray 2.60's replica starts its inter-deployment gRPC server on `[::]:0`, every interface,
+    with no option to change it (ray/serve/_private/replica.py, `_on_initialized`, after this
+    constructor). On a Ray whose node address is loopback (every Ray the project starts:
+    actors/cluster.py), handles reach the replica at 127.0.0.1, so it binds there instead. A Ray
+    without that hook serves as before, with a warning naming the listener."""
+    import ray
+    from ray.serve._private import replica
+
+    if ray.util.get_node_ip_address() != "127.0.0.1":
+        return  # a routable node: other nodes' handles connect to it
+    bind = getattr(replica, "add_port_to_grpc_server", None)
+    if bind is None:
+        log.warning("this Ray's Serve replica has no add_port_to_grpc_server: its gRPC server "
+                    "listens on every interface")  # fmt: skip
+        return
+    if getattr(bind, "loopback", False):
+        return
+
+    def loopback(server: Any, address: str) -> int:
+        return bind(server, address.replace("[::]", "127.0.0.1", 1))
+
+    loopback.loopback = True  # type: ignore[attr-defined]
+    replica.add_port_to_grpc_server = loopback
+
+
 class _Slot:
     """A request's place among those the engine runs or queues (`SpecServer.slots`): freed
     when the request ends, or when nothing refers to it any more (a stream that never began)."""
@@ -135,6 +161,7 @@ class _Slot:
 class SpecServer:
     def __init__(self, target: dict[str, Any], options: dict[str, Any], actor: dict | None = None):
         self._spec = {"target": target, "options": options, "actor": actor or {}}
+        _grpc_on_loopback()
         if options.get("torch_threads"):
             torch.set_num_threads(int(options["torch_threads"]))
         # on the GPU the replica reserved: the engine's static runner then runs CUDA graphs

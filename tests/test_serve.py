@@ -506,3 +506,19 @@ def test_fuzz_and_faults_never_hurt_valid_requests(endpoint):
     with httpx.Client(base_url=endpoint.url, timeout=60) as c:
         assert c.get("/health").json() == {"status": "ok"}
     assert [_send(endpoint.url, *v) for v in valid[:3]] == alone[:3]
+
+
+def test_the_replica_listens_on_loopback_only(endpoint):
+    """Issue 43: `ss -ltnp` during `serve.cli serve` showed the replica's inter-deployment gRPC
+    server on `*` (Ray 2.60 binds it on [::]:0); on a loopback Ray it binds 127.0.0.1."""
+    import psutil
+    import ray
+
+    assert ray.util.get_node_ip_address() == "127.0.0.1"  # the project's own Ray (conftest)
+    title = f"ServeReplica:{APP}:SpecServer"  # the replica process's title (ray::...)
+    replicas = [p for p in psutil.process_iter(["cmdline"]) if title in " ".join(p.info["cmdline"] or [])]  # fmt: skip
+    assert replicas, "no replica of the shared app"
+    found = [(c.laddr.ip, c.laddr.port) for p in replicas for c in p.net_connections("tcp")
+             if c.status == "LISTEN"]  # fmt: skip
+    assert found, "the replica listens on nothing: nothing was checked"
+    assert all(ip in ("127.0.0.1", "::ffff:127.0.0.1") for ip, _ in found), found
