@@ -69,7 +69,7 @@ def curve_plot(cur: dict[str, Any], path: Path, extra: dict[str, dict] | None = 
 
     pts = cur["points"]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
-    for ax, key, label in ((axes[0], "train_tokens", "training tokens (accumulated data)"),
+    for ax, key, label in ((axes[0], "train_tokens", "training tokens so far"),
                            (axes[1], "minutes", cur["minutes"])):  # fmt: skip
         ax.plot([p[key] for p in pts], [p["accept_len"] for p in pts], "o-", label="overall")
         for dom in dict.fromkeys(d for p in pts for d in p["domains"]):

@@ -67,14 +67,16 @@ def costs(rows: list[dict[str, Any]], cpus: int, gpus: int) -> dict[str, Any]:
 
 
 def curve(rows: list[dict[str, Any]], gpus: int) -> dict[str, Any]:
-    """What each round's accept_len cost so far: the tokens its drafter learnt from (the loop's
-    accumulated data, one epoch) and the machine minutes of the rounds up to it, GPU minutes
-    (wall time x the cluster's GPUs) when there are GPUs, else wall minutes. A loop that climbs
-    shows accept_len rising with both; the price of a round is its step to the right."""
-    minutes, points = 0.0, []
+    """What each round's accept_len cost so far: the training tokens of the rounds up to it (each
+    round's training data once, as `train.data_rounds` chose it) and their machine minutes, GPU
+    minutes (wall time x the cluster's GPUs) when there are GPUs, else wall minutes. A loop that
+    climbs shows accept_len rising with both; the price of a round is its step to the right, and
+    one training job on the same data sits at the same tokens (benchmarks/climb_vs_scratch.py)."""
+    tokens, minutes, points = 0, 0.0, []
     for r in rows:
+        tokens += r["train_tokens"]
         minutes += r["wall_s"] / 60.0 * (gpus or 1)
-        points.append({"round": r["round"], "train_tokens": r["train_tokens"],
+        points.append({"round": r["round"], "train_tokens": tokens,
                        "minutes": round(minutes, 2), "accept_len": r["accept_len"],
                        "domains": r.get("domains") or {},
                        "promoted": r.get("promoted", True)})  # fmt: skip

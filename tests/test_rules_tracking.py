@@ -187,10 +187,10 @@ def test_the_curve_puts_each_rounds_accept_len_against_its_data_and_the_minutes_
     gpu = curve(rs, gpus=2)
     assert gpu["minutes"] == "GPU minutes"
     assert [p["minutes"] for p in gpu["points"]] == [4.0, 6.0, 12.0]  # accumulated, x 2 GPUs
-    assert [p["train_tokens"] for p in gpu["points"]] == [1000, 2000, 3000]
+    assert [p["train_tokens"] for p in gpu["points"]] == [1000, 3000, 6000]  # so far
     assert [p["promoted"] for p in gpu["points"]] == [True, False, True]
     cpu = curve(rs, gpus=0)
     assert cpu["minutes"] == "wall minutes" and cpu["points"][-1]["minutes"] == 6.0
-    png = curve_plot(gpu, tmp_path / "c.png", {"scratch": {"train_tokens": 3000, "minutes": 9.0,
+    png = curve_plot(gpu, tmp_path / "c.png", {"scratch": {"train_tokens": 6000, "minutes": 9.0,
                                                            "accept_len": 2.5}})  # fmt: skip
     assert png.read_bytes()[:4] == b"\x89PNG"
