@@ -11,8 +11,9 @@ import pytest
 pytestmark = pytest.mark.ray_free
 
 ROOT = Path(__file__).resolve().parents[1]
+# the repository's folders, and two that are never in it (a machine's shared/ and notes/)
 TOP = ("actors", "benchmarks", "configs", "deploy", "docs", "drafters", "eagle3", "pipeline",
-       "scripts", "serve", "tests", "shared", "notes")  # fmt: skip (the last two: never in the repo)
+       "scripts", "serve", "tests", "shared", "notes")  # fmt: skip
 # a path starts at one of the repository's folders, not inside another path (ray/serve/...)
 PATH = re.compile(rf"(?<![\w./~-])(?:{'|'.join(TOP)})/[\w./-]*")
 OUTSIDE = re.compile(r"(?<![\w.])/work/[\w./-]+")  # a machine's own folders, never a user's
@@ -36,8 +37,8 @@ def cited_paths(text: str) -> list[tuple[int, str]]:
 def test_the_path_finder_reads_what_pages_write():
     text = "see `pipeline/run.py`, configs/smollm2-cpu.yaml; not ray/serve/_private/x.py or <run>/serve/x"
     assert [p for _, p in cited_paths(text)] == ["pipeline/run.py", "configs/smollm2-cpu.yaml"]
-    assert [p for _, p in cited_paths("the card (shared/DESIGN.md, /work/notes/x)")] == [
-        "shared/DESIGN.md", "/work/notes/x"]
+    outside = cited_paths("the card (shared/DESIGN.md, /work/notes/x)")
+    assert [p for _, p in outside] == ["shared/DESIGN.md", "/work/notes/x"]
 
 
 def test_every_path_the_docs_name_exists():
