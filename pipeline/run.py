@@ -143,17 +143,28 @@ def split_secrets(runtime_env: dict) -> tuple[dict, dict[str, str]]:
     return env, secrets
 
 
+def unused_drafters(cfg: Config, working_dir: str = ".") -> list[str]:
+    """The shipped drafters (`drafters/*/`, 18.8 MiB each, over Ray's 10 MiB upload warning) that
+    the config does not start from, as upload excludes: the job uploads only the one
+    `drafter.init` names, and none when it starts from scratch or a Hub repo id."""
+    root = Path(working_dir) / "drafters"
+    if not root.is_dir():
+        return []
+    init = Path(cfg.drafter.init).expanduser()
+    used = (init if init.is_absolute() else Path(working_dir) / init).resolve()
+    return [f"drafters/{d.name}/" for d in sorted(root.iterdir())
+            if d.is_dir() and d.resolve() != used]  # fmt: skip
+
+
 def job_runtime_env(config: str, working_dir: str = ".") -> dict:
     """The runtime_env to submit a job with: the config's own plus the working dir, without the
-    local virtualenv and run outputs (they must not be uploaded), and without secret env vars
-    (`split_secrets`: give them to the cluster's nodes)."""
+    local virtualenv, run outputs and the shipped drafters it does not start from (they must not
+    be uploaded), and without secret env vars (`split_secrets`: give them to the cluster's
+    nodes)."""
     cfg = load_config(config)
     env, _ = split_secrets(dict(cfg.runtime_env))
     env.setdefault("working_dir", working_dir)
-    env.setdefault(
-        "excludes",
-        UPLOAD_EXCLUDES,
-    )
+    env.setdefault("excludes", UPLOAD_EXCLUDES + unused_drafters(cfg, working_dir))
     vars_ = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **dict(env.get("env_vars") or {})}
     # vLLM's own venv is not uploaded: the job's actors find it by absolute path
     # (actors/vllm_server.py `vllm_python`)

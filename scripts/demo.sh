@@ -16,7 +16,7 @@ RUN_DIR=$(realpath -m "${RUN_DIR:-demo-run}")
 MLFLOW_PORT=${MLFLOW_PORT:-5000}
 DASH_PORT=${DASH_PORT:-8265}
 # The config's experiment and live server port (serve.port; SERVE_PORT overrides it)
-read -r EXPERIMENT CONFIG_SERVE_PORT < <(python -c "import sys; from pipeline.config import load_config; c = load_config(sys.argv[1]); print(c.tracking.experiment, c.serve.port)" "$CONFIG")
+read -r EXPERIMENT CONFIG_SERVE_PORT INIT < <(python -c "import sys; from pipeline.config import load_config; c = load_config(sys.argv[1]); print(c.tracking.experiment, c.serve.port, c.drafter.init)" "$CONFIG")
 SERVE_PORT=${SERVE_PORT:-$CONFIG_SERVE_PORT}
 mkdir -p "$RUN_DIR"
 t0=$(date +%s)
@@ -90,6 +90,9 @@ sleep 3
 # lists every file it leaves out of the upload). Ray's own default excludes are off: the job's
 # runtime env excludes the same folders (pipeline/run.py UPLOAD_EXCLUDES), and with them on Ray
 # warns about each one that exists.
+# The shipped drafters the config does not start from stay out of the upload (pipeline/run.py
+# unused_drafters); the one it starts from travels with the job, and Ray warns about its size.
+[ -d "$INIT" ] && echo "uploading the working dir with the starting drafter $INIT (Ray warns below that its model.safetensors is over 10 MiB: the job needs it)"
 RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES= ray --logging-level warning job submit \
   --address "http://127.0.0.1:$DASH_PORT" --runtime-env "$RUNTIME_ENV" -- \
   python pipeline/run.py --config "$CONFIG" --run-dir "$RUN_DIR" \

@@ -1,0 +1,47 @@
+"""docs/benchmarks.md and the README's results table are generated from benchmarks/results/*.json
+(pipeline/results_docs.py) and are current: a record added or changed without regenerating both
+fails here, as does a record missing a field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.results_docs import BEGIN, END, PAGE, README, load, readme_table, render, with_table
+
+pytestmark = pytest.mark.ray_free
+
+
+def test_the_benchmarks_page_is_current():
+    assert PAGE.read_text() == render(load()), (
+        f"{PAGE} is stale: run `python -m pipeline.results_docs` and commit it"
+    )
+
+
+def test_the_readme_results_table_is_current():
+    readme = README.read_text()
+    assert readme.count(BEGIN) == 1 and readme.count(END) == 1
+    assert readme == with_table(readme, readme_table(load())), (
+        "README.md's results table is stale: run `python -m pipeline.results_docs` and commit it"
+    )
+
+
+def test_every_record_says_where_when_what_and_how():
+    records = load()
+    assert len(records) >= 10
+    for r in records:
+        assert r["hardware"] and r["date"] and r["commit"] and r["command"] and r["versions"], r
+        if r["status"] == "historical":
+            assert r.get("note"), f"{r['file']}: a historical record says what changed since"
+        if r["kind"] == "loop":
+            assert r["rounds"] and all("accept_len" in x and "shape" in x for x in r["rounds"])
+            assert r["scenario"] in PAGE.read_text()
+    current = [r for r in records if r["kind"] == "loop" and r["status"] == "current"]
+    assert all(r["scenario"] in README.read_text() for r in current)
+
+
+def test_a_record_without_its_commit_is_refused(tmp_path):
+    (tmp_path / "x.json").write_text(json.dumps({"scenario": "s", "kind": "loop"}))
+    with pytest.raises(ValueError, match="commit"):
+        load(tmp_path)
