@@ -196,3 +196,84 @@ def test_graphed_drafter_equals_eager_on_cuda():
             runs.append((log, out, engine.drafter.graph_keys()))
         assert runs[0][0] == runs[1][0]
         assert runs[0][2] and not runs[1][2]
+
+
+def test_capture_plan_covers_the_configured_shape_and_the_chains(target):
+    """What `SpecEngine.capture` captures on a GPU (the shapes, the spans); on CPU, nothing."""
+    from serve.engine.static import span_buckets
+
+    assert span_buckets(256, 4096) == [256, 512, 1024, 2048, 4096]
+    assert span_buckets(256, 3000) == [256, 512, 1024, 2048, 3000]
+    assert span_buckets(256, 96) == [96]
+    engine = SpecEngine(target, drafter(target), steps=5, topk=4, num_draft_tokens=12,
+                        runner="static", static_capacity=96)  # fmt: skip
+    assert engine.capture_shapes() == [(1, 1, 2), (2, 1, 3), (3, 1, 4), (4, 1, 5), (5, 1, 6),
+                                       (5, 4, 12)]  # fmt: skip
+    engine.steps, engine.topk = 7, 1
+    assert engine.capture_shapes()[-1] == (7, 1, 8)
+    assert engine.capture() == {} and engine.drafter.graph_keys() == []  # no graphs on CPU
+    static = engine.static
+    assert static is not None and static.capture([(1, False), (4, True)]) == 0
+
+
+@pytest.mark.gpu
+@cuda
+def test_capture_at_start_up_covers_the_requests():
+    """Building the engine with a drafter captures every graph that the configured tree, the
+    chains and plain decoding replay, at every span: requests then capture nothing new."""
+    from test_gpu_perf_paths import tiny_llama
+
+    model = tiny_llama("cuda")
+    d = random_drafter(model, draft_vocab_size=256, aux_layer_ids=[2, 0, 1])
+    d.model.to("cuda")
+    engine = SpecEngine(model, d, steps=3, topk=2, num_draft_tokens=6, stop_ids=set(),
+                        static_capacity=512, capture_chains=(1, 3))  # fmt: skip
+    assert isinstance(engine.drafter, StaticEagleDraft)
+    target_keys, draft_keys = set(engine.static._graphs), engine.drafter.graph_keys()
+    assert {span for _, span, _ in target_keys} == {256, 512}
+    g = torch.Generator().manual_seed(1)
+    ps = [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in (5, 300)]
+    engine.generate(ps, GenParams(max_tokens=24))  # the tree; the long prompt spans 512
+    for k in (1, 3):
+        engine.generate(ps, GenParams(max_tokens=24, steps=k, topk=1))
+    engine.plain_generate(ps, GenParams(max_tokens=24))
+    assert set(engine.static._graphs) == target_keys
+    assert engine.drafter.graph_keys() == draft_keys
+
+
+def test_drafter_graph_bookkeeping_with_a_stand_in_graph(target, prompts):
+    """The graph path of `StaticEagleDraft` on CPU, with `_capture` replaced by a stand-in whose
+    replay reruns the function on the static inputs: the capture covers every key the shapes'
+    requests use (no new key afterwards), and inputs copied in at each replay give the eager
+    drafter's drafts. (The real capture is CUDA's: the `gpu` tests.)"""
+    from serve.engine.static_draft import _Graph
+
+    def stand_in(self, fn, args):
+        g = _Graph(None, tuple(a.clone() for a in args), None)
+
+        class Replay:
+            def replay(self):
+                g.outputs = fn(*g.inputs)
+
+        g.graph = Replay()
+        return g
+
+    logs = []
+    for graphs in (False, True):
+        engine = SpecEngine(target, steps=3, topk=2, num_draft_tokens=6, runner="static",
+                            static_capacity=96, capture_chains=(1, 3))  # fmt: skip
+        engine.set_drafter(drafter(target))
+        d = engine.drafter
+        if graphs:
+            d.use_graphs, d.min_bucket = True, 32
+            d._capture = stand_in.__get__(d)
+            assert d.capture(engine.capture_shapes()) == len(d.graph_keys()) > 0
+            keys = d.graph_keys()
+            assert {k[-1] for k in keys} == {32, 64, 96}
+        log = record(d)
+        for shape in (dict(), dict(steps=1, topk=1), dict(steps=3, topk=1)):
+            engine.generate(prompts, GenParams(max_tokens=40, **shape))
+        if graphs:
+            assert d.graph_keys() == keys
+        logs.append(log)
+    assert logs[0] == logs[1]

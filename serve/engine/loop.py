@@ -146,6 +146,7 @@ class SpecEngine:
         runner: str = "auto",
         static_capacity: int = 4096,
         static_draft: bool | None = None,
+        capture_chains: tuple[int, ...] = (1, 2, 3, 4, 5),
     ):
         """`runner`: "auto" = the static-cache, CUDA-graph runner when the target is on a GPU
         and Llama-like (requests then run one at a time), else the eager batched `TargetRunner`;
@@ -153,7 +154,9 @@ class SpecEngine:
         `static_capacity`: KV slots of the static runner (prompt + max_tokens + steps + 2 must fit)
         and of the static drafter. `static_draft`: an `EagleDraft` given to `set_drafter` runs as
         a `StaticEagleDraft` (static shapes; CUDA graphs on a GPU); None = wherever the static
-        runner runs, False = never (the eager reference), True = also with the eager runner."""
+        runner runs, False = never (the eager reference), True = also with the eager runner.
+        `capture_chains`: with CUDA graphs, `set_drafter` captures the graphs of the configured
+        shape and of these chains (bench.shape_chains' default) up front (`capture`)."""
         self.device = next(target.parameters()).device
         # An MKL trick for fp32 on CPU only. In bf16 (oneDNN) F.linear is already fast for few
         # rows and W @ x^T is not: SmolLM2 decode 20.7 vs 31.1 ms, 10-token verify 23.5 vs 24.0.
@@ -174,6 +177,7 @@ class SpecEngine:
         self.static = StaticTargetRunner(target, static_capacity) if use_static else None
         self.static_draft = use_static if static_draft is None else static_draft
         self.static_capacity = static_capacity
+        self.capture_chains = tuple(capture_chains)
         self._runner: Runner = self.static or self.target
         self.drafter: DraftSource | None = None
         self.steps = steps
@@ -193,6 +197,32 @@ class SpecEngine:
                 if next(model.parameters()).dtype == torch.float32:  # the drafter stays fp32
                     use_small_rows_linear(model)
         self.drafter = drafter
+        self.capture()
+
+    def capture_shapes(self) -> list[tuple[int, int, int]]:
+        """(steps, topk, tokens per verify) of the configured shape and `capture_chains`."""
+        k, topk = self.steps, self.topk
+        shapes = {(c, 1, c + 1) for c in self.capture_chains}
+        shapes.add((k, topk, (self.num_draft_tokens or k + 1) if topk > 1 else k + 1))
+        return sorted(shapes)
+
+    @torch.inference_mode()  # the buffers are made (and used) in inference mode
+    def capture(self) -> dict[str, int]:
+        """Capture now every CUDA graph the default shapes replay (`capture_shapes`, and plain
+        decoding): the target's verify of each width and the static drafter's extensions,
+        chains and trees, at every attention span. Called by `set_drafter` (start-up and each
+        swap: the drafter's graphs are its own), so no request, and no shape probe of the
+        benchmark, pays a capture inside its timing. Returns the new graphs per part; empty
+        without graphs (CPU). GPU only: verified by tests/test_engine_static_draft.py's `gpu`
+        test test_capture_at_start_up_covers_the_requests."""
+        if self.static is None or not self.static.use_graphs:
+            return {}
+        shapes = self.capture_shapes() if self.drafter is not None else []
+        widths = [(1, False)] + [(w, True) for w in sorted({n for _, _, n in shapes})]
+        out = {"target": self.static.capture(widths)}
+        if isinstance(self.drafter, StaticEagleDraft):
+            out["drafter"] = self.drafter.capture(shapes)
+        return out
 
     @torch.inference_mode()
     def generate(

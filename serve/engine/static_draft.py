@@ -37,6 +37,7 @@ from torch import Tensor
 
 from eagle3.model import Eagle3Drafter, rope_cos_sin
 from serve.engine.drafting import DraftTree, _last_true, pick_draft, target_q
+from serve.engine.static import span_buckets
 
 Pick = Callable[[Tensor], tuple[Tensor, Tensor | None]]
 
@@ -119,11 +120,8 @@ class StaticEagleDraft:
         self._graphs.clear()
 
     def _span(self, need: int) -> int:
-        """Slots attention reads: a power of two >= need (>= min_bucket), at most capacity."""
-        span = self.min_bucket
-        while span < need:
-            span *= 2
-        return min(span, self.capacity)
+        """Slots attention reads: the smallest of `span_buckets` >= need."""
+        return next(s for s in span_buckets(self.min_bucket, self.capacity) if s >= need)
 
     def _check(self, top: int, what: str) -> None:
         if top >= self.capacity:
@@ -297,6 +295,38 @@ class StaticEagleDraft:
         return DraftTree(*out)
 
     # -- CUDA graphs (GPU only; on CPU `_graphed` calls `fn` directly) -------------------------
+    @torch.inference_mode()  # the buffers are made (and used) in inference mode
+    def capture(self, shapes: list[tuple[int, int, int]]) -> int:
+        """Capture every graph requests of these (steps, topk, tokens per verify) shapes can
+        replay, at every span: the extensions of 1..steps+1 slots and each greedy chain or tree;
+        returns how many were new. Between requests only (the state is reset). GPU only;
+        without graphs it does nothing. Verified by the `gpu` test
+        tests/test_engine_static_draft.py::test_capture_at_start_up_covers_the_requests."""
+        if not self.use_graphs or not shapes:
+            return 0
+        self.start(1, self.capacity)
+        before, dev = len(self._graphs), self.device
+        dtype, width = self.model.fc.weight.dtype, self.model.fc.in_features
+        widest = max(steps for steps, _, _ in shapes) + 1
+        for span in span_buckets(self.min_bucket, self.capacity):
+            for w in range(1, widest + 1):
+                args = (torch.zeros(1, w, dtype=torch.long, device=dev),
+                        torch.zeros(1, w, width, dtype=dtype, device=dev),
+                        torch.arange(w, device=dev)[None],
+                        torch.ones(1, w, dtype=torch.bool, device=dev))  # fmt: skip
+                self._graphed(
+                    ("extend", w, span), lambda *a, s=span: self._extend_core(*a, s), args
+                )
+            for steps, topk, tokens in shapes:
+                if topk == 1:
+                    fn = lambda s=span, k=steps: self._chain_core(k, s, _greedy)[0]  # noqa: E731
+                    self._graphed(("chain", steps, span), fn, ())
+                else:
+                    key = ("tree", steps, topk, tokens - 1, span)
+                    self._graphed(key, lambda k=key: self._tree_core(*k[1:]), ())
+        self.start(1, self.capacity)  # what the warm-ups left in the state is no request's
+        return len(self._graphs) - before
+
     def _graphed(self, key: tuple, fn: Callable[..., Any], args: tuple[Tensor, ...]) -> Any:
         """fn(*args), on CUDA through one graph per key: captured on first use over static
         copies of `args` (after two warm-up runs on a side stream; every function here is
