@@ -17,7 +17,7 @@ from serve.bench_stats import (
     _run_requests,
     acceptance_per_position,
 )
-from serve.shapes import PLAIN, Shape, choose_shape, needs_measurement, predict_chain
+from serve.shapes import PLAIN, Shape, choose_shape, predict_chain, speedup_spread
 
 
 def with_shape(build: RequestBuilder, shape: Shape) -> RequestBuilder:
@@ -50,11 +50,12 @@ def choose_serving_shape(
 ) -> dict[str, Any]:
     """Pick the shape to serve (serve/shapes.py's `choose_shape`) among the configured one and
     chains of `bench.shape_chains` steps, on `prompts` (the baseline's, one request at a time):
-    the configured shape and plain decoding are already measured; the longest chain is measured
-    once for its per-position acceptance and its draft-step and verify costs; the other chains
-    are predicted from those (scaled to match the longest chain's measured speedup); a
-    predicted winner is measured before it is chosen (at most two such measurements, then only
-    measured shapes count). Returns the record for `BenchResult.shape`."""
+    the configured shape and plain decoding are already measured; every chain is measured on
+    all of `prompts` too, and the fastest measured shape serves (plain when none beats it). The
+    longest chain's per-position acceptance and costs give predictions (scaled to its measured
+    speedup), recorded beside the measurements as a check of the cost model. Each measured
+    shape's speedup comes with its spread over prompts (`speedup_spread`). Returns the record
+    for `BenchResult.shape`."""
     max_tokens = _get(bench_cfg, "max_tokens")
     chains = sorted({int(k) for k in _get(bench_cfg, "shape_chains", [])})
     if plain.concurrency != 1 or not plain.verify_ms or not configured_level.verify_ms:
@@ -66,10 +67,13 @@ def choose_serving_shape(
         configured.name: _pooled_tps(configured_stats),
     }
 
+    per_shape: dict[str, list[RequestStats]] = {configured.name: configured_stats}
+
     def measure(s: Shape) -> list[RequestStats]:
         stats, _ = _run_requests(client, prompts, with_shape(build, s), max_tokens, True, None, 1)
         tps[s.name] = _pooled_tps(stats)
         measured[s.name] = tps[s.name] / plain.tok_per_s
+        per_shape[s.name] = stats
         return stats
 
     probe = Shape(chains[-1])
@@ -92,14 +96,15 @@ def choose_serving_shape(
     # the probe's measured / modelled speedup, predictions compare with measured speedups.
     scale = measured[probe.name] / model[probe.name] if model[probe.name] > 0 else 1.0
     predicted = {k: v * scale for k, v in model.items()}
-    choice = choose_shape(shapes, predicted, measured)
-    for _ in range(2):
-        if not needs_measurement(choice):
-            break
-        measure(choice.shape)
-        choice = choose_shape(shapes, predicted, measured)
-    if needs_measurement(choice):
-        choice = choose_shape(shapes, {}, measured)
+    for s in shapes:  # every candidate on every prompt: a choice that holds on other prompts
+        if s.name not in measured:
+            measure(s)
+    choice = choose_shape(shapes, {}, measured)
+    spreads = {
+        name: speedup_spread([r.completion_tokens for r in st], [r.latency_s for r in st],
+                             plain.tok_per_s)._asdict()
+        for name, st in per_shape.items()
+    }  # fmt: skip
     return {
         "served": choice.shape.name,
         **{k: getattr(choice.shape, k) for k in ("steps", "topk", "num_draft_tokens")},
@@ -110,6 +115,8 @@ def choose_serving_shape(
         "measured_speedups": measured,
         "served_tok_per_s": tps[choice.shape.name],
         "served_speedup": measured.get(choice.shape.name, 1.0),
+        "served_spread": spreads.get(choice.shape.name),  # None: plain serves (1.0 by definition)
+        "spreads": spreads,
         "chain_acceptance_per_position": list(acceptance),
         "prediction_scale": scale,
         "costs": {"plain_step_ms": plain.verify_ms, "draft_step_ms": draft_step_ms,

@@ -10,11 +10,14 @@ predicted from the chain's per-position acceptance and the measured costs:
   speedup             = accept_len x plain_step_ms / cycle_ms
 verify_ms(width) is interpolated between the widths measured (1 = a plain decode step).
 `choose_shape` is the one rule: the fastest shape, measured figures before predicted ones, and
-plain when no shape beats plain decoding.
+plain when no shape beats plain decoding. The sweep measures every candidate on the whole set of
+prompts it is given (a choice made on predictions or a few prompts did not hold on others:
+issue 42), and `speedup_spread` reports each measured speedup with its spread over prompts.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -135,3 +138,41 @@ def choose_shape(
 
 def needs_measurement(choice: ShapeChoice) -> bool:
     return not choice.shape.plain and choice.shape.name not in choice.measured
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A measured speedup over plain decoding and how much it depends on the prompts drawn."""
+
+    speedup: float  # pooled: all completion tokens / all latency, over plain's tok/s
+    lo: float  # 5th percentile of the pooled speedup over prompts resampled with replacement
+    hi: float  # 95th percentile
+    prompts: int
+    tokens: int
+
+    def _asdict(self) -> dict[str, float]:
+        return dict(self.__dict__)
+
+
+def speedup_spread(
+    tokens: Sequence[int],
+    latency_s: Sequence[float],
+    plain_tok_per_s: float,
+    draws: int = 2000,
+    seed: int = 0,
+) -> Spread:
+    """Pooled speedup of requests run one at a time (tokens[i] in latency_s[i]) over plain
+    decoding's pooled tok/s, with a bootstrap 90% interval over the prompts (plain's own noise is
+    not in it: its figure may come from a cache). Deterministic for the same inputs (fixed seed),
+    so reruns of the same measurements report the same interval."""
+    if len(tokens) != len(latency_s) or not tokens or plain_tok_per_s <= 0:
+        raise ValueError("speedup_spread: one latency per prompt, at least one, plain > 0")
+    n = len(tokens)
+
+    def pooled(idx: Sequence[int]) -> float:
+        return sum(tokens[i] for i in idx) / sum(latency_s[i] for i in idx) / plain_tok_per_s
+
+    rng = random.Random(seed)
+    boot = sorted(pooled([rng.randrange(n) for _ in range(n)]) for _ in range(draws))
+    return Spread(pooled(range(n)), boot[int(0.05 * (draws - 1))], boot[int(0.95 * (draws - 1))],
+                  n, int(sum(tokens)))  # fmt: skip

@@ -68,3 +68,40 @@ def test_shape_names_widths_and_records():
     assert (PLAIN.width, Shape(3).width, TREE.width, Shape(5, 4).width) == (1, 4, 12, 6)
     assert Shape.parse({"steps": 5, "topk": 4, "num_draft_tokens": 12}) == TREE
     assert Shape.parse({"speculative": False}) == PLAIN and Shape.parse(None) is None
+
+
+# Recorded per-request measurements (completion tokens, latency s) of 8 held-out prompts at one
+# request at a time, plain decoding at 50 tok/s pooled: chain-3 is fast on the first four prompts
+# (easy ones) and slow on the rest; the tree is steady. Chosen on the first four, chain-3 wins;
+# on all eight, the tree does (issue 42: the CPU demo's choice did not hold on other prompts).
+RECORDED = {
+    "chain-3": ([64] * 8, [0.8, 0.8, 0.85, 0.8, 1.6, 1.5, 1.7, 1.6]),
+    "tree-5x4x12": ([64] * 8, [0.95, 1.0, 0.9, 0.95, 1.0, 1.05, 0.95, 1.0]),
+}
+PLAIN_TPS = 50.0
+
+
+def measured_on(n: int) -> dict[str, float]:
+    return {k: sum(t[:n]) / sum(s[:n]) / PLAIN_TPS for k, (t, s) in RECORDED.items()}
+
+
+def test_choice_on_the_whole_set_and_its_spread():
+    from serve.shapes import speedup_spread
+
+    shapes = [TREE, Shape(3)]
+    assert choose_shape(shapes, {}, measured_on(4)).shape == Shape(3)  # a few prompts mislead
+    whole = choose_shape(shapes, {}, measured_on(8))
+    assert whole.shape == TREE and not needs_measurement(whole)
+    runs = [choose_shape(shapes, {}, measured_on(8)) for _ in range(3)]
+    assert all(r == whole for r in runs)  # the same inputs, the same decision
+    tokens, lat = RECORDED[TREE.name]
+    spread = speedup_spread(tokens, lat, PLAIN_TPS)
+    assert spread.speedup == pytest.approx(whole.speedups[TREE.name])
+    assert spread.lo < spread.speedup < spread.hi and (spread.prompts, spread.tokens) == (8, 512)
+    assert speedup_spread(tokens, lat, PLAIN_TPS) == spread  # deterministic (fixed seed)
+    chain = speedup_spread(*RECORDED["chain-3"], PLAIN_TPS)
+    assert chain.hi - chain.lo > spread.hi - spread.lo  # the unsteady shape spreads wider
+    one = speedup_spread([64], [1.0], PLAIN_TPS)
+    assert one.lo == one.speedup == one.hi
+    with pytest.raises(ValueError, match="one latency per prompt"):
+        speedup_spread([64, 64], [1.0], PLAIN_TPS)

@@ -7,6 +7,7 @@ process, one module per role (as sglang's `srt/speculative/` and vLLM's `v1/spec
 - `eager`: `TargetRunner`, batched, any HF causal LM; `static`: `StaticTargetRunner`, batch 1 on
   a GPU with a preallocated cache and CUDA graphs; `kernels`: its Triton attention;
 - `linear`: the few-row CPU matmul; `drafting`: the EAGLE-3 draft source (chains and trees);
+  `static_draft`: the same drafter at static shapes, captured as CUDA graphs on a GPU;
   `acceptance`: greedy and rejection-sampling acceptance; `requests`: request records;
 - `loading`: target and drafter loading, the drafter-fits-target check (eagle3.fit).
 
@@ -28,6 +29,7 @@ from serve.engine.loop import SpecEngine, eos_ids
 from serve.engine.requests import Generation, GenParams, RequestStats, TokenCallback
 from serve.engine.runner import Runner, _check_aux_ids
 from serve.engine.static import StaticTargetRunner, static_runner_problem
+from serve.engine.static_draft import StaticEagleDraft
 
 __all__ = [
     "ATTN_BLOCK_N",
@@ -41,6 +43,7 @@ __all__ = [
     "RequestStats",
     "Runner",
     "SpecEngine",
+    "StaticEagleDraft",
     "StaticTargetRunner",
     "TargetRunner",
     "TokenCallback",

@@ -75,6 +75,24 @@ def tree_ancestors(parents: Tensor) -> Tensor:
     return anc
 
 
+def pick_draft(
+    logits: Tensor, temperature: float, gen: torch.Generator | None
+) -> tuple[Tensor, Tensor | None]:
+    """Draft ids and (when sampling) the draft distribution they were drawn from."""
+    if temperature <= 0:
+        return logits.argmax(-1), None
+    q = torch.softmax(logits.float().cpu() / temperature, -1)  # the generator is a CPU one
+    return torch.multinomial(q, 1, generator=gen).squeeze(-1).to(logits.device), q
+
+
+def target_q(model: Eagle3Drafter, q: Tensor) -> Tensor:
+    """A draft distribution [B, draft vocab] (host) onto the target's vocab [B, V]."""
+    qt = torch.zeros(q.shape[0], model.cfg.vocab_size)
+    d_all = torch.arange(q.shape[-1], device=model.d2t.device)
+    qt[:, model.draft_to_target(d_all).cpu()] = q
+    return qt
+
+
 def _last_true(mask: Tensor) -> Tensor:
     """Index of the last True per row of a [B, n] mask (every row has one)."""
     idx = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
@@ -128,27 +146,19 @@ class EagleDraft:
     def _pick(
         self, logits: Tensor, temperature: float, gen: torch.Generator | None
     ) -> tuple[Tensor, Tensor | None]:
-        """Draft ids and (when sampling) the draft distribution they were drawn from."""
-        if temperature <= 0:
-            return logits.argmax(-1), None
-        q = torch.softmax(logits.float().cpu() / temperature, -1)  # the generator is a CPU one
-        return torch.multinomial(q, 1, generator=gen).squeeze(-1).to(logits.device), q
+        return pick_draft(logits, temperature, gen)
 
     def propose(
         self, steps: int, temperature: float, gen: torch.Generator | None
     ) -> tuple[Tensor, Tensor | None]:
         assert self.cache is not None and self.logits is not None, "extend() first"
-        B = self.logits.shape[0]
         h, logits, drafts, qs = self.h[:, None], self.logits, [], []
         for j in range(steps):
             d, q = self._pick(logits, temperature, gen)
             tok = self.model.draft_to_target(d)
             drafts.append(tok)
             if q is not None:
-                qt = torch.zeros(B, self.cfg.vocab_size)
-                d_all = torch.arange(q.shape[-1], device=self.device)
-                qt[:, self.model.draft_to_target(d_all).cpu()] = q  # onto target ids
-                qs.append(qt)
+                qs.append(target_q(self.model, q))
             if j + 1 < steps:
                 h = self._prenorm(tok[:, None], h, (self.pos + 1 + j)[:, None], None)
                 logits = self.model.logits(h[:, 0])

@@ -35,12 +35,13 @@ from serve.engine.acceptance import (
     sample_token,
     tree_greedy_accept,
 )
-from serve.engine.drafting import DraftSource, DraftTree, tree_ancestors, tree_problem
+from serve.engine.drafting import DraftSource, DraftTree, EagleDraft, tree_ancestors, tree_problem
 from serve.engine.eager import TargetRunner
 from serve.engine.linear import use_small_rows_linear
 from serve.engine.requests import Generation, GenParams, RequestStats, TokenCallback
 from serve.engine.runner import Runner
 from serve.engine.static import StaticTargetRunner, static_runner_problem
+from serve.engine.static_draft import StaticEagleDraft
 
 # ----------------------------------------------------------------------------------------------
 # The engine
@@ -145,11 +146,18 @@ class SpecEngine:
         num_draft_tokens: int | None = None,
         runner: str = "auto",
         static_capacity: int = 4096,
+        static_draft: bool | None = None,
+        capture_chains: tuple[int, ...] = (1, 2, 3, 4, 5),
     ):
         """`runner`: "auto" = the static-cache, CUDA-graph runner when the target is on a GPU
         and Llama-like (requests then run one at a time), else the eager batched `TargetRunner`;
         "eager" or "static" force one (static on CPU runs the same code without graphs).
-        `static_capacity`: KV slots of the static runner (prompt + max_tokens + steps + 2 must fit)."""
+        `static_capacity`: KV slots of the static runner (prompt + max_tokens + steps + 2 must fit)
+        and of the static drafter. `static_draft`: an `EagleDraft` given to `set_drafter` runs as
+        a `StaticEagleDraft` (static shapes; CUDA graphs on a GPU); None = wherever the static
+        runner runs, False = never (the eager reference), True = also with the eager runner.
+        `capture_chains`: with CUDA graphs, `set_drafter` captures the graphs of the configured
+        shape and of these chains (bench.shape_chains' default) up front (`capture`)."""
         self.device = next(target.parameters()).device
         # An MKL trick for fp32 on CPU only. In bf16 (oneDNN) F.linear is already fast for few
         # rows and W @ x^T is not: SmolLM2 decode 20.7 vs 31.1 ms, 10-token verify 23.5 vs 24.0.
@@ -168,6 +176,9 @@ class SpecEngine:
             and static_runner_problem(target) is None
         )
         self.static = StaticTargetRunner(target, static_capacity) if use_static else None
+        self.static_draft = use_static if static_draft is None else static_draft
+        self.static_capacity = static_capacity
+        self.capture_chains = tuple(capture_chains)
         self._runner: Runner = self.static or self.target
         self.drafter: DraftSource | None = None
         self.steps = steps
@@ -176,6 +187,8 @@ class SpecEngine:
             self.set_drafter(drafter)
 
     def set_drafter(self, drafter: DraftSource | None) -> None:
+        if self.static_draft and isinstance(drafter, EagleDraft):
+            drafter = StaticEagleDraft(drafter.model, self.static_capacity, source=drafter.source)
         if drafter is not None:
             self.target.set_aux_layers(drafter.aux_layer_ids)
             if self.static is not None:
@@ -185,6 +198,32 @@ class SpecEngine:
                 if next(model.parameters()).dtype == torch.float32:  # the drafter stays fp32
                     use_small_rows_linear(model)
         self.drafter = drafter
+        self.capture()
+
+    def capture_shapes(self) -> list[tuple[int, int, int]]:
+        """(steps, topk, tokens per verify) of the configured shape and `capture_chains`."""
+        k, topk = self.steps, self.topk
+        shapes = {(c, 1, c + 1) for c in self.capture_chains}
+        shapes.add((k, topk, (self.num_draft_tokens or k + 1) if topk > 1 else k + 1))
+        return sorted(shapes)
+
+    @torch.inference_mode()  # the buffers are made (and used) in inference mode
+    def capture(self) -> dict[str, int]:
+        """Capture now every CUDA graph the default shapes replay (`capture_shapes`, and plain
+        decoding): the target's verify of each width and the static drafter's extensions,
+        chains and trees, at every attention span. Called by `set_drafter` (start-up and each
+        swap: the drafter's graphs are its own), so no request, and no shape probe of the
+        benchmark, pays a capture inside its timing. Returns the new graphs per part; empty
+        without graphs (CPU). GPU only: verified by tests/test_engine_static_draft.py's `gpu`
+        test test_capture_at_start_up_covers_the_requests."""
+        if self.static is None or not self.static.use_graphs:
+            return {}
+        shapes = self.capture_shapes() if self.drafter is not None else []
+        widths = [(1, False)] + [(w, True) for w in sorted({n for _, _, n in shapes})]
+        out = {"target": self.static.capture(widths)}
+        if isinstance(self.drafter, StaticEagleDraft):
+            out["drafter"] = self.drafter.capture(shapes)
+        return out
 
     @torch.inference_mode()
     def generate(
@@ -217,7 +256,8 @@ class SpecEngine:
             raise ValueError(problem)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         rows = _Rows(prompts, params, self.stop_ids, on_tokens, max_tokens_each)
-        self._check_fits(prompts, rows.limits, n_tokens if tree else k + 1)
+        # the drafter's chain writes up to k slots past the last verified one, even for a tree
+        self._check_fits(prompts, rows.limits, max(n_tokens, k + 1) if tree else k + 1)
         t0 = time.perf_counter()
         for s in rows.stats:
             s.steps, s.accept_hist = k, [0] * (k + 1)

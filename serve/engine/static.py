@@ -210,6 +210,15 @@ def _head(
     return F.linear(_rms(x + d, norm, eps), head, head_bias).float()
 
 
+def span_buckets(smallest: int, capacity: int) -> list[int]:
+    """The attention spans of the static runners: powers of two from `smallest`, then capacity."""
+    out, span = [], smallest
+    while span < capacity:
+        out.append(span)
+        span *= 2
+    return out + [capacity]
+
+
 @dataclass
 class _Graph:
     graph: Any  # torch.cuda.CUDAGraph
@@ -366,6 +375,40 @@ class StaticTargetRunner:
             [ids[0].long().cpu(), positions[0].long().cpu(), torch.tensor([self.length]), t]
         )
 
+    def _alloc(self) -> None:
+        if self.kv is None:
+            shape = (self.num_layers, 2, self.n_kv, self.capacity, self.head_dim)
+            self.kv = torch.zeros(shape, device=self.device, dtype=self.dtype)
+
+    def spans(self) -> list[int]:
+        """Every span `_span` can give with graphs: the buckets from MIN_BUCKET to capacity."""
+        return span_buckets(self.MIN_BUCKET, self.capacity)
+
+    @torch.inference_mode()  # the buffers are made (and used) in inference mode
+    def capture(self, widths: list[tuple[int, bool]]) -> int:
+        """Capture the graph of every (width, with aux) at every span now, so that no request
+        pays a capture (nor torch.compile's specialisation) inside a measurement; returns how many
+        were new. Between requests only: the warm-ups write cache slots no request holds then.
+        GPU only (CUDA graphs); without graphs it does nothing. Verified by
+        tests/test_engine_static_draft.py::test_capture_at_start_up_covers_the_requests (gpu)."""
+        if not self.use_graphs:
+            return 0
+        self._alloc()
+        length, self.length, n = self.length, 0, 0
+        try:
+            for q, aux in widths:
+                aux = aux and bool(self.aux_ids)
+                for span in self.spans():
+                    if span < q or (q, span, aux) in self._graphs:
+                        continue
+                    packed = self._pack(torch.zeros(1, q, dtype=torch.long),
+                                        torch.arange(q)[None], None)  # fmt: skip
+                    self._graph(q, span, aux, packed)
+                    n += 1
+        finally:
+            self.length = length
+        return n
+
     def _span(self, q: int) -> int:
         if not self.use_graphs:
             return self.length + q
@@ -440,9 +483,7 @@ class StaticTargetRunner:
         L = len(prompts[0])
         if L > self.capacity:
             raise ValueError(f"prompt of {L} tokens > static KV cache capacity {self.capacity}")
-        if self.kv is None:
-            shape = (self.num_layers, 2, self.n_kv, self.capacity, self.head_dim)
-            self.kv = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self._alloc()
         self.length = 0
         ids = torch.tensor([prompts[0]], dtype=torch.long)
         logits, states = self._prefill(ids.to(self.device), aux and bool(self.aux_ids))

@@ -1,0 +1,133 @@
+"""Per-cycle cost of the embedded engine (issue 42): draft, verify and overhead per verify pass,
+the static drafter on and off, plain decoding beside it, at batch 1, 4 and 16, in one run.
+
+For each batch size b, the first b held-out prompts (built-in prompts, chat template) decode
+together in one `generate` call, greedy, `--max-tokens` each (ignore_eos), in three modes:
+  - plain: the target alone (`plain_generate`);
+  - eager_draft: speculative with the drafter as `EagleDraft` (the reference; eager);
+  - static_draft: speculative with `StaticEagleDraft` (static shapes; CUDA graphs on a GPU).
+Per mode: tok/s (all completion tokens / the call's wall time), speedup over plain at the same
+batch, accept_len, and per verify pass (of the request that ran the most passes, active the
+whole call): draft ms (proposals + the cache extension), verify ms (the target's pass and
+acceptance), overhead ms (the rest of decoding: bookkeeping, Python, host transfers) and their
+shares. With the static runner (a GPU, or `--runner static`) a batch runs one request after the
+other (`batched: false` in the record): the static runner holds one sequence.
+
+    .venv/bin/python benchmarks/engine_breakdown.py --target smollm2 \\
+        --drafter drafters/smollm2-135m-base --threads 2          # CPU: eager batched runner
+    python benchmarks/engine_breakdown.py --target smollm2 --drafter drafters/smollm2-135m-base \\
+        --dtype bfloat16 --max-tokens 128                           # an H200: graphs on
+
+Prints one JSON line per (batch, mode) and a summary line (benchmarks/harness.py; also to
+$OUT/engine_breakdown.jsonl when $OUT is set).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import Results, parser, pick_device, sync  # noqa: E402
+
+MODES = ("plain", "eager_draft", "static_draft")
+
+
+def breakdown(engine, prompts: list[list[int]], params, mode: str, device) -> dict:
+    """One `generate` of `prompts` as a batch in `mode`; the record described in the module doc."""
+    sync(device)
+    t = time.perf_counter()
+    if mode == "plain":
+        out = engine.plain_generate(prompts, params)
+    else:
+        out = engine.generate(prompts, params)
+    sync(device)
+    wall = time.perf_counter() - t
+    tokens = sum(len(g.token_ids) for g in out)
+    st = max((g.stats for g in out), key=lambda s: (s.spec_verify_ct, s.completion_tokens))
+    passes = st.spec_verify_ct or max(st.completion_tokens - 1, 1)
+    decode = st.total_ms - st.prefill_ms
+    rest = decode - st.draft_ms - st.verify_ms
+    return {
+        "mode": mode,
+        "batch": len(prompts),
+        "tok_per_s": tokens / wall,
+        "accept_len": (sum(g.stats.completion_tokens for g in out)
+                       / sum(g.stats.spec_verify_ct for g in out)) if mode != "plain" else 1.0,
+        "passes": passes,
+        "cycle_ms": decode / passes,
+        "draft_ms": st.draft_ms / passes,
+        "verify_ms": st.verify_ms / passes,
+        "overhead_ms": rest / passes,
+        "draft_share": st.draft_ms / decode,
+        "overhead_share": rest / decode,
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = parser(__doc__, device="auto")
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--drafter", default="drafters/smollm2-135m-base")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--runner", default="auto", choices=["auto", "eager", "static"])
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--topk", type=int, default=1, help="> 1: a tree")
+    ap.add_argument("--num-draft-tokens", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = pick_device(args.device)
+
+    from actors.chat import prompt_ids
+    from actors.prompts import builtin_prompts, split_prompts
+    from serve.engine import GenParams, SpecEngine, StaticEagleDraft, load_eagle, load_target
+
+    model, tok = load_target(args.target, dtype=args.dtype, device=str(device))
+    batches = [int(b) for b in args.batches.split(",")]
+    heldout = split_prompts(builtin_prompts(0), 64, 0)[1][: max(batches)]
+    prompts = [prompt_ids(tok, conv) for conv in heldout]
+    shape = dict(steps=args.steps, topk=args.topk, num_draft_tokens=args.num_draft_tokens)
+    engines = {}
+    for mode, static_draft in (("eager_draft", False), ("static_draft", True)):
+        drafter = load_eagle(args.drafter, model)
+        drafter.model.to(device)
+        engines[mode] = SpecEngine(model, drafter, runner=args.runner,
+                                   static_draft=static_draft, **shape)  # fmt: skip
+        assert isinstance(engines[mode].drafter, StaticEagleDraft) == static_draft
+    engines["plain"] = engines["eager_draft"]
+    e = engines["static_draft"]
+    batched = e.static is None
+    res = Results("engine_breakdown", device, {
+        "target": args.target, "drafter": args.drafter, "dtype": args.dtype,
+        "runner": "static" if e.static is not None else "eager", "batched": batched,
+        "graphs": bool(e.static is not None and e.static.use_graphs), "max_tokens": args.max_tokens,
+        "threads": torch.get_num_threads(), **shape,
+    })  # fmt: skip
+    params = GenParams(max_tokens=args.max_tokens, ignore_eos=True)
+    with torch.inference_mode():
+        for mode in MODES:  # warm: first calls (allocation, graphs not captured up front)
+            breakdown(engines[mode], prompts[:1], GenParams(max_tokens=8, ignore_eos=True),
+                      mode, device)  # fmt: skip
+    summary = {}
+    for b in batches:
+        rows = {}
+        for mode in MODES:  # interleaved per batch: drifting load hits all modes alike
+            with torch.inference_mode():
+                rows[mode] = breakdown(engines[mode], prompts[:b], params, mode, device)
+        for row in rows.values():
+            row["speedup"] = row["tok_per_s"] / rows["plain"]["tok_per_s"]
+            res.emit(row)
+        summary[str(b)] = {m: {k: round(rows[m][k], 3) for k in ("tok_per_s", "speedup",
+                           "cycle_ms", "draft_ms", "verify_ms", "overhead_ms")} for m in MODES}  # fmt: skip
+    res.emit({"mode": "summary", "by_batch": summary})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,369 @@
+"""The static drafter: EAGLE-3 drafting at static shapes, so that on a GPU a cycle's drafting is
+two CUDA graph replays (the cache extension, then the whole multi-step propose) instead of about
+ten eager launches of a one-layer model and a host sync per step.
+
+Why (issue 42): on an H200 the target's decode step is one graph of about 1.0 ms, while the eager
+drafter costs about 0.9 ms a forward plus `int(positions.max())` syncs, so an EAGLE-3 tree ran at
+0.24x plain decoding. SGLang captures the whole draft as one graph per batch size over static
+buffers (`eagle_draft_cuda_graph_runner.py`); this is the same idea at the engine's scale.
+
+What makes it static, against `drafting.EagleDraft` (the plain reference it must equal):
+- the drafter KV cache is allocated once for `capacity` slots (+1 spare slot that padding entries
+  are written to) and kept across requests; a query at position p attends to the slots <= p of a
+  power-of-two span of slots (>= `min_bucket`) under a mask, instead of slicing `[:top]`;
+- the state (last pre-norm output `h`, position `pos`) lives in device buffers that the
+  extension writes in place, so a replay leaves the next one's input where it reads it;
+- the host knows the highest position from the engine's own host-side positions, so capacity and
+  span are checked once per call on the host, and no step reads a device value back.
+
+A cycle extension of width w, a chain of `steps` and a tree of (steps, topk, nodes) are each one
+graph per (batch, shape, span), captured on first use (or ahead, through `capture`) and replayed.
+The prompt's extension runs eagerly (its width is the prompt's length), as the target's prefill
+does. Sampling (temperature > 0) runs the same chain code eagerly: its draws come from the
+engine's CPU generator. Without CUDA, or with graphs=False, the same functions run eagerly: that
+is what the CPU tests pin against `EagleDraft` (tests/test_engine_static_draft.py). The graph
+capture itself (`_graphed`) only runs on CUDA and is verified by the `gpu` test there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from eagle3.model import Eagle3Drafter, rope_cos_sin
+from serve.engine.drafting import DraftTree, _last_true, pick_draft, target_q
+from serve.engine.static import span_buckets
+
+Pick = Callable[[Tensor], tuple[Tensor, Tensor | None]]
+
+
+@dataclass
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph
+    inputs: tuple[Tensor, ...]  # static device copies of the call's inputs
+    outputs: Any  # what the captured function returned (static; copied out after a replay)
+
+
+def _greedy(logits: Tensor) -> tuple[Tensor, Tensor | None]:
+    return logits.argmax(-1), None
+
+
+class StaticEagleDraft:
+    """A `DraftSource` over an `Eagle3Drafter` at static shapes (module doc); same methods and
+    results as `EagleDraft`. `positions`/`write` given to `extend` must be host tensors (the
+    engine's bookkeeping): reading their maximum is then no device sync."""
+
+    def __init__(
+        self,
+        model: Eagle3Drafter,
+        capacity: int,
+        graphs: bool | None = None,
+        source: str = "",
+        min_bucket: int = 256,
+    ):
+        self.model = model.eval()
+        self.cfg = model.cfg
+        self.source = source
+        self.aux_layer_ids = list(model.cfg.aux_layer_ids)
+        self.capacity = int(capacity)
+        self.min_bucket = int(min_bucket)
+        self.use_graphs = self.device.type == "cuda" if graphs is None else bool(graphs)
+        if self.use_graphs and self.device.type != "cuda":
+            raise ValueError("StaticEagleDraft(graphs=True) needs the drafter on a CUDA device")
+        self.batch = 0
+        self.k: Tensor | None = None  # [B, Hkv, capacity + 1, d]; the last slot takes padding
+        self.v: Tensor | None = None
+        self.h: Tensor | None = None  # [B, H] each row's last pre-norm output
+        self.pos: Tensor | None = None  # [B] its position (device)
+        self.top = -1  # host: the highest position any row's state holds
+        self._prompt = True  # the next extend is a prompt's (eager; any width)
+        self._graphs: dict[tuple, _Graph] = {}
+        self._pool: Any = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.fc.weight.device
+
+    # -- state ------------------------------------------------------------------------------
+    def start(self, batch: int, capacity: int) -> None:
+        """Fresh state for `batch` rows. The buffers (and the graphs over them) are made once per
+        batch size and reused: stale slots are never read, a query only sees slots <= its
+        position, and every one of those was written for the current request first."""
+        if capacity > self.capacity:
+            raise ValueError(
+                f"drafter needs {capacity} positions > static drafter capacity {self.capacity}; "
+                "build SpecEngine(static_capacity=...) larger"
+            )
+        if batch != self.batch or self.k is None:
+            w, cfg = self.model.fc.weight, self.cfg
+            shape = (batch, cfg.num_key_value_heads, self.capacity + 1, cfg.head_dim)
+            self.k = torch.zeros(shape, device=w.device, dtype=w.dtype)
+            self.v = torch.zeros_like(self.k)
+            self.h = w.new_zeros(batch, cfg.hidden_size)
+            self.pos = torch.zeros(batch, dtype=torch.long, device=w.device)
+            self.batch = batch
+            self._graphs.clear()  # they point at the old buffers
+        self.top, self._prompt = -1, True
+
+    def select(self, rows: Tensor) -> None:
+        """Keep `rows` (new buffers of the smaller batch; its graphs are captured anew)."""
+        assert self.k is not None and self.v is not None and self.h is not None
+        idx = rows.to(self.device)
+        self.k, self.v, self.h = self.k[idx], self.v[idx], self.h[idx]
+        self.pos = self.pos[idx]
+        self.batch = int(rows.numel())
+        self._graphs.clear()
+
+    def _span(self, need: int) -> int:
+        """Slots attention reads: the smallest of `span_buckets` >= need."""
+        return next(s for s in span_buckets(self.min_bucket, self.capacity) if s >= need)
+
+    def _check(self, top: int, what: str) -> None:
+        if top >= self.capacity:
+            raise ValueError(
+                f"static drafter cache full: {what} reaches position {top} >= capacity "
+                f"{self.capacity}; build SpecEngine(static_capacity=...) larger"
+            )
+
+    # -- the pure step functions (no host reads; shapes fixed by the arguments' shapes) -----
+    def _forward(
+        self, ids: Tensor, hidden: Tensor, positions: Tensor, write: Tensor | None, span: int
+    ) -> Tensor:
+        """One drafter layer over n entries per row ([B, n]); writes their keys/values at their
+        positions (entries not in `write`: the spare slot) and attends over slots [0, span) with
+        the mask 'slot <= position'. Returns the pre-norm outputs [B, n, H]."""
+        m = self.model
+        assert self.k is not None and self.v is not None
+        hidden = m.project(hidden)
+        x = m.midlayer.attn_input(m.embed(ids), hidden)
+        cos, sin = rope_cos_sin(m.inv_freq, m.rope_factor, positions)
+        q, k, v = m.midlayer.self_attn.qkv(x, cos, sin)  # [B, Hq or Hkv, n, d]
+        slots = positions if write is None else torch.where(write, positions, self.capacity)
+        b = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(slots)
+        self.k[b, :, slots] = k.transpose(1, 2).to(self.k.dtype)
+        self.v[b, :, slots] = v.transpose(1, 2).to(self.v.dtype)
+        B, H, n, d = q.shape
+        rep = H // self.k.shape[1]
+        keys = self.k[:, :, :span].repeat_interleave(rep, 1).to(q.dtype)
+        vals = self.v[:, :, :span].repeat_interleave(rep, 1).to(q.dtype)
+        visible = torch.arange(span, device=q.device)[None, None, :] <= positions[:, :, None]
+        attn = F.scaled_dot_product_attention(q, keys, vals, attn_mask=visible[:, None])
+        return m.midlayer.finish(hidden, attn.transpose(1, 2).reshape(B, n, H * d))
+
+    def _extend_core(
+        self, ids: Tensor, aux: Tensor, positions: Tensor, write: Tensor, span: int
+    ) -> None:
+        out = self._forward(ids, aux, positions, write, span)
+        assert self.h is not None and self.pos is not None
+        b = torch.arange(ids.shape[0], device=ids.device)
+        last = _last_true(write)
+        self.h.copy_(out[b, last])  # in place: the captured propose reads these buffers
+        self.pos.copy_(positions[b, last])
+
+    def _chain_core(self, steps: int, span: int, pick: Pick) -> tuple[Tensor, list[Tensor]]:
+        """`steps` chain drafts from the state: (target ids [B, steps], the draft distributions
+        when `pick` samples). Draft j's entry is written at slot pos + 1 + j (as EagleDraft)."""
+        m = self.model
+        assert self.h is not None and self.pos is not None
+        h, logits = self.h[:, None], m.logits(self.h)
+        drafts, qs = [], []
+        for j in range(steps):
+            d, q = pick(logits)
+            tok = m.draft_to_target(d)
+            drafts.append(tok)
+            if q is not None:
+                qs.append(q)
+            if j + 1 < steps:
+                h = self._forward(tok[:, None], h, (self.pos + 1 + j)[:, None], None, span)
+                logits = m.logits(h[:, 0])
+        return torch.stack(drafts, 1), qs
+
+    def _tree_step(
+        self, tok: Tensor, h: Tensor, anc: Tensor, ek: Tensor, ev: Tensor, span: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """EagleDraft._tree_step over a fixed span of verified slots (mask 'slot <= pos')."""
+        m, (B, K) = self.model, tok.shape
+        assert self.k is not None and self.v is not None and self.pos is not None
+        depth = ek.shape[2] // K + 1
+        x = m.midlayer.attn_input(m.embed(tok), h)
+        cos, sin = rope_cos_sin(m.inv_freq, m.rope_factor, (self.pos + depth)[:, None].expand(B, K))
+        q, k, v = m.midlayer.self_attn.qkv(x, cos, sin)
+        dev = tok.device
+        prefix = torch.arange(span, device=dev)[None, :] <= self.pos[:, None]
+        eye = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
+        mask = torch.cat([prefix[:, None, :].expand(B, K, span), anc, eye], -1)[:, None]
+        keys = torch.cat([self.k[:, :, :span].to(k.dtype), ek, k], 2)
+        vals = torch.cat([self.v[:, :, :span].to(v.dtype), ev, v], 2)
+        rep = q.shape[1] // keys.shape[1]
+        keys, vals = keys.repeat_interleave(rep, 1), vals.repeat_interleave(rep, 1)
+        attn = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+        return m.midlayer.finish(h, attn.transpose(1, 2).reshape(B, K, -1)), k, v
+
+    def _tree_core(
+        self, steps: int, topk: int, num_nodes: int, span: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """EagleDraft.propose_tree without host reads: (tokens, parents, depths) [B, num_nodes].
+        The ancestor bookkeeping compares against an arange instead of F.one_hot (whose bounds
+        check reads the device)."""
+        m, K = self.model, topk
+        assert self.h is not None and self.k is not None
+        B, dev = self.h.shape[0], self.h.device
+        score, d = torch.log_softmax(m.logits(self.h).float(), -1).topk(K)  # [B, K]
+        toks, scores = [m.draft_to_target(d)], [score]
+        parents = [torch.full((B, K), -1, device=dev)]
+        depths = [torch.ones(B, K, dtype=torch.long, device=dev)]
+        f_id, f_tok, f_score = torch.arange(K, device=dev).expand(B, K), toks[0], score
+        f_h = self.h[:, None].expand(B, K, self.h.shape[-1])
+        anc = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)
+        ek = self.k.new_zeros(B, self.k.shape[1], 0, self.k.shape[-1])
+        ev = ek.clone()
+        n_nodes = K
+        for j in range(1, steps):
+            out, k, v = self._tree_step(f_tok, f_h, anc, ek, ev, span)
+            c_score, c_d = torch.log_softmax(m.logits(out).float(), -1).topk(K)  # [B, K, K]
+            c_score = (f_score[..., None] + c_score).reshape(B, K * K)
+            toks.append(m.draft_to_target(c_d).reshape(B, K * K))
+            scores.append(c_score)
+            parents.append(f_id[..., None].expand(B, K, K).reshape(B, K * K))
+            depths.append(torch.full((B, K * K), j + 1, device=dev))
+            best = c_score.topk(K).indices  # the next frontier
+            par = best // K
+            e_old = ek.shape[2]
+            ek, ev = torch.cat([ek, k], 2), torch.cat([ev, v], 2)
+            own = torch.arange(e_old + K, device=dev) == (e_old + par)[..., None]
+            old = anc.gather(1, par[..., None].expand(B, K, e_old))
+            anc = torch.cat([old, torch.zeros(B, K, K, dtype=torch.bool, device=dev)], 2) | own
+            f_id, f_tok = n_nodes + best, toks[-1].gather(1, best)
+            f_score = c_score.gather(1, best)
+            f_h = out.gather(1, par[..., None].expand(B, K, out.shape[-1]))
+            n_nodes += K * K
+        tok, sc, par_id, dep = (torch.cat(x, 1) for x in (toks, scores, parents, depths))
+        keep = torch.sort(torch.argsort(-sc, dim=1, stable=True)[:, :num_nodes], dim=1).values
+        where = torch.full((B, n_nodes + 1), -1, device=dev)  # node id -> kept index
+        where.scatter_(1, keep, torch.arange(num_nodes, device=dev).expand(B, num_nodes))
+        kept_par = where.gather(1, par_id.gather(1, keep) % (n_nodes + 1))
+        return tok.gather(1, keep), kept_par, dep.gather(1, keep)
+
+    # -- the DraftSource methods --------------------------------------------------------------
+    def extend(self, ids: Tensor, aux: Tensor, positions: Tensor, write: Tensor) -> None:
+        assert self.k is not None, "start() first"
+        top = int(torch.where(write, positions, -1).max())  # host tensors: no device sync
+        self._check(top, "extend")
+        self.top = top  # every row's last written entry is its new state (engine: keep[:, 0])
+        span = self._span(top + 1)
+        dev, dtype = self.device, self.model.fc.weight.dtype
+        args = (ids.to(dev), aux.to(dev, dtype), positions.to(dev), write.to(dev))
+        if self._prompt:  # the prompt: any width, once per request -> eager, like prefill
+            self._prompt = False
+            self._extend_core(*args, span)
+            return
+        key = ("extend", ids.shape[1], span)
+        self._graphed(key, lambda *a: self._extend_core(*a, span), args)
+
+    def propose(
+        self, steps: int, temperature: float, gen: torch.Generator | None
+    ) -> tuple[Tensor, Tensor | None]:
+        assert self.top >= 0, "extend() first"
+        self._check(self.top + steps - 1, f"a chain of {steps}")
+        span = self._span(self.top + steps)  # step j reads up to slot pos + j
+        if temperature > 0:  # eager: the draws come from the engine's CPU generator
+
+            def sample(logits: Tensor) -> tuple[Tensor, Tensor | None]:
+                return pick_draft(logits, temperature, gen)
+
+            drafts, qs = self._chain_core(steps, span, sample)
+            return drafts, torch.stack([target_q(self.model, q) for q in qs], 1)
+        key = ("chain", steps, span)
+        drafts = self._graphed(key, lambda: self._chain_core(steps, span, _greedy)[0], ())
+        return drafts, None
+
+    def propose_tree(self, steps: int, topk: int, num_nodes: int) -> DraftTree:
+        assert self.top >= 0, "extend() first"
+        most = topk + (steps - 1) * topk * topk
+        if not 1 <= num_nodes <= most:
+            raise ValueError(
+                f"num_draft_tokens - 1 = {num_nodes} draft nodes; steps={steps}, topk={topk} make 1..{most}"
+            )
+        span = self._span(self.top + 1)  # tree nodes attend to verified slots only
+        key = ("tree", steps, topk, num_nodes, span)
+        out = self._graphed(key, lambda: self._tree_core(steps, topk, num_nodes, span), ())
+        return DraftTree(*out)
+
+    # -- CUDA graphs (GPU only; on CPU `_graphed` calls `fn` directly) -------------------------
+    @torch.inference_mode()  # the buffers are made (and used) in inference mode
+    def capture(self, shapes: list[tuple[int, int, int]]) -> int:
+        """Capture every graph requests of these (steps, topk, tokens per verify) shapes can
+        replay, at every span: the extensions of 1..steps+1 slots and each greedy chain or tree;
+        returns how many were new. Between requests only (the state is reset). GPU only;
+        without graphs it does nothing. Verified by the `gpu` test
+        tests/test_engine_static_draft.py::test_capture_at_start_up_covers_the_requests."""
+        if not self.use_graphs or not shapes:
+            return 0
+        self.start(1, self.capacity)
+        before, dev = len(self._graphs), self.device
+        dtype, width = self.model.fc.weight.dtype, self.model.fc.in_features
+        widest = max(steps for steps, _, _ in shapes) + 1
+        for span in span_buckets(self.min_bucket, self.capacity):
+            for w in range(1, widest + 1):
+                args = (torch.zeros(1, w, dtype=torch.long, device=dev),
+                        torch.zeros(1, w, width, dtype=dtype, device=dev),
+                        torch.arange(w, device=dev)[None],
+                        torch.ones(1, w, dtype=torch.bool, device=dev))  # fmt: skip
+                self._graphed(
+                    ("extend", w, span), lambda *a, s=span: self._extend_core(*a, s), args
+                )
+            for steps, topk, tokens in shapes:
+                if topk == 1:
+                    fn = lambda s=span, k=steps: self._chain_core(k, s, _greedy)[0]  # noqa: E731
+                    self._graphed(("chain", steps, span), fn, ())
+                else:
+                    key = ("tree", steps, topk, tokens - 1, span)
+                    self._graphed(key, lambda k=key: self._tree_core(*k[1:]), ())
+        self.start(1, self.capacity)  # what the warm-ups left in the state is no request's
+        return len(self._graphs) - before
+
+    def _graphed(self, key: tuple, fn: Callable[..., Any], args: tuple[Tensor, ...]) -> Any:
+        """fn(*args), on CUDA through one graph per key: captured on first use over static
+        copies of `args` (after two warm-up runs on a side stream; every function here is
+        idempotent for the same state, so the warm-ups change nothing the replay does not),
+        then the arguments are copied in and the graph replayed. Outputs are copied out: the
+        graphs share one memory pool. Only runs on a GPU (tests/test_engine_static_draft.py's
+        `gpu` test)."""
+        if not self.use_graphs:
+            return fn(*args)
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._capture(fn, args)
+            self._graphs[key] = g
+        for dst, src in zip(g.inputs, args, strict=True):
+            dst.copy_(src, non_blocking=True)
+        g.graph.replay()
+        if g.outputs is None:
+            return None
+        if isinstance(g.outputs, tuple):
+            return tuple(t.clone() for t in g.outputs)
+        return g.outputs.clone()
+
+    def _capture(self, fn: Callable[..., Any], args: tuple[Tensor, ...]) -> _Graph:
+        inputs = tuple(a.clone() for a in args)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn(*inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            outputs = fn(*inputs)
+        return _Graph(graph, inputs, outputs)
+
+    def graph_keys(self) -> list[tuple]:
+        """The captured shapes (for tests and the benchmark)."""
+        return sorted(self._graphs, key=str)

@@ -1,0 +1,279 @@
+"""The static drafter (serve/engine/static_draft.py) against the eager reference `EagleDraft`:
+the same drafted tokens (chains and trees) and states after the same extensions, and in the
+engine the same drafts, accepted tokens and accept histograms, greedy, on a tiny random Llama
+target with a random drafter. On CPU the static code runs without graphs; the `gpu` test runs it
+captured as CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from serve.engine import (
+    EagleDraft,
+    GenParams,
+    SpecEngine,
+    StaticEagleDraft,
+    TargetRunner,
+    random_drafter,
+)
+
+AUX = [0, 1, 2]
+K = 3
+N_TOK = 16
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    return AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 30, (6,), generator=g)
+    return [torch.randint(3, 49152, (int(n),), generator=g).tolist() for n in lengths]
+
+
+def drafter(target, seed: int = 5) -> EagleDraft:
+    return random_drafter(target, draft_vocab_size=2000, aux_layer_ids=AUX, seed=seed)
+
+
+def record(source) -> list[tuple[str, list]]:
+    """Log every proposal of `source` (its methods wrapped in place)."""
+    log: list[tuple[str, list]] = []
+    propose, propose_tree = source.propose, source.propose_tree
+
+    def chain(steps, temperature, gen):
+        drafts, q = propose(steps, temperature, gen)
+        log.append(("chain", drafts.tolist()))
+        return drafts, q
+
+    def tree(steps, topk, num_nodes):
+        t = propose_tree(steps, topk, num_nodes)
+        log.append(("tree", [t.tokens.tolist(), t.parents.tolist(), t.depths.tolist()]))
+        return t
+
+    source.propose, source.propose_tree = chain, tree
+    return log
+
+
+def test_static_drafter_equals_eager_over_ragged_extensions(target):
+    """Both drafters fed the same prompt extension (left-padded batch of 3) and then extensions
+    of 1..K+1 slots with ragged write masks: every chain and tree drafted equals, and so does
+    the state. Positions cross span buckets (min_bucket 8) on the way."""
+    g = torch.Generator().manual_seed(7)
+    base = drafter(target).model
+    eager, static = EagleDraft(base), StaticEagleDraft(base, capacity=96, min_bucket=8)
+    B, W = 3, 3 * target.config.hidden_size
+    lens = torch.tensor([5, 11, 8])
+    L = int(lens.max())
+    write = torch.arange(L)[None] >= (L - lens)[:, None]  # left padding
+    ids = torch.randint(3, 49152, (B, L), generator=g)
+    aux = torch.randn(B, L, W, generator=g)
+    pos = (write.long().cumsum(1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        for d in (eager, static):
+            d.start(B, 96)
+            d.extend(ids, aux, pos, write)
+        nxt = lens.clone()  # each row's next position
+        for step in range(14):
+            torch.testing.assert_close(static.h, eager.h, rtol=1e-5, atol=1e-5)
+            assert torch.equal(static.pos, eager.pos)
+            ce, _ = eager.propose(K, 0.0, None)
+            cs, _ = static.propose(K, 0.0, None)
+            assert torch.equal(cs, ce), f"chain differs at cycle {step}"
+            for steps, topk, n in [(K, 3, 7), (4, 2, 8), (2, 1, 2)]:
+                te, ts = eager.propose_tree(steps, topk, n), static.propose_tree(steps, topk, n)
+                for a, b in [(ts.tokens, te.tokens), (ts.parents, te.parents),
+                             (ts.depths, te.depths)]:  # fmt: skip
+                    assert torch.equal(a, b), f"tree {steps}x{topk}x{n} differs at cycle {step}"
+            acc = torch.randint(0, K + 1, (B,), generator=g)  # accepted drafts per row
+            w = int(acc.max()) + 1
+            keep = torch.arange(w)[None] <= acc[:, None]
+            e_ids = torch.randint(3, 49152, (B, w), generator=g)
+            e_aux = torch.randn(B, w, W, generator=g)
+            e_pos = nxt[:, None] + torch.arange(w)
+            for d in (eager, static):
+                d.extend(e_ids, e_aux, e_pos, keep)
+            nxt = nxt + acc + 1
+        assert int(nxt.max()) > 32  # crossed the 8, 16 and 32 slot spans
+        keep_rows = torch.tensor([0, 2])
+        for d in (eager, static):
+            d.select(keep_rows)
+        assert torch.equal(static.propose(K, 0.0, None)[0], eager.propose(K, 0.0, None)[0])
+    with pytest.raises(ValueError, match="capacity"):
+        static.start(1, 97)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(steps=K),
+        dict(steps=K, topk=3, num_draft_tokens=7),
+        dict(steps=5, topk=4, num_draft_tokens=12),
+    ],  # fmt: skip
+    ids=["chain-3", "tree-3x3x7", "tree-5x4x12"],
+)
+def test_engine_static_drafter_equals_eager_drafter(target, prompts, shape):
+    """With the static target runner (batch 1, the GPU path): the default drafter is the static
+    one, and it drafts exactly what the eager reference drafts, with the same accepted tokens and
+    accept histograms; the tokens are the target's own greedy ones."""
+    params = GenParams(max_tokens=N_TOK)
+    logs, outs = [], []
+    for static_draft in (False, None):  # None: the default with the static runner
+        engine = SpecEngine(target, steps=shape["steps"], topk=shape.get("topk", 1),
+                            num_draft_tokens=shape.get("num_draft_tokens"), runner="static",
+                            static_capacity=96, static_draft=static_draft)  # fmt: skip
+        engine.set_drafter(drafter(target))
+        kind = StaticEagleDraft if static_draft is None else EagleDraft
+        assert type(engine.drafter) is kind
+        logs.append(record(engine.drafter))
+        outs.append(engine.generate(prompts, params))
+        plain = engine.plain_generate(prompts, params)
+        assert [g.token_ids for g in outs[-1]] == [g.token_ids for g in plain]
+    assert logs[0] == logs[1] and len(logs[0]) == sum(g.stats.spec_verify_ct for g in outs[0])
+    for e, s in zip(*outs, strict=True):
+        assert s.token_ids == e.token_ids and s.stats.accept_hist == e.stats.accept_hist
+
+
+def test_static_drafter_in_a_ragged_batch_and_sampling(target, prompts):
+    """With the eager batched runner (static_draft=True): rows finish at different lengths
+    (select shrinks the static buffers), greedy and seeded sampling give what the eager drafter
+    gives."""
+    limits = [5, 16, 9, 12, 3, 16]
+    runs = []
+    for static_draft in (False, True):
+        engine = SpecEngine(target, steps=K, static_draft=static_draft)
+        engine.set_drafter(drafter(target))
+        assert isinstance(engine.target, TargetRunner) and engine.static is None
+        log = record(engine.drafter)
+        greedy = engine.generate(prompts, GenParams(max_tokens=16), max_tokens_each=limits)
+        sampled = engine.generate(prompts[:3], GenParams(max_tokens=12, temperature=0.8, seed=3))
+        runs.append((log, greedy, sampled))
+    (le, ge, se), (ls, gs, ss) = runs
+    assert le == ls
+    assert [g.token_ids for g in gs] == [g.token_ids for g in ge]
+    assert [len(g.token_ids) for g in gs] == limits
+    assert [g.token_ids for g in ss] == [g.token_ids for g in se]
+
+
+@pytest.mark.gpu
+@cuda
+def test_graphed_drafter_equals_eager_on_cuda():
+    """fp32 on the GPU (TF32 off): the engine with the drafter's CUDA graphs (the default on
+    CUDA) emits HF greedy tokens and drafts what the drafter run without graphs drafts, chain
+    and tree; the graphs were captured (extend widths, chain and tree shapes)."""
+    from test_gpu_perf_paths import tiny_llama
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_llama("cuda")
+    g = torch.Generator().manual_seed(1)
+    ps = [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in (3, 11, 40, 7)]
+    for shape in (dict(), dict(topk=2, num_draft_tokens=6)):
+        runs = []
+        for graphs in (True, False):
+            engine = SpecEngine(model, steps=3, stop_ids=set(), static_capacity=128, **shape)
+            d = random_drafter(model, draft_vocab_size=256, aux_layer_ids=[2, 0, 1])
+            d.model.to("cuda")
+            engine.set_drafter(d)
+            assert isinstance(engine.drafter, StaticEagleDraft)
+            engine.drafter.use_graphs = graphs
+            log = record(engine.drafter)
+            out = engine.generate(ps, GenParams(max_tokens=24))
+            plain = engine.plain_generate(ps, GenParams(max_tokens=24))
+            assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+            runs.append((log, out, engine.drafter.graph_keys()))
+        assert runs[0][0] == runs[1][0]
+        assert runs[0][2] and not runs[1][2]
+
+
+def test_capture_plan_covers_the_configured_shape_and_the_chains(target):
+    """What `SpecEngine.capture` captures on a GPU (the shapes, the spans); on CPU, nothing."""
+    from serve.engine.static import span_buckets
+
+    assert span_buckets(256, 4096) == [256, 512, 1024, 2048, 4096]
+    assert span_buckets(256, 3000) == [256, 512, 1024, 2048, 3000]
+    assert span_buckets(256, 96) == [96]
+    engine = SpecEngine(target, drafter(target), steps=5, topk=4, num_draft_tokens=12,
+                        runner="static", static_capacity=96)  # fmt: skip
+    assert engine.capture_shapes() == [(1, 1, 2), (2, 1, 3), (3, 1, 4), (4, 1, 5), (5, 1, 6),
+                                       (5, 4, 12)]  # fmt: skip
+    engine.steps, engine.topk = 7, 1
+    assert engine.capture_shapes()[-1] == (7, 1, 8)
+    assert engine.capture() == {} and engine.drafter.graph_keys() == []  # no graphs on CPU
+    static = engine.static
+    assert static is not None and static.capture([(1, False), (4, True)]) == 0
+
+
+@pytest.mark.gpu
+@cuda
+def test_capture_at_start_up_covers_the_requests():
+    """Building the engine with a drafter captures every graph that the configured tree, the
+    chains and plain decoding replay, at every span: requests then capture nothing new."""
+    from test_gpu_perf_paths import tiny_llama
+
+    model = tiny_llama("cuda")
+    d = random_drafter(model, draft_vocab_size=256, aux_layer_ids=[2, 0, 1])
+    d.model.to("cuda")
+    engine = SpecEngine(model, d, steps=3, topk=2, num_draft_tokens=6, stop_ids=set(),
+                        static_capacity=512, capture_chains=(1, 3))  # fmt: skip
+    assert isinstance(engine.drafter, StaticEagleDraft)
+    target_keys, draft_keys = set(engine.static._graphs), engine.drafter.graph_keys()
+    assert {span for _, span, _ in target_keys} == {256, 512}
+    g = torch.Generator().manual_seed(1)
+    ps = [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in (5, 300)]
+    engine.generate(ps, GenParams(max_tokens=24))  # the tree; the long prompt spans 512
+    for k in (1, 3):
+        engine.generate(ps, GenParams(max_tokens=24, steps=k, topk=1))
+    engine.plain_generate(ps, GenParams(max_tokens=24))
+    assert set(engine.static._graphs) == target_keys
+    assert engine.drafter.graph_keys() == draft_keys
+
+
+def test_drafter_graph_bookkeeping_with_a_stand_in_graph(target, prompts):
+    """The graph path of `StaticEagleDraft` on CPU, with `_capture` replaced by a stand-in whose
+    replay reruns the function on the static inputs: the capture covers every key the shapes'
+    requests use (no new key afterwards), and inputs copied in at each replay give the eager
+    drafter's drafts. (The real capture is CUDA's: the `gpu` tests.)"""
+    from serve.engine.static_draft import _Graph
+
+    def stand_in(self, fn, args):
+        g = _Graph(None, tuple(a.clone() for a in args), None)
+
+        class Replay:
+            def replay(self):
+                g.outputs = fn(*g.inputs)
+
+        g.graph = Replay()
+        return g
+
+    logs = []
+    for graphs in (False, True):
+        engine = SpecEngine(target, steps=3, topk=2, num_draft_tokens=6, runner="static",
+                            static_capacity=96, capture_chains=(1, 3))  # fmt: skip
+        engine.set_drafter(drafter(target))
+        d = engine.drafter
+        if graphs:
+            d.use_graphs, d.min_bucket = True, 32
+            d._capture = stand_in.__get__(d)
+            assert d.capture(engine.capture_shapes()) == len(d.graph_keys()) > 0
+            keys = d.graph_keys()
+            assert {k[-1] for k in keys} == {32, 64, 96}
+        log = record(d)
+        for shape in (dict(), dict(steps=1, topk=1), dict(steps=3, topk=1)):
+            engine.generate(prompts, GenParams(max_tokens=40, **shape))
+        if graphs:
+            assert d.graph_keys() == keys
+        logs.append(log)
+    assert logs[0] == logs[1]
