@@ -99,12 +99,12 @@ def choose_serving_shape(
     for s in shapes:  # every candidate on every prompt: a choice that holds on other prompts
         if s.name not in measured:
             measure(s)
-    choice = choose_shape(shapes, {}, measured)
     spreads = {
         name: speedup_spread([r.completion_tokens for r in st], [r.latency_s for r in st],
                              plain.tok_per_s)._asdict()
         for name, st in per_shape.items()
     }  # fmt: skip
+    choice = choose_shape(shapes, {}, measured, lower={k: v["lo"] for k, v in spreads.items()})
     return {
         "served": choice.shape.name,
         **{k: getattr(choice.shape, k) for k in ("steps", "topk", "num_draft_tokens")},

@@ -113,11 +113,15 @@ def choose_shape(
     predicted: Mapping[str, float],
     measured: Mapping[str, float],
     min_speedup: float = 1.0,
+    lower: Mapping[str, float] | None = None,
 ) -> ShapeChoice:
     """The shape to serve: the highest speedup over plain decoding among `candidates`, each
     judged by its measured speedup when it has one, else the predicted one. Plain (1.0) when no
-    candidate exceeds `min_speedup`. A predicted winner still needs a measurement before it
-    serves: the caller measures it and asks again (`needs_measurement`)."""
+    candidate exceeds `min_speedup`. `lower`: the low ends of the measured speedups' intervals
+    over prompts (`speedup_spread`); a shape whose interval reaches down to `min_speedup` is not
+    served (a broken drafter measured 1.02x on noise is not faster than plain decoding). A
+    predicted winner still needs a measurement before it serves: the caller measures it and
+    asks again (`needs_measurement`)."""
     speedups = {PLAIN.name: 1.0}
     for s in candidates:
         if s.plain:
@@ -125,12 +129,17 @@ def choose_shape(
         v = measured.get(s.name, predicted.get(s.name))
         if v is not None:
             speedups[s.name] = v
-    best = max((s for s in candidates if s.name in speedups and not s.plain),
-               key=lambda s: speedups[s.name], default=None)  # fmt: skip
+    sure = [s for s in candidates if s.name in speedups and not s.plain
+            and (lower or {}).get(s.name, speedups[s.name]) > min_speedup]  # fmt: skip
+    best = max(sure, key=lambda s: speedups[s.name], default=None)
     if best is None or speedups[best.name] <= min_speedup:
-        top = f"{best.name} {speedups[best.name]:.2f}x" if best else "no drafting shape"
+        top = max((s for s in candidates if s.name in speedups and not s.plain),
+                  key=lambda s: speedups[s.name], default=None)  # fmt: skip
+        why = f"best {top.name} {speedups[top.name]:.2f}x" if top else "no drafting shape"
+        if top is not None and lower and top.name in lower and speedups[top.name] > min_speedup:
+            why += f", its interval down to {lower[top.name]:.2f}x"
         return ShapeChoice(PLAIN, speedups, tuple(measured),
-                           f"plain decoding: no shape beats it (best {top})")  # fmt: skip
+                           f"plain decoding: no shape surely beats it ({why})")  # fmt: skip
     how = "measured" if best.name in measured else "predicted"
     return ShapeChoice(best, speedups, tuple(measured),
                        f"{best.name}: {speedups[best.name]:.2f}x plain decoding ({how})")  # fmt: skip

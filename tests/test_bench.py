@@ -255,7 +255,8 @@ def test_shape_chooser_serves_plain_decoding_when_the_drafter_is_broken(endpoint
     shape = r.shape
     assert shape["served"] == "plain" and shape["served_speedup"] == 1.0, shape
     assert set(shape["speedups"]) == {"plain", "chain-1", "chain-2", "chain-3"}
-    assert all(v < 1.0 for k, v in shape["speedups"].items() if k != "plain")
+    # none is surely faster than plain: the low end of each interval reaches it
+    assert all(shape["spreads"][k]["lo"] <= 1.0 for k in shape["speedups"] if k != "plain")
     assert {"chain-2", "chain-3"} <= set(shape["measured"])  # configured; the acceptance probe
     assert len(shape["chain_acceptance_per_position"]) == 3 and shape["costs"]["draft_step_ms"] > 0
     assert json.loads(Path(r.json_path).read_text())["shape"]["served"] == "plain"
