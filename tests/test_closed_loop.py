@@ -88,9 +88,9 @@ class RayHead:
             stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         self.address = f"http://127.0.0.1:{dash}"
-        deadline = time.time() + 300
+        deadline = time.monotonic() + 300
         while "Ray runtime started" not in log.read_text():
-            assert self.proc.poll() is None and time.time() < deadline, log.read_text()[-4000:]
+            assert self.proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(1)
 
     def submit(self, config: Path, run_dir: Path, wait: bool = True) -> subprocess.CompletedProcess:
@@ -153,8 +153,8 @@ def closed_run(tmp_path_factory, two_token_target) -> dict:
         job = head.submit(config, run_dir, wait=False)
         assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-4000:]
         job_id = next(w for w in job.stdout.split() if w.startswith("raysubmit_"))
-        deadline = time.time() + 1500
-        while time.time() < deadline:
+        deadline = time.monotonic() + 1500
+        while time.monotonic() < deadline:
             rounds = _state(run_dir).get("rounds", [])
             if (
                 len(rounds) > 1
