@@ -33,15 +33,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.own_cluster, pytest.mark.timeout(240
 # The benchmark: 8 held-out prompts x 24 tokens (the training answers' length), one request at
 # a time, every round measured at the configured shape (chain-2) whatever shape it then serves.
 STEPS, BENCH_PROMPTS, BENCH_TOKENS = 2, 8, 24
-# What round 0's drafter must serve there: 3.0 when both drafts are always right, 2.0 when only
-# the first is, ~1.0 for an untrained (random) drafter of the same shape, which the `untrained`
-# fixture measures through the same benchmark on the same server in every run (and the test
-# requires below 1.5). The bar sits between that and what training gives, with margin on both
-# sides. Measured here (2026-12-04, 2 runs, 2 cores shared): untrained 1.043 both times (24
-# tokens in 23 verifies: the first draft almost never right); round 0 2.79 and 2.83, round 1
-# 2.83 and 2.88 (every request 2.67 or 3.0). Round 0's drafter differs between runs (the eval
-# split hashes shard files whose batch key holds the target's path), hence the spread.
-TRAINED_ACCEPT_LEN = 2.0
+# What round 0's drafter must serve there: 3.0 when both drafts are always right. Measured here
+# (2026-12-04, 2 cores shared): a random drafter of the loop's shape (`untrained`, through the
+# same benchmark on the same server, checked below 1.5 in every run) 1.043 (24 tokens in 23
+# verifies); the trainer's own init with no optimizer step at all (opt.step() removed) 2.19: its
+# draft vocab comes from the data, where this target's two answer tokens dominate, so it guesses
+# right about half the time; trained, 2 runs: round 0 2.79 and 2.83, round 1 2.83 and 2.88
+# (every request 2.67 or 3.0). The bar sits between a trainer that learns nothing and one that
+# learns, about 0.3 from each. Round 0's drafter differs between runs (the eval split hashes
+# shard files whose batch key holds the target's path), hence the spread.
+TRAINED_ACCEPT_LEN = 2.5
 
 
 def _config(tmp: Path, target: Path) -> dict:
