@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -31,13 +30,19 @@ from safetensors.torch import load_file, save_file
 REPO = Path(__file__).resolve().parent.parent
 # setup (the whole killed and resumed run) counts toward the first test's timeout
 pytestmark = [pytest.mark.slow, pytest.mark.own_cluster, pytest.mark.timeout(2400)]
-STEPS, BENCH_PROMPTS, BENCH_TOKENS = 2, 4, 16
-# What the run's champion must serve, at 2 draft steps and 16 tokens (1 + 15 from verifies):
-# ~3.2 when both drafts are always right, ~2.0 when only the first is, ~1.0 for a random drafter
-# of the same shape (`_untrained_accept_len`) or a trainer that learns nothing. Measured here
-# with the target's sharp head (2026-12-04, 3 runs): round 0 2.61-3.07, round 1 2.93-3.07;
-# with its old flat one, once 1.23 in both rounds (conftest.build_tiny_llama says why).
-TRAINED_ACCEPT_LEN = 2.4
+# The benchmark: 8 held-out prompts x 24 tokens (the training answers' length), one request at
+# a time, every round measured at the configured shape (chain-2) whatever shape it then serves.
+STEPS, BENCH_PROMPTS, BENCH_TOKENS = 2, 8, 24
+# What round 0's drafter must serve there: 3.0 when both drafts are always right. Measured here
+# (2026-12-04, 2 cores shared): a random drafter of the loop's shape (`untrained`, through the
+# same benchmark on the same server, checked below 1.5 in every run) 1.043 (24 tokens in 23
+# verifies); the trainer's own init with no optimizer step at all (opt.step() removed) 2.19: its
+# draft vocab comes from the data, where this target's two answer tokens dominate, so it guesses
+# right about half the time; trained, 2 runs: round 0 2.79 and 2.83, round 1 2.83 and 2.88
+# (every request 2.67 or 3.0). The bar sits between a trainer that learns nothing and one that
+# learns, about 0.3 from each. Round 0's drafter differs between runs (the eval split hashes
+# shard files whose batch key holds the target's path), hence the spread.
+TRAINED_ACCEPT_LEN = 2.5
 
 
 def _config(tmp: Path, target: Path) -> dict:
@@ -45,15 +50,15 @@ def _config(tmp: Path, target: Path) -> dict:
         "name": "closed",
         "target": {"model": str(target)},
         "data": {"source": {"builtin": 0.5, "traffic": 0.5}, "first_round_prompts": 12, "prompts_per_round": 8,
-                 "heldout_prompts": 4, "user_prompts": 8, "max_new_tokens": 24, "batch_size": 6,
-                 "num_actors": 2},
+                 "heldout_prompts": BENCH_PROMPTS, "user_prompts": 8, "max_new_tokens": BENCH_TOKENS,
+                 "batch_size": 6, "num_actors": 2},
         "drafter": {"draft_vocab_size": 512},
         "train": {"num_workers": 2, "first_round_epochs": 8, "epochs": 2, "lr": 0.003, "ttt_length": 2,
                   "tokens_per_batch": 256, "checkpoint_every": 4},
-        "serve": {"steps": STEPS, "port": free_port(), "record_traffic": True, "simulate_users": 6,
+        "serve": {"steps": STEPS, "topk": 1, "port": free_port(), "record_traffic": True, "simulate_users": 6,
                   "simulate_concurrency": 2},
         "bench": {"num_prompts": BENCH_PROMPTS, "max_tokens": BENCH_TOKENS, "warmup": 1,
-                  "collapse_predicted": 1.2},
+                  "concurrency": [1], "steps_sweep": [], "collapse_predicted": 1.2},
         "stop": {"accept_len": 9.0, "max_rounds": 2},
         "tracking": {"tracking_uri": f"sqlite:///{tmp}/mlflow.db", "experiment": "closed"},
     }  # fmt: skip
@@ -88,9 +93,9 @@ class RayHead:
             stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         self.address = f"http://127.0.0.1:{dash}"
-        deadline = time.time() + 300
+        deadline = time.monotonic() + 300
         while "Ray runtime started" not in log.read_text():
-            assert self.proc.poll() is None and time.time() < deadline, log.read_text()[-4000:]
+            assert self.proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(1)
 
     def submit(self, config: Path, run_dir: Path, wait: bool = True) -> subprocess.CompletedProcess:
@@ -153,8 +158,8 @@ def closed_run(tmp_path_factory, two_token_target) -> dict:
         job = head.submit(config, run_dir, wait=False)
         assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-4000:]
         job_id = next(w for w in job.stdout.split() if w.startswith("raysubmit_"))
-        deadline = time.time() + 1500
-        while time.time() < deadline:
+        deadline = time.monotonic() + 1500
+        while time.monotonic() < deadline:
             rounds = _state(run_dir).get("rounds", [])
             if (
                 len(rounds) > 1
@@ -175,26 +180,7 @@ def closed_run(tmp_path_factory, two_token_target) -> dict:
     return {"run_dir": run_dir, "cfg": cfg, "at_kill": at_kill, "shards_at_kill": shards_at_kill}
 
 
-def _untrained_accept_len(target: Path) -> float:
-    """accept_len of a random drafter (the loop's draft vocab) on the benchmark's held-out
-    prompts, greedy, as the benchmark counts it: what a trainer that learns nothing serves."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from actors.chat import prompt_ids
-    from actors.prompts import builtin_prompts, split_prompts
-    from serve.engine import GenParams, SpecEngine, random_drafter
-
-    tok = AutoTokenizer.from_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target).eval()
-    heldout = split_prompts(builtin_prompts(0), 4, 0)[1][:BENCH_PROMPTS]
-    engine = SpecEngine(model, random_drafter(model, draft_vocab_size=512, seed=0), steps=STEPS)
-    gens = engine.generate(
-        [prompt_ids(tok, c) for c in heldout], GenParams(max_tokens=BENCH_TOKENS)
-    )
-    return statistics.fmean(g.stats.accept_len for g in gens)
-
-
-def test_the_run_stopped_in_round_1s_training_resumes_to_a_whole_run(closed_run, two_token_target):
+def test_the_run_stopped_in_round_1s_training_resumes_to_a_whole_run(closed_run, untrained):
     """Killed after round 1's data and before its training ended; the same command again ends
     with 2 rounds, no shard made again, and a drafter a broken trainer could not give."""
     run_dir = closed_run["run_dir"]
@@ -209,10 +195,12 @@ def test_the_run_stopped_in_round_1s_training_resumes_to_a_whole_run(closed_run,
     for row in rows:
         assert set(row) >= {"accept_len", "tok_per_s", "baseline_tok_per_s", "speedup", "train_tokens"}  # fmt: skip
         assert row["train_tokens"] > 0
-    untrained = _untrained_accept_len(two_token_target)
-    assert untrained < 1.5 < TRAINED_ACCEPT_LEN, untrained  # the bar is far above no learning
-    champ = summary["champion"]
-    assert champ["accept_len"] >= TRAINED_ACCEPT_LEN, (rows, untrained)
+        assert row["steps"] == STEPS  # measured at the pinned shape, whatever shape it served
+    # the bar is far above no learning, measured the same way (`untrained`)
+    assert untrained["accept_len"] < 1.5 < TRAINED_ACCEPT_LEN, untrained["accept_len"]
+    assert untrained["steps"] == STEPS
+    assert rows[0]["accept_len"] >= TRAINED_ACCEPT_LEN, (rows, untrained["accept_len"])
+    assert summary["champion"]["accept_len"] >= rows[0]["accept_len"]
 
 
 def test_round_1_learns_from_round_0_traffic(closed_run):
@@ -255,12 +243,13 @@ def test_summary_and_mlflow_carry_domains_and_promotion(closed_run):
 
     run_dir, cfg = closed_run["run_dir"], closed_run["cfg"]
     summary = json.loads((run_dir / "summary.json").read_text())
+    state = json.loads((run_dir / "state.json").read_text())
     rows = summary["rounds"]
     assert [r["round"] for r in rows] == [0, 1]
     assert all(set(r["domains"]) == {"builtin"} for r in rows)
     assert rows[0]["promoted"] is True  # the first drafter has nothing to beat
     # round 1 is promoted exactly when it beats round 0 on the same prompts (margin 0)
-    gate = json.loads((run_dir / "state.json").read_text())["rounds"][1]["done"]["gate"]
+    gate = state["rounds"][1]["done"]["gate"]
     assert gate["champion_accept_len"] == rows[0]["accept_len"] and gate["champion_round"] == 0
     assert rows[1]["promoted"] is gate["promoted"] is (rows[1]["accept_len"] > rows[0]["accept_len"])  # fmt: skip
     champ = summary["champion"]
@@ -289,7 +278,16 @@ def test_summary_and_mlflow_carry_domains_and_promotion(closed_run):
         # measurements (serve/shape_sweep.py's fallback: seen with another pytest beside this one)
         chains = {"plain", "chain-1", "chain-2", "chain-3", "chain-4", "chain-5"}
         assert {"plain", "chain-5", row["shape"]} <= set(row["shape_speedups"]) <= chains
-        assert row["shape"] == "plain" or row["served_speedup"] > 1.0
+        # The served shape is the fastest by the figures the choice used (plain counts 1.0: it
+        # serves when nothing beat it), and its speedup is its measurement (tok/s one request at
+        # a time over the baseline's), never a prediction.
+        rec = state["rounds"][row["round"]]["done"]["bench"]["shape"]
+        speedups, served = row["shape_speedups"], row["shape"]
+        assert speedups[served] == max(speedups.values()) == row["served_speedup"], rec
+        assert (served == "plain") is (row["served_speedup"] <= 1.0), rec
+        if served != "plain":
+            assert served in rec["measured"], rec
+            assert row["served_speedup"] == pytest.approx(rec["served_tok_per_s"] / row["baseline_tok_per_s"])  # fmt: skip
     # the simulated users after round 0 were served with round 0's choice
     from serve.traffic import read_traffic
 
@@ -334,18 +332,42 @@ def _candidate_round(cfg, state, drafter: str, predicted: float, tmp: Path, eval
     return rs, r, tracker, child
 
 
-def test_gate_keeps_the_serving_drafter_when_the_new_one_is_worse(live, tmp_path, two_token_target):
+def _random_drafter(target_dir: Path, out: Path, seed: int) -> str:
+    """An untrained drafter of the loop's shape (its draft vocab), saved as a trained one is."""
     from transformers import AutoModelForCausalLM
 
     from eagle3.checkpoint import save_drafter
-    from pipeline.loop import _eval_set, _gate, _prompts
     from serve.engine import random_drafter
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    bad = random_drafter(target, draft_vocab_size=512, seed=seed, aux_layer_ids=[0, 1, 2]).model
+    return str(save_drafter(bad.state_dict(), bad.cfg, out, dtype=torch.float32))
+
+
+@pytest.fixture(scope="module")
+def untrained(live, tmp_path_factory, two_token_target) -> dict:
+    """The benchmark record of an untrained (random) drafter on the live server, through the
+    loop's own benchmark on the rounds' prompts and settings: what a trainer that learns nothing
+    serves. The champion serves again afterwards."""
+    from pipeline.loop import _eval_set, _prompts
+
+    cfg, ep, state = live
+    tmp = tmp_path_factory.mktemp("untrained")
+    drafter = _random_drafter(two_token_target, tmp / "random", seed=0)
+    evalset = _eval_set(cfg, _prompts(cfg))
+    try:
+        rs, r, _, _ = _candidate_round(cfg, state, drafter, 1.0, tmp, evalset, ep)
+    finally:
+        ep.swap_drafter(state["champion"]["drafter_dir"])
+    return rs.rounds[r].done["bench"]
+
+
+def test_gate_keeps_the_serving_drafter_when_the_new_one_is_worse(live, tmp_path, two_token_target):
+    from pipeline.loop import _eval_set, _gate, _prompts
 
     cfg, ep, state = live
     champion = state["champion"]
-    target = AutoModelForCausalLM.from_pretrained(two_token_target, dtype=torch.float32)
-    bad = random_drafter(target, draft_vocab_size=512, seed=7, aux_layer_ids=[0, 1, 2]).model
-    broken = str(save_drafter(bad.state_dict(), bad.cfg, tmp_path / "random", dtype=torch.float32))
+    broken = _random_drafter(two_token_target, tmp_path / "random", seed=7)
     evalset = _eval_set(cfg, _prompts(cfg))
     rs, r, tracker, child = _candidate_round(cfg, state, broken, 1.0, tmp_path, evalset, ep)
     assert rs.rounds[r].done["bench"]["accept_len"] < champion["accept_len"]
