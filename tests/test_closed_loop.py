@@ -278,13 +278,15 @@ def test_summary_and_mlflow_carry_domains_and_promotion(closed_run):
         # measurements (serve/shape_sweep.py's fallback: seen with another pytest beside this one)
         chains = {"plain", "chain-1", "chain-2", "chain-3", "chain-4", "chain-5"}
         assert {"plain", "chain-5", row["shape"]} <= set(row["shape_speedups"]) <= chains
-        # The served shape is the fastest by the figures the choice used (plain counts 1.0: it
-        # serves when nothing beat it), and its speedup is its measurement (tok/s one request at
-        # a time over the baseline's), never a prediction.
+        # The served shape is the fastest of those surely faster than plain decoding (the low
+        # end of the speedup's interval over prompts above 1.0), plain when none is, and its
+        # speedup is its measurement (tok/s one request at a time over the baseline's), never a
+        # prediction.
         rec = state["rounds"][row["round"]]["done"]["bench"]["shape"]
         speedups, served = row["shape_speedups"], row["shape"]
-        assert speedups[served] == max(speedups.values()) == row["served_speedup"], rec
-        assert (served == "plain") is (row["served_speedup"] <= 1.0), rec
+        sure = {k: v for k, v in speedups.items() if k != "plain" and rec["spreads"][k]["lo"] > 1.0}
+        assert served == (max(sure, key=sure.get) if sure else "plain"), rec
+        assert row["served_speedup"] == (sure[served] if sure else 1.0), rec
         if served != "plain":
             assert served in rec["measured"], rec
             assert row["served_speedup"] == pytest.approx(rec["served_tok_per_s"] / row["baseline_tok_per_s"])  # fmt: skip
