@@ -321,7 +321,10 @@ def test_slow_clients_neither_stall_health_nor_keep_their_slot(endpoint):
             assert c.get("/health").json() == {"status": "ok"}
             out = c.post("/v1/chat/completions", json=dict(CHAT, ignore_eos=True)).json()
         assert out["usage"]["completion_tokens"] == 10
-        answer = socks[0].recv(4096).decode()  # waits for the body deadline
+        raw = b""  # waits for the body deadline; the headers and the body may come apart
+        while b"body_timeout_s" not in raw and (chunk := socks[0].recv(4096)):
+            raw += chunk
+        answer = raw.decode()
         assert answer.startswith("HTTP/1.1 408") and "body_timeout_s" in answer, answer
     finally:
         for s in socks:
@@ -359,8 +362,10 @@ def test_past_the_queue_bound_a_503_with_retry_after_at_once(endpoint):
     refused = asyncio.run(flood())
     assert refused, "nothing was refused past the queue bound"
     for r in refused:
+        # the replica's own 503 names serve.max_queued_requests; Serve's proxy answers the same
+        # bound (its queue, when the busy replica takes no more) in plain text, as it did in CI
         assert r.headers["retry-after"] == "2"
-        assert "serve.max_queued_requests" in r.json()["error"]["message"]
+        assert "max_queued_requests" in r.text, r.text
     with httpx.Client(base_url=endpoint.url, timeout=120) as c:  # and it serves again
         assert c.post("/v1/completions", json=short).json()["usage"]["completion_tokens"] == 2
 
