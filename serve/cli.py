@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +44,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from actors.cluster import RayStartError, start_ray
     from serve.endpoint import deploy
-    from serve.startup import ServeStartupError, check_port
+    from serve.startup import ServeStartupError, check_port, serve_until_stopped
 
     serve_cfg = {
         "host": args.host,
@@ -74,14 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"serve: the server did not start: {e}", file=sys.stderr, flush=True)
         ray.shutdown()
         return 2
-    print(json.dumps({"url": ep.url, "app": ep.app_name, "drafter": ep.drafter}), flush=True)
-    stop = threading.Event()  # SIGTERM too: a backgrounded shell job ignores SIGINT
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    serve.shutdown()
-    ray.shutdown()
-    return 0
+    return serve_until_stopped(ep.url, {"app": ep.app_name, "drafter": ep.drafter}, serve.shutdown)
 
 
 def cmd_swap(args: argparse.Namespace) -> int:

@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
-import signal
 import sys
-import threading
 
 
 def missing(engine: str) -> str | None:
@@ -75,6 +72,7 @@ def serve_external(args: argparse.Namespace) -> int:
     from actors.cluster import start_ray
     from actors.engine_server import DrafterRejected
     from serve.endpoint import deploy_endpoint
+    from serve.startup import serve_until_stopped
 
     start_ray()
     try:
@@ -83,11 +81,6 @@ def serve_external(args: argparse.Namespace) -> int:
         print(f"serve: the {args.engine} server did not start: {e}", file=sys.stderr, flush=True)
         ray.shutdown()
         return 2
-    print(json.dumps({"url": ep.url, "engine": args.engine, "drafter": args.drafter}), flush=True)
-    stop = threading.Event()  # SIGTERM too: a backgrounded shell job ignores SIGINT
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    ep.shutdown()
-    ray.shutdown()
-    return 0
+    return serve_until_stopped(
+        ep.url, {"engine": args.engine, "drafter": args.drafter}, ep.shutdown
+    )

@@ -70,6 +70,23 @@ def serve_running() -> bool:
     return True
 
 
+def serve_until_stopped(url: str, what: dict[str, object], shutdown: Callable[[], None]) -> int:
+    """Print where the server answers (one JSON line: scripts and tests wait for it), block until
+    Ctrl-C or SIGTERM (a backgrounded shell job ignores SIGINT), then shut it and Ray down."""
+    import json
+    import signal
+    import threading
+
+    print(json.dumps({"url": url, **what}), flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    shutdown()
+    ray.shutdown()
+    return 0
+
+
 def check_port(host: str, port: int) -> None:
     """ServeStartupError when a new Serve could not listen on host:port; needs no Ray, so a
     command that starts its own Ray checks it first (serve/cli.py)."""

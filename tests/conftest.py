@@ -121,6 +121,26 @@ def tiny_target(tmp_path_factory, chat_tokenizer_dir) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_target"), chat_tokenizer_dir)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """The tiny model is overhead-bound; one torch thread avoids fighting over a shared CPU."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tiny_target):
+    """tiny_target loaded in fp32, eval mode (the engine tests' target)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+
+
 @pytest.fixture(scope="session")
 def two_token_target(tmp_path_factory, chat_tokenizer_dir) -> Path:
     """A tiny target that answers only " the" or " cat" (see build_tiny_llama): learnable."""

@@ -33,17 +33,13 @@ AUX = [0, 1, 2]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model is overhead-bound; one thread avoids fighting over a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    pass
 
 
 @pytest.fixture(scope="module")
-def target(tiny_target):
-    return AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+def target(tiny_lm):
+    return tiny_lm
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from serve.engine import (
     EagleDraft,
@@ -26,16 +25,13 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    pass
 
 
 @pytest.fixture(scope="module")
-def target(tiny_target):
-    return AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+def target(tiny_lm):
+    return tiny_lm
 
 
 @pytest.fixture(scope="module")
