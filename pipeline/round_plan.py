@@ -122,8 +122,11 @@ def bench_mix(cfg: Config, r: int) -> tuple[int, int]:
     if not (r and b.reuse_baseline):
         plain = b.warmup + (b.baseline_prompts or b.num_prompts)
     spec = b.warmup + b.num_prompts
-    if b.shape_chains and cfg.serve.engine == "embedded":  # the shape choice: a chain measured
-        spec += 2 * (b.baseline_prompts or b.num_prompts)  # for its acceptance, one confirmation
+    if b.shape_chains and cfg.serve.engine == "embedded":  # the shape choice measures every
+        # chain but the configured shape on the baseline's prompts (serve/shape_sweep.py)
+        s = cfg.serve
+        chains = {k for k in b.shape_chains if (k, 1) != (s.steps, s.topk) or s.num_draft_tokens not in (None, k + 1)}  # fmt: skip
+        spec += len(chains) * (b.baseline_prompts or b.num_prompts)
     return spec * len(b.concurrency), plain * len(b.concurrency)
 
 

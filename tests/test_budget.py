@@ -185,3 +185,17 @@ def test_the_start_up_measurement_is_one_bounded_request_whatever_the_benchmarks
     })  # fmt: skip
     m = measure_machine(cfg, [{"role": "user", "content": "Name three colours."}])
     assert m.spec_tokens == SPEC_TOKENS and m.drafter == "random (untrained)"
+
+
+def test_the_plan_counts_every_chain_the_shape_choice_measures():
+    """serve/shape_sweep.py measures every chain of bench.shape_chains but the configured shape
+    on the baseline's prompts; the planner counted two of them and planned the demo's benchmark
+    short (116 s planned, 127 s taken)."""
+    from pipeline.config import parse_config
+    from pipeline.round_plan import bench_mix
+
+    bench = {"warmup": 1, "num_prompts": 12, "baseline_prompts": 4, "shape_chains": [1, 2, 3, 4, 5]}
+    tree = parse_config({"serve": {"steps": 5, "topk": 4, "num_draft_tokens": 12}, "bench": bench})
+    assert bench_mix(tree, 0) == (1 + 12 + 5 * 4, 1 + 4)
+    chain3 = parse_config({"serve": {"steps": 3, "topk": 1}, "bench": bench})
+    assert bench_mix(chain3, 0)[0] == 1 + 12 + 4 * 4  # chain-3 is the configured shape's figure
