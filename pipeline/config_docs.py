@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from pipeline.config import Config
+from pipeline.results_docs import write_or_check
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 HEADER = """# Configuration reference
@@ -118,16 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 when the page is stale")
     ap.add_argument("--out", type=Path, default=PAGE)
     args = ap.parse_args(argv)
-    text = render()
-    if args.check:
-        current = args.out.read_text() if args.out.exists() else ""
-        if current != text:
-            print(f"{args.out} is stale: run `python -m pipeline.config_docs`", file=sys.stderr)
-            return 1
-        return 0
-    args.out.write_text(text)
-    print(f"wrote {args.out}")
-    return 0
+    return write_or_check({args.out: render()}, args.check, "python -m pipeline.config_docs")
 
 
 if __name__ == "__main__":

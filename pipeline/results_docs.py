@@ -177,10 +177,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     records = load()
     pages = {PAGE: render(records), README: with_table(README.read_text(), readme_table(records))}
-    if args.check:
+    return write_or_check(pages, args.check, "python -m pipeline.results_docs")
+
+
+def write_or_check(pages: dict[Path, str], check: bool, command: str) -> int:
+    """A generated page's two modes: write each page, or (`check`) name each one whose file is
+    not exactly its text and return 1 (the staleness tests and CI read this)."""
+    if check:
         stale = [p for p, text in pages.items() if not p.exists() or p.read_text() != text]
         for p in stale:
-            print(f"{p} is stale: run `python -m pipeline.results_docs`", file=sys.stderr)
+            print(f"{p} is stale: run `{command}`", file=sys.stderr)
         return 1 if stale else 0
     for p, text in pages.items():
         p.write_text(text)
