@@ -115,6 +115,20 @@ def build_tiny_llama(
     return out
 
 
+def tiny_run_config(tiny_target: Path, tmp: Path, name: str, **sections: dict) -> dict:
+    """A run config the preflight passes in seconds: the tiny target, a few prompts, sqlite
+    MLflow in `tmp`; `sections` update its sections field by field."""
+    cfg: dict = {
+        "name": name,
+        "target": {"model": str(tiny_target)},
+        "data": {"prompts_per_round": 4, "heldout_prompts": 2, "max_new_tokens": 8},
+        "tracking": {"tracking_uri": f"sqlite:///{tmp}/mlflow.db", "experiment": name},
+    }
+    for k, v in sections.items():
+        cfg[k] = {**cfg.get(k, {}), **v}
+    return cfg
+
+
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory, chat_tokenizer_dir) -> Path:
     """Path of a tiny random Llama target (4 layers, hidden 64, SmolLM2 tokenizer)."""

@@ -15,6 +15,7 @@ import pytest
 for _dep in ("mlflow", "pydantic"):  # bare GPU host (torch only): skip
     pytest.importorskip(_dep)
 import yaml
+from conftest import tiny_run_config
 
 from pipeline.cli import COMMANDS, main
 from pipeline.exit_codes import BUSY, CONFIG, FAILED, OK, USAGE
@@ -24,16 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def small_config(tiny_target: Path, tmp: Path, **sections) -> Path:
     """A config the preflight passes in seconds: the tiny target, a few prompts."""
-    cfg = {
-        "name": "cli",
-        "target": {"model": str(tiny_target)},
-        "data": {"prompts_per_round": 4, "heldout_prompts": 2, "max_new_tokens": 8},
-        "tracking": {"tracking_uri": f"sqlite:///{tmp}/mlflow.db", "experiment": "cli"},
-    }
-    for k, v in sections.items():
-        cfg[k] = {**cfg.get(k, {}), **v}
     path = tmp / "c.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    path.write_text(yaml.safe_dump(tiny_run_config(tiny_target, tmp, "cli", **sections)))
     return path
 
 

@@ -13,6 +13,7 @@ import pytest
 for _dep in ("mlflow", "pydantic"):  # bare GPU host (torch only): skip
     pytest.importorskip(_dep)
 import yaml
+from conftest import tiny_run_config
 from mlflow.tracking import MlflowClient
 
 from pipeline.config import parse_config
@@ -20,15 +21,7 @@ from pipeline.preflight import PreflightError, looks_local, preflight
 
 
 def cfg_for(tiny_target: Path, tmp: Path, **sections):
-    base = {
-        "name": "pf",
-        "target": {"model": str(tiny_target)},
-        "data": {"prompts_per_round": 4, "heldout_prompts": 2, "max_new_tokens": 8},
-        "tracking": {"tracking_uri": f"sqlite:///{tmp}/mlflow.db", "experiment": "pf"},
-    }
-    for k, v in sections.items():
-        base[k] = {**base.get(k, {}), **v}
-    return parse_config(base)
+    return parse_config(tiny_run_config(tiny_target, tmp, "pf", **sections))
 
 
 def problems(cfg) -> str:
