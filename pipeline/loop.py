@@ -582,8 +582,7 @@ def _finish(cfg: Config, state: RunState, run_dir: Path, tracker: Tracker) -> No
         }
         from pipeline.plots import round_plots
 
-        cur = curve(rows, _machine()[1])
-        for p in round_plots(state, rows, RunDir(run_dir).plots, cur):
+        for p in round_plots(state, rows, RunDir(run_dir).plots, summary["curve"]):
             tracker.log_artifact(state.parent_run_id, p, "plots")
         for row in rows:
             tracker.log(
@@ -642,10 +641,10 @@ def _rows(state: RunState) -> list[dict[str, Any]]:
 
 
 def _write_summary(state: RunState, run_dir: Path) -> dict[str, Any]:
-    rows = _rows(state)
+    rows, (cpus, gpus) = _rows(state), _machine()
     summary = {"rounds": rows, "stopped_because": state.stopped_because, "champion": state.champion,
-               "elapsed_s": round(state.elapsed_s, 1), "costs": costs(rows, *_machine()),
-               "sim_vs_bench": sim_vs_bench(rows), "curve": curve(rows, _machine()[1]),
+               "elapsed_s": round(state.elapsed_s, 1), "costs": costs(rows, cpus, gpus),
+               "sim_vs_bench": sim_vs_bench(rows), "curve": curve(rows, gpus),
                "plans": [rs.done["plan"] for rs in state.rounds if rs.is_done("plan")]}  # fmt: skip
     write_json_atomic(RunDir(run_dir).summary, summary)
     return summary
