@@ -97,6 +97,12 @@ class DataConfig(Strict):
     generation. The drafter still learns the target's distribution at every position (soft
     labels); only the contexts are another model's text. 0 = regenerate all, the field's
     standard for a new target. Prompts without a reply (HumanEval, lm_eval) are regenerated."""
+    context_turns: Literal["context", "learn"] = "context"
+    """The earlier assistant turns of a multi-turn prompt (ShareGPT's replies: another model's
+    text). `context`: they condition the target's reply but carry no loss, so the drafter learns
+    only text the target wrote (its replies, and completions it served). `learn`: they carry loss
+    too, against the target's soft labels (the behaviour before 2026-12; docs/training.md has the
+    measurement that chose `context`)."""
     user_prompts: int = Field(0, ge=0)
     """Prompts of the sources reserved for simulated users (`serve.simulate_users`), disjoint from
     training and from the benchmark; split across sources by weight."""

@@ -264,7 +264,7 @@ def batch_key(batch: Batch, target: TargetConfig, data: DataConfig) -> str:
     """Identity of a batch's output: its prompts and every setting that changes the shards."""
     settings: dict[str, Any] = {
         "target": target.model_dump(mode="json", exclude={"env", "num_gpus_per_actor"}),
-        "data": data.model_dump(mode="json", include={"max_new_tokens", "max_length", "temperature", "seed", "shard_max_bytes"}),
+        "data": data.model_dump(mode="json", include={"max_new_tokens", "max_length", "temperature", "seed", "shard_max_bytes", "context_turns"}),
     }  # fmt: skip
     if isinstance(batch, Answered):
         settings["answered"] = [list(p) + [-1] + list(c) for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True)]  # fmt: skip

@@ -626,8 +626,11 @@ class TargetWorker:
         return {"batch_key": batch_key, "aux_layer_ids": ",".join(map(str, self.aux_layer_ids))}
 
     def _encode(self, conv: Conversation) -> tuple[list[int], list[int]]:
-        """Prompt ids (ending with the assistant header) and their mask, untruncated."""
-        return encode_conversation(self.tokenizer, conv, 1 << 30, add_generation_prompt=True)
+        """Prompt ids (ending with the assistant header) and their mask, untruncated. The
+        prompt's own assistant turns were written by another model: context (mask 0) unless
+        `data.context_turns` is `learn`."""
+        ids, mask = encode_conversation(self.tokenizer, conv, 1 << 30, add_generation_prompt=True)
+        return ids, (mask if self.data.context_turns == "learn" else [0] * len(ids))
 
 
 if TYPE_CHECKING:

@@ -242,6 +242,9 @@ def plan_line(r: int, p: dict[str, Any], total_s: float) -> str:
 
 def data_line(rec: dict[str, Any]) -> str:
     made = f"{rec['num_samples']} samples, {rec['num_tokens']:,} tokens"
+    if "num_loss_tokens" in rec:  # learned (the target's own text unless context_turns: learn)
+        ctx = rec["num_tokens"] - rec["num_loss_tokens"]
+        made += f" ({rec['num_loss_tokens']:,} learned, {ctx:,} context)"
     given = f"{rec.get('traffic_records', 0)} served requests + {rec.get('fresh_prompts', 0)} fresh prompts"
     cut = f"; {rec['left_out']} batch(es) left out at the deadline" if rec.get("left_out") else ""
     return f"{made} ({given}){cut}"

@@ -283,7 +283,9 @@ def _generate_round(
         deadline=None if seconds is None else time.monotonic() + seconds,  # in this process
         only=None if only is None else set(only),
     )
-    return {**_record(res), "drawn": counts, "slice": slices, "traffic_records": len(records),
+    # learned tokens are the target's own (data.context_turns); the rest conditions them
+    return {**_record(res), "context_tokens": res.num_tokens - res.num_loss_tokens,
+            "drawn": counts, "slice": slices, "traffic_records": len(records),
             "fresh_prompts": len(prompts), "replied_prompts": len(replied),
             "traffic_ids": [x["id"] for x in records]}  # fmt: skip
 

@@ -552,3 +552,33 @@ def test_a_cut_stage_keeps_the_rounds_mix():
     order = _dispatch_order(batches, list(range(10)))
     assert order[0] == 9
     assert order[1:] == [0, 3, 4, 1, 5, 6, 2, 7, 8]  # 1 regenerated : 2 replied all along
+
+
+def test_a_context_turn_the_target_did_not_write_carries_no_loss(tiny_target, tmp_path):
+    """A multi-turn prompt's earlier assistant turn is another model's text: with
+    `data.context_turns: context` (the default) only the target's reply carries loss; `learn`
+    masks that turn in as well. The manifest's loss tokens are then the target's tokens."""
+    target, data = _cfgs(tiny_target)
+    conv = [
+        {"role": "user", "content": "Name a fruit."},
+        {"role": "assistant", "content": "An apple, which another model wrote."},
+        {"role": "user", "content": "And a vegetable?"},
+    ]
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    p = prompt_ids(tok, conv)
+    masks = {}
+    for mode in ("context", "learn"):
+        d = data.model_copy(update={"context_turns": mode})
+        worker = TargetWorker(target, d, num_threads=1)
+        (tmp_path / mode).mkdir()
+        r = worker.process([conv], str(tmp_path / mode), 0, batch_key([conv], target, d))
+        (s,) = [s for sh in r.shards for s in iter_samples(read_shard(tmp_path / mode / sh.file))]
+        ids, masks[mode] = s["input_ids"].tolist(), s["loss_mask"].tolist()
+        assert ids[: len(p)] == p
+    reply = len(masks["context"]) - len(p)
+    assert masks["context"] == [0] * len(p) + [1] * reply
+    other = sum(masks["learn"][: len(p)])  # the other model's turn, its end-of-turn token included
+    assert other >= len(tok("An apple, which another model wrote.").input_ids)
+    assert batch_key([conv], target, data) != batch_key(
+        [conv], target, data.model_copy(update={"context_turns": "learn"})
+    )
