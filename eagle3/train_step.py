@@ -326,7 +326,9 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.op
 
 class Anchor:
     """L2-SP: `weight` x the squared distance of every trainable parameter from where training
-    started, added to the loss. Fine-tuning a trained drafter on a few thousand samples pulls it
+    started, summed over parameters, added to the loss. Its units are per weight: each weight's
+    gradient gains 2·weight·(θ−θ₀), whatever the model's size (the published continued-training
+    recipes' 1e-4 is in these units). Fine-tuning a trained drafter on a few thousand samples pulls it
     toward them and away from what it knew (over-specialising); the anchor keeps it near its
     start unless the data pays for the move. Built after wrapping (DDP), before any resume, so
     it holds the weights the round was given. FSDP2's sharded weights are not supported
@@ -337,7 +339,17 @@ class Anchor:
         self.start = [(p, p.detach().clone()) for p in module.parameters() if p.requires_grad]
 
     def __call__(self) -> Tensor:
-        return self.weight * sum(((p - p0) ** 2).sum() for p, p0 in self.start)
+        return self.weight * self.distance2()
+
+    def distance2(self) -> Tensor:
+        """Σ(θ−θ₀)² over the trainable parameters."""
+        return sum(((p - p0) ** 2).sum() for p, p0 in self.start)
+
+    @torch.no_grad()
+    def drift_rms(self) -> float:
+        """Root-mean-square distance of a weight from its start: how far training moved it."""
+        n = sum(p0.numel() for _, p0 in self.start)
+        return math.sqrt(float(self.distance2()) / max(1, n))
 
 
 def lr_factor(step: int, total: int, warmup_ratio: float, final: float = 0.1) -> float:
@@ -367,6 +379,7 @@ class StepOut:
     counted: Tensor  # [k]
     tokens: int
     grad_norm: float
+    anchor_loss: float = 0.0  # the anchor's term, added to `loss` in the backward pass
 
 
 def _forward(
@@ -401,7 +414,8 @@ def train_step(
     is a TTTModule, possibly DDP/FSDP-wrapped. The reported loss is the TTT loss alone."""
     target_p, valid = soft(batch)
     out = _forward(module, batch, target_p, valid, ttt_length, autocast)
-    (out.loss if anchor is None else out.loss + anchor()).backward()
+    pull = anchor() if anchor is not None else None
+    (out.loss if pull is None else out.loss + pull).backward()
     norm = torch.nn.utils.clip_grad_norm_(
         [p for p in module.parameters() if p.grad is not None], grad_clip
     )
@@ -417,6 +431,7 @@ def train_step(
         out.counted.float().cpu(),
         batch.tokens,
         float(norm),
+        0.0 if pull is None else float(pull.detach()),
     )
 
 

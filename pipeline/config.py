@@ -80,8 +80,10 @@ class FinetuneConfig(_Strict):
     """Linear warmup fraction: a trained drafter's first steps with fresh AdamW moments are the
     ones that knock it furthest."""
     anchor: float = Field(1e-2, ge=0)
-    """L2-SP weight: the loss adds anchor x the squared distance of the weights from the start
-    (DDP only; 0 = off)."""
+    """L2-SP weight, per weight: the loss adds anchor x Σ(θ−θ₀)² over the drafter's weights, so
+    each weight's gradient gains 2·anchor·(θ−θ₀) whatever the model's size (DDP only; 0 = off).
+    Logged per step as `train/anchor_loss`, with `train/drift_rms`, the weights' RMS distance
+    from the start."""
     min_gain: float = Field(0.01, ge=0)
     """A trained state replaces the starting drafter only when its held-out simulated
     acceptance beats the start's by more than this: on a few dozen held-out samples smaller

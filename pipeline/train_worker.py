@@ -145,6 +145,7 @@ def train_worker(config: dict[str, Any]) -> None:
             sched.get_last_lr()[0],
             time.perf_counter() - t0,
             res.grad_norm,
+            {} if anchor is None else {"anchor_loss": res.anchor_loss, "drift_rms": anchor.drift_rms()},
         )
         if plan.eval_refs and _eval_due(step, i, plan, tc):
             m = mlog.eval(step, epoch, _evaluate(module, plan, soft, tc, autocast, device))
@@ -599,18 +600,27 @@ class MetricsLog:
             f.write(json.dumps(rec) + "\n")
 
     def train(
-        self, step: int, epoch: int, sums: torch.Tensor, lr: float, secs: float, grad_norm: float
+        self,
+        step: int,
+        epoch: int,
+        sums: torch.Tensor,
+        lr: float,
+        secs: float,
+        grad_norm: float,
+        anchor: dict[str, float] | None = None,
     ) -> None:
-        """sums = all-reduced [loss, tokens, correct_0..k-1, counted_0..k-1]."""
+        """sums = all-reduced [loss, tokens, correct_0..k-1, counted_0..k-1]; `anchor`: rank 0's
+        anchor term and drift from the start (DDP keeps the ranks' weights equal)."""
         k = self.k
         loss, tokens = float(sums[0]) / self.world, int(sums[1])
         m = step_metrics(
             loss, sums[2 : 2 + k].tolist(), sums[2 + k :].tolist(), lr, tokens, secs, self.sim_steps
         )
-        m.update(grad_norm=grad_norm, tokens=tokens, step_s=secs)
+        m.update(grad_norm=grad_norm, tokens=tokens, step_s=secs, **(anchor or {}))
         self.last = m
         if self.enabled:
-            _say(format_line(step, self.total, m, f" gnorm {grad_norm:.2f}"))
+            pull = f" anchor {anchor['anchor_loss']:.2e} drift {anchor['drift_rms']:.2e}" if anchor else ""
+            _say(format_line(step, self.total, m, f" gnorm {grad_norm:.2f}{pull}"))
             self._write({"step": step, "epoch": epoch, **m})
 
     def eval(self, step: int, epoch: int, sums: torch.Tensor) -> dict[str, float]:

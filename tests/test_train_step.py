@@ -11,6 +11,7 @@ import torch
 from actors.shards import Sample, iter_samples, read_shard, write_shard
 from eagle3.config import Eagle3Config
 from eagle3.train_step import (
+    Anchor,
     STATE_FILE,
     Batch,
     ShardSet,
@@ -375,3 +376,32 @@ def test_the_export_replaces_the_drafter_folder_atomically(tmp_path):
     write_drafter_dir(dest, src, {}, cfg)
     assert torch.equal(load_drafter(dest)[1]["fc.weight"], load_drafter(src)[1]["fc.weight"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "given"]
+
+
+def test_the_anchor_pulls_each_weight_and_reports_its_term():
+    """The anchor's units are per weight (each gradient gains 2·anchor·(θ−θ₀)), its term is
+    reported beside the loss, and a stronger anchor keeps the weights nearer their start."""
+    drift = {}
+    for w in (0.0, 1.0):
+        *_, module, opt, sched, soft = _setup()
+        anchor = Anchor(module, w)
+        b = synthetic_batch([40, 30, 50])
+        first = train_step(module, b, soft, opt, sched, 3, 0.5, None, anchor)
+        assert first.anchor_loss == 0.0  # the first step starts at θ₀
+        for _ in range(9):
+            before = float(anchor.distance2())  # the θ the next step's term is taken at
+            out = train_step(module, b, soft, opt, sched, 3, 0.5, None, anchor)
+        assert out.anchor_loss == pytest.approx(w * before, rel=1e-4)
+        n = sum(p.numel() for _, p in anchor.start)
+        assert anchor.drift_rms() == pytest.approx((float(anchor.distance2()) / n) ** 0.5)
+        drift[w] = anchor.drift_rms()
+    assert 0 < drift[1.0] < drift[0.0]
+    # the gradient of the term alone is 2·anchor·(θ−θ₀) per weight
+    *_, module, opt, sched, soft = _setup()
+    anchor = Anchor(module, 0.5)
+    p, p0 = anchor.start[0]
+    with torch.no_grad():
+        p.add_(1.0)
+    module.zero_grad()
+    anchor().backward()
+    assert torch.allclose(p.grad, 2 * 0.5 * (p - p0).detach())
