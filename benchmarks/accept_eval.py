@@ -54,12 +54,18 @@ def main() -> None:
     ap.add_argument("--chain", type=int, default=3, help="chain steps (0 = skip)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--limit", type=int, default=0, help="first N prompts of each file (0 = all)")
+    ap.add_argument(
+        "--device", default=None, help="cuda or cpu (default: cuda where torch sees one)"
+    )
     args = ap.parse_args()
+
+    import torch
 
     from actors.chat import prompt_ids
     from serve.engine import GenParams, SpecEngine, load_eagle, load_target
 
-    model, tok = load_target(args.target, dtype=args.dtype)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tok = load_target(args.target, dtype=args.dtype, device=device)
     engine = SpecEngine(model, load_eagle(args.drafter, model))
     settings = {}
     if args.tree:

@@ -20,6 +20,8 @@ score, every epoch's and the best; `--export DIR` keeps each init's best state a
 from __future__ import annotations
 
 import itertools
+import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -34,18 +36,22 @@ from benchmarks.recipe import drafter_trainee, epoch_order  # noqa: E402
 from eagle3.train_step import Anchor, make_optimizer, make_scheduler, pack, train_step  # noqa: E402
 
 KEYS = {"n": int, "lr": float, "anchor": float, "ttt": int, "warmup": float, "bs": int, "epochs": int}  # fmt: skip
+OPTIONAL = {"head": (int, 0)}  # head=1: the drafter's lm_head held still (only the layer moves)
 
 
 def grid(spec: str) -> list[dict]:
     axes = {}
     for part in spec.split():
         k, _, vals = part.partition("=")
-        if k not in KEYS:
-            raise SystemExit(f"--grid: unknown key {k!r}; use {', '.join(KEYS)}")
-        axes[k] = [KEYS[k](v) for v in vals.split(",")]
+        kind = KEYS.get(k) or OPTIONAL.get(k, (None,))[0]
+        if kind is None:
+            raise SystemExit(f"--grid: unknown key {k!r}; use {', '.join([*KEYS, *OPTIONAL])}")
+        axes[k] = [kind(v) for v in vals.split(",")]
     missing = set(KEYS) - set(axes)
     if missing:
         raise SystemExit(f"--grid: give every key ({', '.join(sorted(missing))} missing)")
+    for k, (_, default) in OPTIONAL.items():
+        axes.setdefault(k, [default])
     return [dict(zip(axes, c, strict=True)) for c in itertools.product(*axes.values())]
 
 
@@ -57,6 +63,7 @@ def main() -> None:
     ap.add_argument("--init", action="append", required=True, help="name=drafter folder")
     ap.add_argument("--grid", action="append", required=True)
     ap.add_argument("--export", type=Path)
+    ap.add_argument("--export-rows", type=Path, help="each row's best state as DIR/<init>-<row>/")
     a = ap.parse_args()
     t = load_target(a.target)
     dev = t.device
@@ -74,12 +81,16 @@ def main() -> None:
     res = Results("finetune_sweep", "cuda" if dev.type == "cuda" else "cpu")
     best_of: dict[str, float] = {}
     for name, path in inits.items():
-        for g in [g for spec in a.grid for g in grid(spec)]:
+        for row, g in enumerate([g for spec in a.grid for g in grid(spec)]):
             torch.manual_seed(0)
             tr = drafter_trainee(a.target, path, dev)
+            if g["head"]:
+                tr.drafter.lm_head.weight.requires_grad_(False)
+            tag = f"{name}-{row:02d}"
             m0 = tr.evaluate(held_batches, 3)  # TTT 3 for every setting: one scale
             rows = [{"epoch": 0, "sim3": round(m0["sim_accept_len"], 4)}]
-            data = train[: g["n"]]
+            # a seeded sample, the same in every row: samples.pt is sorted by prompt length
+            data = random.Random(0).sample(train, min(g["n"], len(train)))
             bins = pack([len(s["prompt"]) + len(s["reply"]) for s in data], g["bs"], 0)
             opt = make_optimizer(tr.module, g["lr"], 0.0)
             sched = make_scheduler(opt, len(bins) * g["epochs"], g["warmup"])
@@ -94,10 +105,16 @@ def main() -> None:
                              "acc": [round(m[f"acc_{i}"], 3) for i in range(3)]})  # fmt: skip
                 if m["sim_accept_len"] > best[1]:
                     best = (epoch + 1, m["sim_accept_len"])
+                    if a.export_rows:  # the state the loop's best-state choice would export
+                        tr.export(a.export_rows / tag)
                     if a.export and best[1] > best_of.get(name, 0.0):
                         best_of[name] = best[1]
                         tr.export(a.export / name)
-            res.emit({"init": name, **g, "steps_per_epoch": len(bins), "train_tokens":
+            if a.export_rows:
+                (a.export_rows / f"{tag}.json").write_text(
+                    json.dumps({"init": name, **g, "best_epoch": best[0]})
+                )
+            res.emit({"row": tag, "init": name, **g, "steps_per_epoch": len(bins), "train_tokens":
                       sum(len(s["prompt"]) + len(s["reply"]) for s in data), "heldout": len(held),
                       "start_sim3": rows[0]["sim3"], "best_epoch": best[0], "best_sim3": round(best[1], 4),
                       "gain": round(best[1] - rows[0]["sim3"], 4), "epochs_eval": rows,
