@@ -243,6 +243,8 @@ def plan_line(r: int, p: dict[str, Any], total_s: float) -> str:
 def data_line(rec: dict[str, Any]) -> str:
     made = f"{rec['num_samples']} samples, {rec['num_tokens']:,} tokens"
     given = f"{rec.get('traffic_records', 0)} served requests + {rec.get('fresh_prompts', 0)} fresh prompts"
+    if drawn := {k: v for k, v in (rec.get("drawn") or {}).items() if v}:  # per source or domain
+        given += ": " + ", ".join(f"{k} {v}" for k, v in drawn.items())
     cut = f"; {rec['left_out']} batch(es) left out at the deadline" if rec.get("left_out") else ""
     return f"{made} ({given}){cut}"
 
