@@ -79,8 +79,8 @@ class DataConfig(Strict):
     """Source `pool`: each round's share of chat, coding and math prompts, as weights (the
     default: equal, as the benchmark's domains are). A domain whose fresh prompts run out gives
     its share to the others, and prompts are reused only when all have run out: the pool holds
-    about 40k chat, 8k coding and 1.5k math prompts (docs/data.md), so rounds after the first
-    few lean to chat. A weight of 0 leaves the domain out."""
+    about 44k chat, 7k coding and 1k math prompts, fewer without what the starting drafter learned
+    (docs/data.md), so rounds after the first lean to chat. A weight of 0 leaves the domain out."""
     path: str | list[str] | None = None
     """JSONL path(s) (source jsonl; each file is its own benchmark domain) or HF dataset name
     (source hf)."""

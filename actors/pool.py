@@ -10,8 +10,8 @@ left out) and benchmarks/base_pool.py writes it for the base drafter's build.
 Domains (what the benchmark reports: chat, coding, math): HumanEval is coding, lm_eval math, and a
 ShareGPT prompt is coding or math when its last user turn reads so (`domain_of`), else chat. The
 wheels hold no more coding or math text under a usable licence (docs/data.md), so ShareGPT's own
-coding and math turns are what lets a round draw those domains at chat's scale: about 8k coding
-and 1.5k math prompts of the 50k; `actors.prompts` draws each round's domains by weight until a
+coding and math turns are what lets a round draw those domains at chat's scale: about 7k coding
+and 1k math prompts of the 52k; `actors.prompts` draws each round's domains by weight until a
 domain runs out.
 
 Left out: every prompt the demo holds out (its benchmark), gives its simulated users, or
