@@ -308,8 +308,9 @@ def fresh_quotas(weights: dict[str, float], n: int, left: dict[str, int]) -> dic
             out[k] += left[k]
             need -= left[k]
         open_ -= full
-    for k, v in source_quotas(weights, need).items() if need else ():
-        out[k] += v
+    if need:  # nothing fresh is left anywhere: the rest reuses prompts, by weight
+        for k, v in source_quotas(weights, need).items():
+            out[k] += v
     return out
 
 
