@@ -73,6 +73,14 @@ class DataConfig(Strict):
     generated set. `jsonl`: the file(s) in `path`. `hf`: an HF dataset. `traffic`: requests the
     loop's own server answered (`serve.record_traffic`), lowest accept_len first; they need no
     generation, only a capture pass, and a round takes from the other sources what the log lacks."""
+    pool_domains: dict[Literal["chat", "coding", "math"], float] = Field(
+        default_factory=lambda: {"chat": 1.0, "coding": 1.0, "math": 1.0}
+    )
+    """Source `pool`: each round's share of chat, coding and math prompts, as weights (the
+    default: equal, as the benchmark's domains are). A domain whose fresh prompts run out gives
+    its share to the others, and prompts are reused only when all have run out: the pool holds
+    about 44k chat, 7k coding and 1k math prompts, fewer without what the starting drafter learned
+    (docs/data.md), so rounds after the first lean to chat. A weight of 0 leaves the domain out."""
     path: str | list[str] | None = None
     """JSONL path(s) (source jsonl; each file is its own benchmark domain) or HF dataset name
     (source hf)."""
@@ -163,6 +171,11 @@ class DataConfig(Strict):
             raise ValueError(
                 f"data.source: {self.source} mixes pool with other prompt sources; the pool "
                 "already holds every real prompt: use {pool: w, traffic: 1 - w} or pool alone"
+            )
+        if any(w < 0 for w in self.pool_domains.values()) or not sum(self.pool_domains.values()):
+            raise ValueError(
+                f"data.pool_domains: weights {self.pool_domains} must be >= 0 with a positive "
+                "sum, e.g. {chat: 1, coding: 1, math: 1}"
             )
         if isinstance(self.source, dict) and (
             not self.source

@@ -418,7 +418,7 @@ def _check_storage(
 
 def main(argv: list[str] | None = None, prog: str = "python -m actors.generate") -> None:
     from actors.config import add_set_argument, load_data_stage_config
-    from actors.prompts import mixed_round, plan_prompts, source_quotas
+    from actors.prompts import plan_prompts, round_slices
 
     ap = argparse.ArgumentParser(
         prog=prog,
@@ -441,12 +441,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m actors.generate")
 
     start_ray(runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
     # the loop's split and draw (without earlier rounds' traffic: this CLI generates fresh prompts)
+    # (the pool is not deduplicated against a starting drafter here: the data stage's config
+    # has no drafter section)
     plan = plan_prompts(cfg.data)
-    drawn = {s: 0 for s in plan.weights}
-    for r in range(args.round):
-        for src, k in source_quotas(plan.weights, cfg.data.prompts_for_round(r)).items():
-            drawn[src] += k
-    prompts, _ = mixed_round(plan, cfg.data.prompts_for_round(args.round), drawn)
+    earlier: list[dict[str, int]] = []
+    for r in range(args.round + 1):  # the draws of the rounds before, as the loop makes them
+        prompts, slices = round_slices(plan, cfg.data.prompts_for_round(r), earlier)
+        earlier.append({s: b - a for s, (a, b) in slices.items()})
     result = run_generate(
         cfg.target, cfg.data, prompts, args.out, cfg.digest(), round_index=args.round
     )

@@ -30,6 +30,7 @@ from typing import Any
 
 from actors.config import DataConfig
 from actors.pool import build_pool
+from actors.prompt_keys import KEY_FILE, drafter_prompt_hashes
 
 # Conversation, Prompt and prompt_key live in actors/prompt_record.py (the readers in
 # actors/sources.py need them too) and stay importable from here, where callers take them.
@@ -126,6 +127,9 @@ class PromptPlan:
     users: list[Prompt]
     weights: dict[str, float]  # of the prompt sources (traffic excluded), summing to 1
     replies: dict[str, str] = field(default_factory=dict)  # prompt_key -> the source's reply
+    # the pool's rule: a source (a domain of the pool) that runs out of fresh prompts hands its
+    # share to the others (`fresh_quotas`); otherwise each keeps its weight and wraps around
+    fill: bool = False
 
 
 def load_prompts(data: DataConfig) -> list[Conversation]:
@@ -161,15 +165,21 @@ def load_jsonl_prompts(path: Path) -> list[Prompt]:
 
 
 def plan_prompts(
-    data: DataConfig, seed: int | None = None, eval_files: Sequence[str] = ()
+    data: DataConfig,
+    seed: int | None = None,
+    eval_files: Sequence[str] = (),
+    trained: frozenset[str] = frozenset(),
 ) -> PromptPlan:
     """Load every prompt source of `data` and split it: per source `data.heldout_prompts` held
     out, then its share of `data.user_prompts`, the rest training material in a seeded order.
-    Source `pool` trains on actors/pool.py's pool, without those and the prompts of `eval_files`
-    (`bench.eval_files`) and of the repository's benchmark sets."""
+    Source `pool` trains on actors/pool.py's pool, without those, the prompts of `eval_files`
+    (`bench.eval_files`) and of the repository's benchmark sets, and the prompts whose key hashes
+    are `trained` (the starting drafter's key file: `init_trained_hashes`), one training order
+    per domain. The other sources keep the starting drafter's prompts: the demo refits its
+    off-policy drafter on the very prompts it learned another model's replies to."""
     seed = data.seed if seed is None else seed
     if "pool" in data.sources():
-        return _pool_plan(data, seed, eval_files)
+        return _pool_plan(data, seed, eval_files, trained)
     weights = {k: w for k, w in data.sources().items() if k != "traffic"}
     total = sum(weights.values())
     weights = {k: w / total for k, w in weights.items()}
@@ -213,13 +223,39 @@ def demo_prompt_keys(data: DataConfig, eval_files: Sequence[str] = ()) -> set[st
     return _held_keys(plan_prompts(_as_real(data)), eval_files)
 
 
-def _pool_plan(data: DataConfig, seed: int, eval_files: Sequence[str]) -> PromptPlan:
+def init_trained_hashes(init: str) -> frozenset[str]:
+    """The prompt-key hashes the starting drafter (`drafter.init`, resolved) was trained on:
+    its folder's key file (actors/prompt_keys.py); none for `scratch`, a Hub id or a folder
+    without one (it warns: the pool may then regenerate prompts the drafter already learned)."""
+    if init in ("scratch", "previous"):
+        return frozenset()
+    hashes = drafter_prompt_hashes(init) if Path(init).is_dir() else None
+    if hashes is None:
+        warnings.warn(
+            f"drafter.init {init!r} has no {KEY_FILE}: the pool cannot leave out the prompts it "
+            "was trained on (benchmarks/drafter_prompt_keys.py writes one)",
+            stacklevel=2,
+        )
+    return hashes or frozenset()
+
+
+def _pool_plan(
+    data: DataConfig, seed: int, eval_files: Sequence[str], trained: frozenset[str]
+) -> PromptPlan:
     """`data.source: pool`'s split: the held-out and user prompts `real` would give (so a pool
-    run is judged on the demo's benchmark), and the pool without them as the training order."""
+    run is judged on the demo's benchmark), and the pool without them and without the `trained`
+    prompts, as one training order per domain weighted by `data.pool_domains`."""
     real = plan_prompts(_as_real(data), seed)
-    pool = build_pool(_held_keys(real, eval_files), seed)
-    train = {"pool": [p.messages for p in pool.prompts]}
-    return PromptPlan(train, real.heldout, real.users, {"pool": 1.0})
+    pool = build_pool(_held_keys(real, eval_files), seed, trained=trained)
+    train = {
+        d: [p.messages for p in pool.prompts if p.domain == d]
+        for d, w in data.pool_domains.items()
+        if w > 0
+    }
+    train = {d: convs for d, convs in train.items() if convs}  # a domain with none: no share
+    total = sum(data.pool_domains[d] for d in train)
+    weights = {d: data.pool_domains[d] / total for d in train}
+    return PromptPlan(train, real.heldout, real.users, weights, fill=True)
 
 
 def _as_real(data: DataConfig) -> DataConfig:
@@ -254,13 +290,42 @@ def source_quotas(weights: dict[str, float], n: int) -> dict[str, int]:
     return out
 
 
+def fresh_quotas(weights: dict[str, float], n: int, left: dict[str, int]) -> dict[str, int]:
+    """`n` split by weight, no source given more than its `left` fresh prompts while another
+    still has some: a source that runs out hands its share to the others, by their weights.
+    Only what no source can give fresh is split by weight again (and reused)."""
+    out = dict.fromkeys(weights, 0)
+    open_ = {k for k, w in weights.items() if w > 0 and left.get(k, 0) > 0}
+    need = n
+    while need and open_:
+        share = source_quotas({k: weights[k] for k in open_}, need)
+        full = {k for k in open_ if share[k] >= left[k]}
+        if not full:
+            for k in open_:
+                out[k] += share[k]
+            return out
+        for k in full:  # give these all they have left, then split the rest again
+            out[k] += left[k]
+            need -= left[k]
+        open_ -= full
+    if need:  # nothing fresh is left anywhere: the rest reuses prompts, by weight
+        for k, v in source_quotas(weights, need).items():
+            out[k] += v
+    return out
+
+
 def mixed_round(
     plan: PromptPlan, n: int, drawn: dict[str, int]
 ) -> tuple[list[Conversation], dict[str, int]]:
-    """`n` fresh training prompts split across sources by weight, each source continuing after
-    the `drawn` prompts earlier rounds took from it (wrapping, with a warning, when it runs
-    out); returns the prompts and how many came from each source."""
-    counts = source_quotas(plan.weights, n)
+    """`n` fresh training prompts split across sources by weight (the pool's domains:
+    `fresh_quotas`), each source continuing after the `drawn` prompts earlier rounds took from
+    it (wrapping, with a warning, when it runs out); returns the prompts and how many came from
+    each source."""
+    if plan.fill:
+        left = {s: max(0, len(plan.train[s]) - drawn.get(s, 0)) for s in plan.weights}
+        counts = fresh_quotas(plan.weights, n, left)
+    else:
+        counts = source_quotas(plan.weights, n)
     out: list[Conversation] = []
     for src, k in counts.items():
         pool = plan.train[src]

@@ -45,7 +45,7 @@ def main() -> None:
         f.write(lines)
     chars = sorted(sum(len(m["content"]) for m in p.messages) for p in pool.prompts)
     Results("base_pool").emit({
-        "out": str(a.out), "total": len(pool.prompts), "sources": pool.counts,
+        "out": str(a.out), "total": len(pool.prompts), "sources": pool.counts, "domains": pool.domains,
         "left_out": sum(pool.left_out.values()), "left_out_by_source": pool.left_out,
         "excluded_keys": len(excluded), "duplicates_dropped": pool.duplicates,
         "prompt_chars_p50": chars[len(chars) // 2], "prompt_chars_p99": chars[int(len(chars) * 0.99)],

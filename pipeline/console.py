@@ -246,6 +246,8 @@ def data_line(rec: dict[str, Any]) -> str:
         ctx = rec["num_tokens"] - rec["num_loss_tokens"]
         made += f" ({rec['num_loss_tokens']:,} learned, {ctx:,} context)"
     given = f"{rec.get('traffic_records', 0)} served requests + {rec.get('fresh_prompts', 0)} fresh prompts"
+    if drawn := {k: v for k, v in (rec.get("drawn") or {}).items() if v}:  # per source or domain
+        given += ": " + ", ".join(f"{k} {v}" for k, v in drawn.items())
     cut = f"; {rec['left_out']} batch(es) left out at the deadline" if rec.get("left_out") else ""
     return f"{made} ({given}){cut}"
 

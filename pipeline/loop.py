@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from actors.prompt_keys import KEY_FILE, key_hash, write_key_file
 from actors.shards import ShardError
 from pipeline.budget import TRAIN_START_S, plan_vs_actual
 from pipeline.config import Config, dump_config
@@ -185,9 +186,14 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
 
 
 def _prompts(cfg: Config):
-    from actors.prompts import plan_prompts
+    from actors.prompts import init_trained_hashes, plan_prompts
 
-    return plan_prompts(cfg.data, eval_files=cfg.bench.eval_files or [])
+    # the pool leaves out what the starting drafter learned (its key file); later rounds take
+    # slices after round 0's, so they never repeat one either
+    trained = frozenset()
+    if "pool" in cfg.data.sources():
+        trained = init_trained_hashes(cfg.drafter.resolved_init())
+    return plan_prompts(cfg.data, eval_files=cfg.bench.eval_files or [], trained=trained)
 
 
 def _eval_set(cfg: Config, plan) -> tuple[list, list[str]]:
@@ -269,6 +275,10 @@ def _generate_round(
     earlier = [state.rounds[i].done["generate"].get("drawn") or {} for i in range(r)]
     prompts, slices = round_slices(plan, cfg.data.prompts_for_round(r) - len(records), earlier)
     _keep_slice(out / "slice.json", r, slices)
+    write_key_file(
+        out / KEY_FILE,
+        [key_hash(c) for c in prompts + [x["messages"] for x in records if x.get("messages")]],
+    )
     counts = {s: b - a for s, (a, b) in slices.items()}
     prompts, replied = _with_replies(prompts, plan.replies, cfg.data.dataset_replies)
     res = run_generate(
@@ -292,8 +302,9 @@ def _generate_round(
 
 def _keep_slice(path: Path, r: int, slices: dict[str, list[int]]) -> None:
     """Record which slice of each source's training order round r takes (`{source: [start,
-    end)}`), or, when the round is resumed, check it takes the one it began: a changed slice
-    would train on prompts beside the shards already made (a changed config or state)."""
+    end)}`, and `counts`, how many from each: for the pool its domains), or, when the round is
+    resumed, check it takes the one it began: a changed slice would train on prompts beside the
+    shards already made (a changed config or state)."""
     from pipeline.state import write_json_atomic
 
     if path.exists():
@@ -306,7 +317,8 @@ def _keep_slice(path: Path, r: int, slices: dict[str, list[int]]) -> None:
             )
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, {"round": r, "slices": slices})
+    counts = {s: b - a for s, (a, b) in slices.items()}
+    write_json_atomic(path, {"round": r, "slices": slices, "counts": counts})
 
 
 def _with_replies(prompts: list, replies: dict[str, str], share: float) -> tuple[list, list]:
@@ -419,6 +431,7 @@ def _train(
         run_name=f"{cfg.name}-{round_tag(r)}",
     )
     rec = _record(res)
+    rec["prompt_keys"] = _write_prompt_keys(Path(rec["drafter_dir"]), init, data_dirs, rec)
     for step, metrics in _read_metrics(Path(rec["metrics_file"])):
         tracker.log(child, {f"train/{k}": v for k, v in metrics.items()}, step=step)
     tracker.log(child, {f"train/final_{k}": v for k, v in (rec.get("final_metrics") or {}).items()})
@@ -431,6 +444,20 @@ def _train(
                  "%.3f); it is exported unchanged", r, start.get("sim_accept_len", 0.0))  # fmt: skip
     tracker.log_artifact(child, Path(rec["drafter_dir"]), "drafter")
     return rec
+
+
+def _write_prompt_keys(drafter: Path, init: str, data_dirs: list[Path], rec: dict) -> int:
+    """The exported drafter's key file (actors/prompt_keys.py): its start's keys and, unless
+    it is its start unchanged (`kept_start`), those of the rounds it trained on. Returns how
+    many it lists."""
+    from actors.prompt_keys import drafter_prompt_hashes, read_key_file
+
+    keys = set(drafter_prompt_hashes(init) or ()) if Path(init).is_dir() else set()
+    if not rec.get("kept_start"):
+        for d in data_dirs:
+            if (Path(d) / KEY_FILE).is_file():
+                keys |= read_key_file(Path(d) / KEY_FILE)
+    return write_key_file(drafter / KEY_FILE, keys)
 
 
 def _serve(cfg: Config, run_dir: Path, drafter: str | None, server, shape: dict | None = None):

@@ -94,6 +94,14 @@ def test_round_1_fine_tunes_the_base_drafter_on_the_traffic_keeping_its_vocab(ba
     for folder in (run_dir / "train" / "round-001" / "init" / "drafter", Path(r1["train"]["drafter_dir"])):  # fmt: skip
         got = load_file(str(folder / "model.safetensors"))
         assert got["d2t"].equal(want["d2t"]) and got["t2d"].equal(want["t2d"])
+    # its key file lists the prompts it trained on: 4 fresh ones and the served requests' (a
+    # user may have asked twice; the base had none), unless it exported its start unchanged
+    from actors.prompt_keys import KEY_FILE, read_key_file
+
+    made = read_key_file(run_dir / "data" / "round-001" / KEY_FILE)
+    assert 5 <= len(made) <= 8
+    keys = read_key_file(Path(r1["train"]["drafter_dir"]) / KEY_FILE)
+    assert keys == (frozenset() if r1["train"].get("kept_start") else made)
 
 
 def test_the_plan_comes_from_the_start_up_measurement(base_run):

@@ -78,8 +78,9 @@ def test_the_pool_source_never_yields_a_held_out_user_or_benchmark_prompt(tmp_pa
     eval_file = tmp_path / "mine.jsonl"
     eval_file.write_text(json.dumps({"messages": some.messages}) + "\n")
     plan = plan_prompts(_pool_config().data, eval_files=[str(eval_file)])
-    train = {prompt_key(c) for c in plan.train["pool"]}
-    assert len(train) == len(plan.train["pool"]) > 50_000
+    convs = [c for d in plan.train.values() for c in d]
+    train = {prompt_key(c) for c in convs}
+    assert len(train) == len(convs) > 50_000
     # judged on exactly what `real` would judge on, with the same users
     assert [p.messages for p in plan.heldout] == [p.messages for p in real.heldout]
     assert [p.messages for p in plan.users] == [p.messages for p in real.users]
@@ -89,9 +90,9 @@ def test_the_pool_source_never_yields_a_held_out_user_or_benchmark_prompt(tmp_pa
     held.append(some.messages)
     held_keys = {prompt_key(c) for c in held}
     assert not train & held_keys
-    starts = {prompt_key(c[:n]) for c in plan.train["pool"] for n in range(1, len(c))}
+    starts = {prompt_key(c[:n]) for c in convs for n in range(1, len(c))}
     assert not starts & held_keys  # nor the context a training prompt continues
-    assert plan.weights == {"pool": 1.0} and not plan.replies
+    assert plan.weights == dict.fromkeys(("chat", "coding", "math"), 1 / 3) and not plan.replies
 
 
 def test_successive_rounds_take_disjoint_slices_and_a_resumed_round_the_same(tmp_path):
@@ -102,8 +103,9 @@ def test_successive_rounds_take_disjoint_slices_and_a_resumed_round_the_same(tmp
     earlier, seen = [], set()
     for r, n in enumerate([3000, 5000, 4000]):
         prompts, slices = round_slices(plan, n, earlier)
-        start = sum(sum(c.values()) for c in earlier)
-        assert slices == {"pool": [start, start + n]}
+        for d, (a, b) in slices.items():  # each domain continues where the rounds before ended
+            assert a == sum(c.get(d, 0) for c in earlier) and b > a
+        assert sum(b - a for a, b in slices.values()) == n
         keys = {prompt_key(c) for c in prompts}
         assert len(keys) == n and not keys & seen  # nothing trained on twice
         seen |= keys
@@ -115,7 +117,7 @@ def test_successive_rounds_take_disjoint_slices_and_a_resumed_round_the_same(tmp
         earlier.append({s: b - a for s, (a, b) in slices.items()})
     # a resume that would take another slice (a changed config or state) is refused, by file
     with pytest.raises(RuntimeError, match=r"2\.json: round 2 began on prompt slices"):
-        _keep_slice(tmp_path / "2.json", 2, {"pool": [0, 4000]})
+        _keep_slice(tmp_path / "2.json", 2, {"chat": [0, 4000]})
 
 
 def test_the_pool_mixes_only_with_traffic_and_has_no_source_replies():
@@ -128,3 +130,81 @@ def test_the_pool_mixes_only_with_traffic_and_has_no_source_replies():
         load_config(GPU_CONFIG, ["data.source={pool: 0.5, sharegpt: 0.5}"])
     with pytest.raises(ConfigError, match=r"data.dataset_replies: 0.5 with data.source pool"):
         _pool_config(dataset_replies=0.5)
+
+
+# ---- the pool against the starting drafter, and its domains -------------------------------------
+
+
+def test_the_pool_never_yields_a_prompt_the_starting_drafter_was_trained_on():
+    """The climb starts from the shipped base, which regenerated and learned 11,665 pool prompts
+    (benchmarks/drafter_prompt_keys.py rebuilds them from its config); none may come back.
+    Seen failing without the dedup (the loop's plan not reading drafter.init's key file): 10,837
+    of them were in the pool."""
+    from actors.prompt_keys import KEY_FILE, key_hash, read_key_file
+    from benchmarks.drafter_prompt_keys import SHIPPED, base_prompts
+    from pipeline.loop import _prompts
+
+    cfg = load_config(REPO / "configs" / "smollm2-1gpu-climb.yaml")
+    assert Path(cfg.drafter.resolved_init()) == REPO / "drafters" / "smollm2-135m-base"
+    base = {prompt_key(c) for c in base_prompts()}
+    assert len(base) == 11_665
+    # the shipped key files list exactly what each drafter's build trained on
+    for name, prompts in SHIPPED.items():
+        shipped = read_key_file(REPO / "drafters" / name / KEY_FILE)
+        assert shipped == {key_hash(c) for c in prompts()}, f"{name}: stale {KEY_FILE}"
+    plan = _prompts(cfg)  # the loop's own plan: it reads drafter.init's key file
+    pool = {prompt_key(c) for d in plan.train.values() for c in d}
+    assert len(pool) > 35_000
+    assert not pool & base
+    # and the pool still holds every other prompt: only those were left out
+    assert pool | base >= {prompt_key(c) for d in plan_prompts(cfg.data).train.values() for c in d}
+
+
+def test_each_round_draws_the_pools_domains_by_weight_until_one_runs_out(tmp_path):
+    from actors.prompts import fresh_quotas, round_slices
+    from pipeline.console import data_line
+    from pipeline.loop import _keep_slice
+
+    w = dict.fromkeys(("chat", "coding", "math"), 1 / 3)
+    assert fresh_quotas(w, 9000, {"chat": 9000, "coding": 9000, "math": 9000}) == {
+        "chat": 3000, "coding": 3000, "math": 3000}  # fmt: skip
+    # math has 1,000 left: its share goes to the others, by their weights
+    assert fresh_quotas(w, 9000, {"chat": 9000, "coding": 9000, "math": 1000}) == {
+        "chat": 4000, "coding": 4000, "math": 1000}  # fmt: skip
+    # nothing fresh left anywhere but in chat, then nowhere: reused by weight
+    assert fresh_quotas(w, 900, {"chat": 600, "coding": 0, "math": 0}) == {
+        "chat": 700, "coding": 100, "math": 100}  # fmt: skip
+    assert fresh_quotas({"chat": 1.0, "coding": 0.0}, 10, {"chat": 3, "coding": 9}) == {
+        "chat": 10, "coding": 0}  # fmt: skip
+
+    plan = plan_prompts(_pool_config().data)
+    sizes = {d: len(c) for d, c in plan.train.items()}
+    assert sizes["coding"] > 5_000 and sizes["math"] > 800 and sizes["chat"] > 40_000
+    prompts, slices = round_slices(plan, 8192, [])
+    counts = {d: b - a for d, (a, b) in slices.items()}
+    # a climb round: math gives all it has, chat and coding split the rest evenly
+    assert counts["math"] == min(sizes["math"], 8192 // 3)
+    assert abs(counts["chat"] - counts["coding"]) <= 1 and sum(counts.values()) == 8192
+    _keep_slice(tmp_path / "slice.json", 0, slices)
+    assert json.loads((tmp_path / "slice.json").read_text())["counts"] == counts
+    rec = {"num_samples": 8192, "num_tokens": 1, "fresh_prompts": 8192, "drawn": counts}
+    assert f"chat {counts['chat']}, coding {counts['coding']}, math" in data_line(rec)
+
+
+def test_an_exported_drafter_lists_its_starts_prompts_and_its_rounds(tmp_path):
+    from actors.prompt_keys import KEY_FILE, key_hash, read_key_file, write_key_file
+    from pipeline.loop import _write_prompt_keys
+
+    init, data, out = tmp_path / "init", tmp_path / "data", tmp_path / "out"
+    for d in (init, data, out):
+        d.mkdir()
+    a, b = [{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]
+    write_key_file(init / KEY_FILE, [key_hash(a)])
+    write_key_file(data / KEY_FILE, [key_hash(b)])
+    assert _write_prompt_keys(out, str(init), [data], {}) == 2
+    assert read_key_file(out / KEY_FILE) == {key_hash(a), key_hash(b)}
+    # a round that exports its start unchanged learned nothing from its data
+    assert _write_prompt_keys(out, str(init), [data], {"kept_start": True}) == 1
+    # from scratch: the round's prompts only; the bytes depend on the keys alone
+    _write_prompt_keys(out, "scratch", [data], {})
+    assert (out / KEY_FILE).read_bytes() == (data / KEY_FILE).read_bytes()
