@@ -10,7 +10,8 @@ Per mode: tok/s (all completion tokens / the call's wall time), speedup over pla
 batch, accept_len, and per verify pass (of the request that ran the most passes, active the
 whole call): draft ms (proposals + the cache extension), verify ms (the target's pass and
 acceptance), overhead ms (the rest of decoding: bookkeeping, Python, host transfers) and their
-shares. With the static runner (a GPU, or `--runner static`) a batch runs one request after the
+shares, and `late_captures`: CUDA graphs captured after the engine's start-up (each one a
+capture inside a request's time; 0 when start-up captured every shape). With the static runner (a GPU, or `--runner static`) a batch runs one request after the
 other (`batched: false` in the record): the static runner holds one sequence.
 
     .venv/bin/python benchmarks/engine_breakdown.py --target smollm2 \\
@@ -65,6 +66,7 @@ def breakdown(engine, prompts: list[list[int]], params, mode: str, device) -> di
         "overhead_ms": rest / passes,
         "draft_share": st.draft_ms / decode,
         "overhead_share": rest / decode,
+        "late_captures": engine.late_captures(),  # graphs captured after start-up: must be 0
     }  # fmt: skip
 
 
@@ -126,7 +128,8 @@ def main() -> None:
             res.emit(row)
         summary[str(b)] = {m: {k: round(rows[m][k], 3) for k in ("tok_per_s", "speedup",
                            "cycle_ms", "draft_ms", "verify_ms", "overhead_ms")} for m in MODES}  # fmt: skip
-    res.emit({"mode": "summary", "by_batch": summary})
+    late = {m: engines[m].late_captures() for m in MODES}
+    res.emit({"mode": "summary", "by_batch": summary, "late_captures": late})
 
 
 if __name__ == "__main__":

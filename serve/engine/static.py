@@ -294,6 +294,7 @@ class StaticTargetRunner:
         self.length = 0  # committed slots
         self.kv: Tensor | None = None  # [L, 2, Hkv, capacity, d], made on first prefill
         self._graphs: dict[tuple[int, int, bool], _Graph] = {}
+        self.captures = 0  # graphs captured so far (SpecEngine.late_captures reads it)
         self._pool: Any = None
         self._causal: dict[int, Tensor] = {}
         self.valid = torch.zeros(1, 0, dtype=torch.bool)  # TargetRunner compatibility
@@ -434,6 +435,7 @@ class StaticTargetRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits, states = self._core(inputs, q, span, aux)
+        self.captures += 1
         staging = torch.empty_like(packed).pin_memory()
         g = _Graph(graph, inputs, staging, logits, states, torch.cuda.Event())
         self._graphs[key] = g

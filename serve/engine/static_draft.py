@@ -83,6 +83,7 @@ class StaticEagleDraft:
         self.top = -1  # host: the highest position any row's state holds
         self._prompt = True  # the next extend is a prompt's (eager; any width)
         self._graphs: dict[tuple, _Graph] = {}
+        self.captures = 0  # graphs captured so far, recaptures included (SpecEngine.late_captures)
         self._pool: Any = None
 
     @property
@@ -340,6 +341,7 @@ class StaticEagleDraft:
         if g is None:
             g = self._capture(fn, args)
             self._graphs[key] = g
+            self.captures += 1
         for dst, src in zip(g.inputs, args, strict=True):
             dst.copy_(src, non_blocking=True)
         g.graph.replay()
