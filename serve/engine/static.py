@@ -475,6 +475,53 @@ class StaticTargetRunner:
         # Graphs share one memory pool: hand out copies, not the static outputs.
         return g.logits.clone(), (g.aux.clone() if g.aux is not None else None)
 
+    def verify(
+        self, ids: Tensor, positions: Tensor, tree: Tensor | None, aux: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """`forward` with its inputs already on the device, read by no host code: the q ids and
+        positions [q] of the one row (the first position is the committed length: slot i holds
+        position i) and the tree's ancestor mask [q, q] (None: a chain). The inputs are packed
+        on the device and copied into the graph's own, so the static path's cycle runs without
+        a sync. Returns (logits [q, V], aux [q, 3·Ht]): on CUDA the graph's static outputs,
+        valid until this runner's next replay (the cycle reads them before). Parity with
+        `forward`: tests/test_engine_device_cycle.py."""
+        q = ids.shape[0]
+        if self.length + q > self.capacity:
+            raise ValueError(
+                f"static KV cache full: {self.length} + {q} entries > capacity {self.capacity}; "
+                "build the engine with a larger static_capacity"
+            )
+        aux = aux and bool(self.aux_ids)
+        if tree is None:
+            t = torch.ones(q, q, dtype=torch.long, device=ids.device).tril()
+        else:
+            t = tree.long()
+        packed = torch.cat([ids.long(), positions.long(), positions[:1].long(), t.reshape(-1)])
+        span = self._span(q)
+        if not self.use_graphs:
+            logits, states = self._core(packed, q, span, aux)
+        else:
+            g = self._graph(q, span, aux, packed)
+            g.inputs.copy_(packed)
+            g.graph.replay()
+            logits, states = g.logits, g.aux
+        return logits[0], (states[0] if states is not None else None)
+
+    def keep_path(self, nodes: Tensor) -> None:
+        """Move the entries of the last forward at offsets `nodes` [n] (device; the root's 0
+        first, then the accepted path, any padding after it) to the first n new slots, without
+        reading them on the host: the committed length moves later (`advance`), once the host
+        has read how many were accepted. Entries past the accepted ones are left as garbage
+        that no query reads (slots >= length are masked)."""
+        assert self.kv is not None
+        src = self.length + nodes
+        n = nodes.shape[0]
+        self.kv[:, :, :, self.length : self.length + n] = self.kv[:, :, :, src]
+
+    def advance(self, n: int) -> None:
+        """Commit n more entries (of a chain, or a path that `keep_path` moved to the front)."""
+        self.length += n
+
     def prefill(
         self, prompts: list[list[int]], aux: bool
     ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
