@@ -5,7 +5,10 @@ For each batch size b, the first b held-out prompts (built-in prompts, chat temp
 together in one `generate` call, greedy, `--max-tokens` each (ignore_eos), in three modes:
   - plain: the target alone (`plain_generate`);
   - eager_draft: speculative with the drafter as `EagleDraft` (the reference; eager);
-  - static_draft: speculative with `StaticEagleDraft` (static shapes; CUDA graphs on a GPU).
+  - static_draft_host_glue: speculative with `StaticEagleDraft` (static shapes; CUDA graphs on
+    a GPU) and the cycle's glue on the host (`device_glue=False`: what main ran before issue 50);
+  - static_draft: the same with the glue on the device (greedy on the static runner: one host
+    read a cycle; elsewhere the same as static_draft_host_glue).
 Per mode: tok/s (all completion tokens / the call's wall time), speedup over plain at the same
 batch, accept_len, and per verify pass (of the request that ran the most passes, active the
 whole call): draft ms (proposals + the cache extension), verify ms (the target's pass and
@@ -35,11 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import Results, parser, pick_device, sync  # noqa: E402
 
-MODES = ("plain", "eager_draft", "static_draft")
+MODES = ("plain", "eager_draft", "static_draft_host_glue", "static_draft")
 
 
 def breakdown(engine, prompts: list[list[int]], params, mode: str, device) -> dict:
     """One `generate` of `prompts` as a batch in `mode`; the record described in the module doc."""
+    engine.device_glue = mode != "static_draft_host_glue"
     sync(device)
     t = time.perf_counter()
     if mode == "plain":
@@ -82,6 +86,7 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=1, help="> 1: a tree")
     ap.add_argument("--num-draft-tokens", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--capacity", type=int, default=4096, help="static KV slots")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -100,10 +105,11 @@ def main() -> None:
     for mode, static_draft in (("eager_draft", False), ("static_draft", True)):
         drafter = load_eagle(args.drafter, model)
         drafter.model.to(device)
-        engines[mode] = SpecEngine(model, drafter, runner=args.runner,
-                                   static_draft=static_draft, **shape)  # fmt: skip
+        engines[mode] = SpecEngine(model, drafter, runner=args.runner, static_draft=static_draft,
+                                   static_capacity=args.capacity, **shape)  # fmt: skip
         assert isinstance(engines[mode].drafter, StaticEagleDraft) == static_draft
     engines["plain"] = engines["eager_draft"]
+    engines["static_draft_host_glue"] = engines["static_draft"]
     e = engines["static_draft"]
     batched = e.static is None
     res = Results("engine_breakdown", device, {
@@ -130,6 +136,11 @@ def main() -> None:
                            "cycle_ms", "draft_ms", "verify_ms", "overhead_ms")} for m in MODES}  # fmt: skip
     late = {m: engines[m].late_captures() for m in MODES}
     res.emit({"mode": "summary", "by_batch": summary, "late_captures": late})
+    cols = ("tok_per_s", "speedup", "cycle_ms", "draft_ms", "verify_ms", "overhead_ms")
+    print("| batch | mode | " + " | ".join(cols) + " |\n|---|---|" + "---|" * len(cols))
+    for b, by_mode in summary.items():
+        for m, row in by_mode.items():
+            print(f"| {b} | {m} | " + " | ".join(str(row[c]) for c in cols) + " |")
 
 
 if __name__ == "__main__":

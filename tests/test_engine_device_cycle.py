@@ -28,6 +28,7 @@ from serve.engine.acceptance import tree_greedy_accept_on_device
 from serve.engine.drafting import tree_ancestors_by_depth
 
 V, A, B = 512, 7, 9  # vocab; the two tokens the target answers
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,6 +55,7 @@ def two_token_drafter(target, seed: int = 5):
     """A random drafter whose draft ids all map to A (even ids) or B (odd ids): its chains and
     trees hold only the target's two answers, siblings repeat tokens."""
     d = random_drafter(target, draft_vocab_size=64, aux_layer_ids=[2, 0, 1], seed=seed)
+    d.model.to(target.device)
     ids = torch.arange(64)
     d.model.d2t.copy_(torch.where(ids % 2 == 0, A, B) - ids)
     return d
@@ -73,7 +75,9 @@ def run(target, shape: dict, device_glue: bool, seed: int = 5):
     assert isinstance(engine.drafter, StaticEagleDraft)
     log = record(engine.drafter)
     out = engine.generate(prompts(), GenParams(max_tokens=40))
-    return log, out, engine.plain_generate(prompts(), GenParams(max_tokens=40))
+    plain = engine.plain_generate(prompts(), GenParams(max_tokens=40))
+    assert engine.late_captures() == 0  # start-up captured every graph (CUDA; 0 on CPU)
+    return log, out, plain
 
 
 def differences(ref, dev) -> list[str]:
@@ -98,9 +102,40 @@ def test_device_cycle_equals_the_host_cycle(two_token_lm, shape):
     ref, dev = run(two_token_lm, shape, False), run(two_token_lm, shape, True)
     assert differences(ref, dev) == []
     assert [g.token_ids for g in dev[1]] == [g.token_ids for g in dev[2]]  # = plain decoding
+    assert [g.token_ids for g in dev[2]] == [g.token_ids for g in ref[2]]  # plain: device = host
     hist = [sum(h) for h in zip(*(g.stats.accept_hist for g in dev[1]), strict=True)]
     assert hist[0] > 0 and sum(hist[2:]) > 0, hist  # rejections and paths of 2 or more
     assert all(g.stats.draft_ms > 0 and g.stats.verify_ms > 0 for g in dev[1])
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("shape", SHAPES, ids=["chain-3", "tree-3x3x7", "tree-5x4x12"])
+def test_device_cycle_equals_the_host_cycle_on_cuda(two_token_lm, shape):
+    """The same on CUDA (fp32, TF32 off), with the target's and the drafter's CUDA graphs: no
+    graph captured after start-up, the device cycle's tokens are plain decoding's."""
+    import copy
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = copy.deepcopy(two_token_lm).cuda()
+    ref, dev = run(model, shape, False), run(model, shape, True)
+    assert differences(ref, dev) == []
+    assert [g.token_ids for g in dev[1]] == [g.token_ids for g in dev[2]]
+
+
+def test_device_plain_decoding_stops_where_the_host_loop_does(two_token_lm):
+    """Plain greedy decoding with the argmax fed back on the device and a host read every 8
+    steps: with a stop token and limits that are no multiple of 8, the same tokens and finish
+    reasons as the host loop."""
+    outs = []
+    for glue in (False, True):
+        engine = SpecEngine(two_token_lm, runner="static", static_capacity=160, stop_ids={B},
+                            device_glue=glue)  # fmt: skip
+        outs.append(engine.plain_generate(prompts(), GenParams(max_tokens=40),
+                                          max_tokens_each=[1, 5, 19, 40]))  # fmt: skip
+    ref, dev = ([(g.token_ids, g.stats.finish_reason) for g in out] for out in outs)
+    assert dev == ref
+    assert {why for _, why in dev} == {"stop", "length"}
 
 
 def test_the_comparison_catches_a_planted_divergence(two_token_lm):

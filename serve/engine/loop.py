@@ -521,6 +521,9 @@ class SpecEngine:
         pos = valid.sum(1)
         done = [rows.append(r, [int(x[r])]) for r in range(len(prompts))]
         x, pos = _drop_finished(done, rows, runner, None, x, pos)
+        if rows.active and self.device_glue and self.static is not None and params.temperature <= 0:
+            self._device_plain(rows, x, pos)
+            rows.active = []
         while rows.active:
             t = time.perf_counter()
             ones = torch.ones(len(rows.active), 1, dtype=torch.bool)
@@ -533,6 +536,39 @@ class SpecEngine:
             x, pos = _drop_finished(done, rows, runner, None, x, pos)
         runner.release()
         return rows.results(t0)
+
+    PLAIN_STEPS_PER_READ = 8
+
+    def _device_plain(self, rows: _Rows, x: Tensor, pos: Tensor) -> None:
+        """Greedy plain decoding of one request on the static runner with the argmax fed back
+        on the device and the host reading the tokens once per `PLAIN_STEPS_PER_READ` steps
+        (as `BatchDecoder` does): never past the request's token limit, and a stop token
+        ends it at the next read (the steps after it are wasted, not emitted). Same tokens as
+        the host loop (`device_glue=False`): tests/test_engine_device_cycle.py."""
+        runner = self.static
+        assert runner is not None
+        dev = runner.device
+        cuda = dev.type == "cuda"
+        x, p = x.to(dev), pos.to(dev)  # [1] each
+        host = torch.empty(self.PLAIN_STEPS_PER_READ, dtype=torch.long, pin_memory=cuda)
+        copied = torch.cuda.Event() if cuda else None
+        req = rows.active[0]
+        while True:
+            t = time.perf_counter()
+            n = min(self.PLAIN_STEPS_PER_READ, rows.limits[req] - len(rows.out[req]))
+            toks = []
+            for _ in range(n):
+                logits, _ = runner.verify(x, p, None, aux=False)
+                runner.advance(1)
+                x, p = logits.argmax(-1), p + 1
+                toks.append(x)
+            host[:n].copy_(torch.cat(toks), non_blocking=True)
+            if copied is not None:
+                copied.record()
+                copied.synchronize()
+            rows.stats[req].verify_ms += _ms(t)
+            if rows.append(0, host[:n].tolist()):
+                return
 
     def _check_fits(self, prompts: list[list[int]], limits: list[int], width: int) -> None:
         """The static cache must hold prompt + completion + one verify's spare entries."""

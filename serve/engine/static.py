@@ -296,7 +296,8 @@ class StaticTargetRunner:
         self._graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.captures = 0  # graphs captured so far (SpecEngine.late_captures reads it)
         self._pool: Any = None
-        self._causal: dict[int, Tensor] = {}
+        self._causal: dict[int, Tensor] = {}  # q -> the chain's mask, host (`_pack`)
+        self._causal_dev: dict[int, Tensor] = {}  # q -> the same on the device (`verify`)
         self.valid = torch.zeros(1, 0, dtype=torch.bool)  # TargetRunner compatibility
 
     @staticmethod
@@ -423,7 +424,7 @@ class StaticTargetRunner:
         key = (q, span, aux)
         if key in self._graphs:
             return self._graphs[key]
-        inputs = packed.to(self.device)
+        inputs = packed.to(self.device, copy=True)  # the graph's own (`verify` packs on device)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm up (compiled, kernels chosen, workspaces made)
@@ -436,7 +437,7 @@ class StaticTargetRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             logits, states = self._core(inputs, q, span, aux)
         self.captures += 1
-        staging = torch.empty_like(packed).pin_memory()
+        staging = torch.empty(packed.shape, dtype=packed.dtype).pin_memory()
         g = _Graph(graph, inputs, staging, logits, states, torch.cuda.Event())
         self._graphs[key] = g
         return g
@@ -493,7 +494,9 @@ class StaticTargetRunner:
             )
         aux = aux and bool(self.aux_ids)
         if tree is None:
-            t = torch.ones(q, q, dtype=torch.long, device=ids.device).tril()
+            if q not in self._causal_dev:  # made once: no kernels per call
+                self._causal_dev[q] = torch.ones(q, q, dtype=torch.long, device=ids.device).tril()  # fmt: skip
+            t = self._causal_dev[q]
         else:
             t = tree.long()
         packed = torch.cat([ids.long(), positions.long(), positions[:1].long(), t.reshape(-1)])
