@@ -175,3 +175,15 @@ def test_tree_helpers_on_the_device_equal_the_host_walk():
                            tree_ancestors(tree.parents))  # fmt: skip
         accepted += int(want[0].sum())
     assert accepted > 30  # paths were walked, not only roots
+
+
+def test_the_drafter_in_the_serving_dtype_keeps_fp32_rotary_frequencies(two_token_lm):
+    """On a GPU `set_drafter` casts a static drafter to the target's dtype (`_to_dtype`): its
+    weights go bf16, its rotary frequencies stay fp32 (in bf16 they would be off by ~1/256)."""
+    from serve.engine.loop import _to_dtype
+
+    model = two_token_drafter(two_token_lm).model
+    want = model.inv_freq.clone()
+    _to_dtype(model, torch.bfloat16)
+    assert model.fc.weight.dtype == torch.bfloat16 and model.embed_weight.dtype == torch.bfloat16
+    assert model.inv_freq.dtype == torch.float32 and torch.equal(model.inv_freq, want)
