@@ -16,6 +16,12 @@ different counts per cycle, so the target cache may hold rejected entries of som
 attention mask hides them, the common tail is cropped, and the cache is compacted when holes pile
 up. `plain_generate` runs the same target path without speculation (the benchmark baseline).
 
+On the static runner with the static drafter (the GPU path, batch 1), greedy cycles keep their
+glue on the device (`_device_cycles`): acceptance, the cache update and the drafter's next input
+are tensor ops between the graphs, and the host reads each cycle's accepted tokens once; plain
+greedy decoding there reads its tokens once per 8 steps (`_device_plain`). The host-side cycle
+below stays the reference (`device_glue=False`), and runs sampling and the eager runner.
+
 Accounting follows SGLang: accept_len = completion_tokens / verify passes (the first token comes
 from prefill, the bonus token of each cycle is counted).
 """
