@@ -11,10 +11,12 @@ together in one `generate` call, greedy, `--max-tokens` each (ignore_eos), in th
     read a cycle; elsewhere the same as static_draft_host_glue).
 Per mode: tok/s (all completion tokens / the call's wall time), speedup over plain at the same
 batch, accept_len, and per verify pass (of the request that ran the most passes, active the
-whole call): draft ms (proposals + the cache extension), verify ms (the target's pass and
-acceptance), overhead ms (the rest of decoding: bookkeeping, Python, host transfers) and their
-shares, and `late_captures`: CUDA graphs captured after the engine's start-up (each one a
-capture inside a request's time; 0 when start-up captured every shape). With the static runner (a GPU, or `--runner static`) a batch runs one request after the
+whole call): draft ms (proposals + the cache extension), verify ms (the target's pass; with the
+host glue also acceptance), accept ms (device glue: acceptance, the cache move and the queued
+host copy, timed by CUDA events on a GPU), overhead ms (the rest of decoding: bookkeeping,
+Python, host transfers) and their shares, and `late_captures`: CUDA graphs captured after the
+engine's start-up (each one a capture inside a request's time; 0 when start-up captured every
+shape). With the static runner (a GPU, or `--runner static`) a batch runs one request after the
 other (`batched: false` in the record): the static runner holds one sequence.
 
     .venv/bin/python benchmarks/engine_breakdown.py --target smollm2 \\
@@ -56,7 +58,7 @@ def breakdown(engine, prompts: list[list[int]], params, mode: str, device) -> di
     st = max((g.stats for g in out), key=lambda s: (s.spec_verify_ct, s.completion_tokens))
     passes = st.spec_verify_ct or max(st.completion_tokens - 1, 1)
     decode = st.total_ms - st.prefill_ms
-    rest = decode - st.draft_ms - st.verify_ms
+    rest = decode - st.draft_ms - st.verify_ms - st.accept_ms
     return {
         "mode": mode,
         "batch": len(prompts),
@@ -67,6 +69,7 @@ def breakdown(engine, prompts: list[list[int]], params, mode: str, device) -> di
         "cycle_ms": decode / passes,
         "draft_ms": st.draft_ms / passes,
         "verify_ms": st.verify_ms / passes,
+        "accept_ms": st.accept_ms / passes,  # device glue only (the host path counts it in verify)
         "overhead_ms": rest / passes,
         "draft_share": st.draft_ms / decode,
         "overhead_share": rest / decode,
@@ -133,10 +136,10 @@ def main() -> None:
             row["speedup"] = row["tok_per_s"] / rows["plain"]["tok_per_s"]
             res.emit(row)
         summary[str(b)] = {m: {k: round(rows[m][k], 3) for k in ("tok_per_s", "speedup",
-                           "cycle_ms", "draft_ms", "verify_ms", "overhead_ms")} for m in MODES}  # fmt: skip
+                           "cycle_ms", "draft_ms", "verify_ms", "accept_ms", "overhead_ms")} for m in MODES}  # fmt: skip
     late = {m: engines[m].late_captures() for m in MODES}
     res.emit({"mode": "summary", "by_batch": summary, "late_captures": late})
-    cols = ("tok_per_s", "speedup", "cycle_ms", "draft_ms", "verify_ms", "overhead_ms")
+    cols = ("tok_per_s", "speedup", "cycle_ms", "draft_ms", "verify_ms", "accept_ms", "overhead_ms")
     print("| batch | mode | " + " | ".join(cols) + " |\n|---|---|" + "---|" * len(cols))
     for b, by_mode in summary.items():
         for m, row in by_mode.items():

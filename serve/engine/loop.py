@@ -402,7 +402,7 @@ class SpecEngine:
         host = torch.empty(k + 2, dtype=torch.long, pin_memory=cuda)
         copied = torch.cuda.Event() if cuda else None
         st = rows.stats[rows.active[0]]
-        marks: list[tuple[Any, ...]] = []  # per cycle: start, drafted, verified, extended
+        marks: list[tuple[Any, ...]] = []  # per cycle: start, drafted, verified, accepted, extended
         while rows.active:
             mark = [_mark(cuda)]
             if tree:
@@ -412,6 +412,7 @@ class SpecEngine:
                 vpos = pos + torch.cat([j[:1] * 0, t.depths[0]])
                 anc = tree_ancestors_by_depth(t.parents, k)[0]
                 logits, aux = runner.verify(ids, vpos, anc, aux=True)
+                mark.append(_mark(cuda))
                 a, path, bonus = tree_greedy_accept_on_device(t, logits[None], k)
                 nodes = torch.cat([j[:1] * 0, path[0]])
                 runner.keep_path(nodes)
@@ -420,6 +421,7 @@ class SpecEngine:
                 drafts, _ = drafter.propose(k, 0.0, None)
                 mark.append(_mark(cuda))
                 logits, aux = runner.verify(torch.cat([x, drafts[0]]), pos + j, None, aux=True)
+                mark.append(_mark(cuda))
                 a, bonus = greedy_accept(drafts, logits[None])
                 toks = drafts[0]
             host.copy_(torch.cat([a, toks, bonus]), non_blocking=True)  # the one host read
@@ -442,9 +444,10 @@ class SpecEngine:
             st.accept_hist[n] += 1
             if rows.append(0, host[1 : 1 + n].tolist() + [int(host[k + 1])]):
                 rows.active = []
-        draft_ms, verify_ms = _marks_ms(marks, cuda)
+        draft_ms, verify_ms, accept_ms = _marks_ms(marks, cuda)
         st.draft_ms += draft_ms
         st.verify_ms += verify_ms
+        st.accept_ms += accept_ms
 
     def _chain_cycle(
         self,
@@ -612,19 +615,20 @@ def _mark(cuda: bool) -> Any:
     return e
 
 
-def _marks_ms(marks: list[tuple[Any, ...]], cuda: bool) -> tuple[float, float]:
-    """(draft ms, verify ms) summed over cycles of (start, drafted, verified, extended) marks:
-    drafting is the proposal plus the extension, verifying the target's pass, acceptance and
-    the cache update."""
+def _marks_ms(marks: list[tuple[Any, ...]], cuda: bool) -> tuple[float, float, float]:
+    """(draft, verify, accept) ms summed over cycles of (start, drafted, verified, accepted,
+    extended) marks: drafting is the proposal plus the extension, verifying the target's pass
+    (with its inputs' packing), accepting the acceptance, the tree's cache move and the queued
+    host copy."""
     if not marks:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     if cuda:
         marks[-1][-1].synchronize()
         span = lambda a, b: a.elapsed_time(b)  # noqa: E731
     else:
         span = lambda a, b: (b - a) * 1000  # noqa: E731
-    draft = sum(span(m[0], m[1]) + span(m[2], m[3]) for m in marks)
-    return draft, sum(span(m[1], m[2]) for m in marks)
+    draft = sum(span(m[0], m[1]) + span(m[3], m[4]) for m in marks)
+    return draft, sum(span(m[1], m[2]) for m in marks), sum(span(m[2], m[3]) for m in marks)
 
 
 def _host_sample(logits: Tensor, temperature: float, gen: torch.Generator | None) -> Tensor:
