@@ -5,12 +5,18 @@ For each batch size b, the first b held-out prompts (built-in prompts, chat temp
 together in one `generate` call, greedy, `--max-tokens` each (ignore_eos), in three modes:
   - plain: the target alone (`plain_generate`);
   - eager_draft: speculative with the drafter as `EagleDraft` (the reference; eager);
-  - static_draft: speculative with `StaticEagleDraft` (static shapes; CUDA graphs on a GPU).
+  - static_draft_host_glue: speculative with `StaticEagleDraft` (static shapes; CUDA graphs on
+    a GPU) and the cycle's glue on the host (`device_glue=False`: what main ran before issue 50);
+  - static_draft: the same with the glue on the device (greedy on the static runner: one host
+    read a cycle; elsewhere the same as static_draft_host_glue).
 Per mode: tok/s (all completion tokens / the call's wall time), speedup over plain at the same
 batch, accept_len, and per verify pass (of the request that ran the most passes, active the
-whole call): draft ms (proposals + the cache extension), verify ms (the target's pass and
-acceptance), overhead ms (the rest of decoding: bookkeeping, Python, host transfers) and their
-shares. With the static runner (a GPU, or `--runner static`) a batch runs one request after the
+whole call): draft ms (proposals + the cache extension), verify ms (the target's pass; with the
+host glue also acceptance), accept ms (device glue: acceptance, the cache move and the queued
+host copy, timed by CUDA events on a GPU), overhead ms (the rest of decoding: bookkeeping,
+Python, host transfers) and their shares, and `late_captures`: CUDA graphs captured after the
+engine's start-up (each one a capture inside a request's time; 0 when start-up captured every
+shape). With the static runner (a GPU, or `--runner static`) a batch runs one request after the
 other (`batched: false` in the record): the static runner holds one sequence.
 
     .venv/bin/python benchmarks/engine_breakdown.py --target smollm2 \\
@@ -34,11 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import Results, parser, pick_device, sync  # noqa: E402
 
-MODES = ("plain", "eager_draft", "static_draft")
+MODES = ("plain", "eager_draft", "static_draft_host_glue", "static_draft")
 
 
 def breakdown(engine, prompts: list[list[int]], params, mode: str, device) -> dict:
     """One `generate` of `prompts` as a batch in `mode`; the record described in the module doc."""
+    engine.device_glue = mode != "static_draft_host_glue"
     sync(device)
     t = time.perf_counter()
     if mode == "plain":
@@ -51,7 +58,7 @@ def breakdown(engine, prompts: list[list[int]], params, mode: str, device) -> di
     st = max((g.stats for g in out), key=lambda s: (s.spec_verify_ct, s.completion_tokens))
     passes = st.spec_verify_ct or max(st.completion_tokens - 1, 1)
     decode = st.total_ms - st.prefill_ms
-    rest = decode - st.draft_ms - st.verify_ms
+    rest = decode - st.draft_ms - st.verify_ms - st.accept_ms
     return {
         "mode": mode,
         "batch": len(prompts),
@@ -62,9 +69,11 @@ def breakdown(engine, prompts: list[list[int]], params, mode: str, device) -> di
         "cycle_ms": decode / passes,
         "draft_ms": st.draft_ms / passes,
         "verify_ms": st.verify_ms / passes,
+        "accept_ms": st.accept_ms / passes,  # device glue only (the host path counts it in verify)
         "overhead_ms": rest / passes,
         "draft_share": st.draft_ms / decode,
         "overhead_share": rest / decode,
+        "late_captures": engine.late_captures(),  # graphs captured after start-up: must be 0
     }  # fmt: skip
 
 
@@ -80,6 +89,7 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=1, help="> 1: a tree")
     ap.add_argument("--num-draft-tokens", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--capacity", type=int, default=4096, help="static KV slots")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -98,10 +108,11 @@ def main() -> None:
     for mode, static_draft in (("eager_draft", False), ("static_draft", True)):
         drafter = load_eagle(args.drafter, model)
         drafter.model.to(device)
-        engines[mode] = SpecEngine(model, drafter, runner=args.runner,
-                                   static_draft=static_draft, **shape)  # fmt: skip
+        engines[mode] = SpecEngine(model, drafter, runner=args.runner, static_draft=static_draft,
+                                   static_capacity=args.capacity, **shape)  # fmt: skip
         assert isinstance(engines[mode].drafter, StaticEagleDraft) == static_draft
     engines["plain"] = engines["eager_draft"]
+    engines["static_draft_host_glue"] = engines["static_draft"]
     e = engines["static_draft"]
     batched = e.static is None
     res = Results("engine_breakdown", device, {
@@ -125,8 +136,14 @@ def main() -> None:
             row["speedup"] = row["tok_per_s"] / rows["plain"]["tok_per_s"]
             res.emit(row)
         summary[str(b)] = {m: {k: round(rows[m][k], 3) for k in ("tok_per_s", "speedup",
-                           "cycle_ms", "draft_ms", "verify_ms", "overhead_ms")} for m in MODES}  # fmt: skip
-    res.emit({"mode": "summary", "by_batch": summary})
+                           "cycle_ms", "draft_ms", "verify_ms", "accept_ms", "overhead_ms")} for m in MODES}  # fmt: skip
+    late = {m: engines[m].late_captures() for m in MODES}
+    res.emit({"mode": "summary", "by_batch": summary, "late_captures": late})
+    cols = ("tok_per_s", "speedup", "cycle_ms", "draft_ms", "verify_ms", "accept_ms", "overhead_ms")
+    print("| batch | mode | " + " | ".join(cols) + " |\n|---|---|" + "---|" * len(cols))
+    for b, by_mode in summary.items():
+        for m, row in by_mode.items():
+            print(f"| {b} | {m} | " + " | ".join(str(row[c]) for c in cols) + " |")
 
 
 if __name__ == "__main__":

@@ -303,6 +303,7 @@ def main() -> None:
             "verify_ms_per_cycle": round(st.verify_ms / st.spec_verify_ct, 3),
             "draft_ms_per_cycle": round(st.draft_ms / st.spec_verify_ct, 3),
             "same_tokens_as_plain": spec.token_ids == plain.token_ids,
+            "late_captures": engine.late_captures(),  # graphs captured after set_drafter: 0
         }
     )
 

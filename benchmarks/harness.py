@@ -67,7 +67,8 @@ def add_training_args(
 
 
 def pick_device(name: str) -> torch.device:
-    """`--device` as a torch device; CUDA asked for where torch sees none is refused."""
+    """`--device` as a torch device with its index ("cuda" is the current CUDA device, which
+    becomes the default one); CUDA asked for where torch sees none is refused."""
     device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -75,6 +76,8 @@ def pick_device(name: str) -> torch.device:
                 f"--device {name}: torch sees no CUDA device here; use --device cpu "
                 "(with the smallest --shape for a smoke test)"
             )
+        if device.index is None:  # set_device refuses one without (issue 50: a crash on CUDA)
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     return device
 

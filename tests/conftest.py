@@ -172,7 +172,7 @@ _SHARED: dict[str, bool] = {"ray": False, "serve": False, "app": False, "app_don
 _SHARED_APP_LAST_MODULE: list[str | None] = [None]  # its app is deleted after this module
 
 
-def _init_local_ray(num_cpus: float) -> None:
+def _init_local_ray(num_cpus: float, **extra) -> None:
     from actors.cluster import init_ray
 
     init_ray(  # retried: a busy machine can miss Ray's 30 s raylet start-up window
@@ -182,6 +182,7 @@ def _init_local_ray(num_cpus: float) -> None:
         _node_ip_address="127.0.0.1",
         runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}},
         log_to_driver=True,
+        **extra,
     )
 
 
@@ -313,6 +314,26 @@ def ray_module():
     _init_local_ray(NUM_CPUS)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def ray_own():
+    """A fresh local Ray for one `own_cluster` test, in a temp dir of its own (session files,
+    sockets, the "current cluster" note), shut down with its Serve after the test. Issue 50: the
+    GPU tests on the shared Ray errored on ray.init timing out when they ran right after another
+    Ray head on the same host; a Ray of their own, after the shared one is down, shares nothing
+    with it."""
+    import ray
+    from ray import serve
+
+    assert not ray.is_initialized(), "ray_own: a Ray is already up in this process"
+    _init_local_ray(NUM_CPUS, _temp_dir=tempfile.mkdtemp(prefix="ray-own-", dir="/tmp"))
+    try:
+        yield ray
+    finally:
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -168,8 +168,10 @@ def test_static_drafter_in_a_ragged_batch_and_sampling(target, prompts):
 @cuda
 def test_graphed_drafter_equals_eager_on_cuda():
     """fp32 on the GPU (TF32 off): the engine with the drafter's CUDA graphs (the default on
-    CUDA) emits HF greedy tokens and drafts what the drafter run without graphs drafts, chain
-    and tree; the graphs were captured (extend widths, chain and tree shapes)."""
+    CUDA, all captured at start-up) emits HF greedy tokens and drafts what the same drafter run
+    without graphs drafts, chain and tree, and captures no graph after start-up. The reference
+    is a `StaticEagleDraft(graphs=False)` handed to `set_drafter` (it runs as given): turning
+    graphs off after `set_drafter` would leave the start-up captures in place (issue 50)."""
     from test_gpu_perf_paths import tiny_llama
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -182,15 +184,16 @@ def test_graphed_drafter_equals_eager_on_cuda():
             engine = SpecEngine(model, steps=3, stop_ids=set(), static_capacity=128, **shape)
             d = random_drafter(model, draft_vocab_size=256, aux_layer_ids=[2, 0, 1])
             d.model.to("cuda")
-            engine.set_drafter(d)
+            engine.set_drafter(d if graphs else StaticEagleDraft(d.model, 128, graphs=False))
             assert isinstance(engine.drafter, StaticEagleDraft)
-            engine.drafter.use_graphs = graphs
+            assert engine.drafter.use_graphs is graphs
             log = record(engine.drafter)
             out = engine.generate(ps, GenParams(max_tokens=24))
             plain = engine.plain_generate(ps, GenParams(max_tokens=24))
             assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+            assert engine.late_captures() == 0, f"{shape}: graphs captured inside requests"
             runs.append((log, out, engine.drafter.graph_keys()))
-        assert runs[0][0] == runs[1][0]
+        assert runs[0][0] == runs[1][0], f"{shape}: the graphed drafter drafts differently"
         assert runs[0][2] and not runs[1][2]
 
 
@@ -263,13 +266,15 @@ def test_drafter_graph_bookkeeping_with_a_stand_in_graph(target, prompts):
         if graphs:
             d.use_graphs, d.min_bucket = True, 32
             d._capture = stand_in.__get__(d)
-            assert d.capture(engine.capture_shapes()) == len(d.graph_keys()) > 0
+            assert engine.capture() == {"drafter": len(d.graph_keys())}
             keys = d.graph_keys()
-            assert {k[-1] for k in keys} == {32, 64, 96}
+            assert {k[-1] for k in keys} == {32, 64, 96} and d.captures == len(keys)
         log = record(d)
         for shape in (dict(), dict(steps=1, topk=1), dict(steps=3, topk=1)):
             engine.generate(prompts, GenParams(max_tokens=40, **shape))
+        logs.append(list(log))
         if graphs:
-            assert d.graph_keys() == keys
-        logs.append(log)
+            assert d.graph_keys() == keys and engine.late_captures() == 0
+            engine.generate(prompts[:1], GenParams(max_tokens=8, steps=2, topk=1))  # not captured
+            assert engine.late_captures() > 0  # the chain of 2 at each span it reached
     assert logs[0] == logs[1]

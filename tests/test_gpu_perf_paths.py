@@ -239,3 +239,15 @@ def test_batched_capture_cpu():
 @cuda
 def test_batched_capture_cuda():
     check_batched_capture("cuda")
+
+
+@pytest.mark.gpu
+@cuda
+def test_the_benchmarks_take_device_cuda():
+    """`--device cuda` (no index) is the current CUDA device; torch.cuda.set_device refuses a
+    device without an index, which crashed every benchmark on CUDA (issue 50)."""
+    from benchmarks.harness import pick_device
+
+    device = pick_device("cuda")
+    assert device == torch.device("cuda", torch.cuda.current_device())
+    assert pick_device("cuda:0") == torch.device("cuda", 0)

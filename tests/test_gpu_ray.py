@@ -7,6 +7,7 @@ reservation torch cannot see is refused rather than run on the CPU.
 - a Ray Train worker with `use_gpu` (NCCL);
 - the Serve replica (serve.num_gpus): its engine on CUDA with the static runner's CUDA graphs,
   answering over HTTP.
+Each Ray test starts a Ray of its own (`ray_own`, `own_cluster`: after the shared Ray is down).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from actors.cluster import reserved_device
+from actors.ports import free_port
 from actors.prompts import builtin_prompts
 from actors.shards import iter_samples, read_shard, verify_manifest
 from eagle3.checkpoint import save_drafter
@@ -42,8 +44,9 @@ def test_a_gpu_reservation_torch_cannot_see_is_refused():
 
 
 @pytest.mark.gpu
+@pytest.mark.own_cluster
 @cuda
-def test_the_data_stage_actor_generates_and_captures_on_its_gpu(tiny_target, ray_local, tmp_path):
+def test_the_data_stage_actor_generates_and_captures_on_its_gpu(tiny_target, ray_own, tmp_path):
     from actors.generate import run_generate
 
     target = TargetConfig(model=str(tiny_target), aux_layer_ids=AUX, num_gpus_per_actor=1, dtype="float32")  # fmt: skip
@@ -61,9 +64,14 @@ def test_the_data_stage_actor_generates_and_captures_on_its_gpu(tiny_target, ray
 
 
 @pytest.mark.gpu
+@pytest.mark.own_cluster
 @cuda
-def test_the_serve_replica_runs_on_the_gpu_it_reserved(tiny_target, serve_port, tmp_path):
+def test_the_serve_replica_runs_on_the_gpu_it_reserved(tiny_target, ray_own, tmp_path):
     from serve.endpoint import deploy_endpoint
+    from serve.startup import start_serve
+
+    serve_port = free_port()
+    start_serve("127.0.0.1", serve_port)  # on this test's own Ray (ray_own shuts it down)
 
     lm = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
     d = random_drafter(lm, draft_vocab_size=4000, seed=1, aux_layer_ids=AUX).model

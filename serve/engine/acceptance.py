@@ -67,6 +67,33 @@ def tree_greedy_accept(
     return a, path, bonus
 
 
+def tree_greedy_accept_on_device(
+    tree: DraftTree, logits: Tensor, steps: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`tree_greedy_accept` in tensor ops on the logits' device (no host read, so the static
+    path's cycle runs on without a sync): the walk takes `steps` fixed rounds, each into the
+    first node (lowest index, as the host walk keeps) that hangs from the current one and
+    carries the target's argmax. Same (a, path, bonus), as device tensors; parity:
+    tests/test_engine_device_cycle.py."""
+    top = logits.argmax(-1)  # [B, M+1]
+    B, M = tree.tokens.shape
+    dev = top.device
+    parent = tree.parents.to(dev) + 1  # node index (root = 0) of each node's parent
+    tokens = tree.tokens.to(dev)
+    node = torch.arange(1, M + 1, device=dev).expand(B, M)
+    cur = torch.zeros(B, dtype=torch.long, device=dev)
+    alive = torch.ones(B, dtype=torch.bool, device=dev)
+    path = []
+    for _ in range(steps):
+        match = (parent == cur[:, None]) & (tokens == top.gather(1, cur[:, None]))
+        first = torch.where(match, node, M + 1).min(1).values
+        alive = alive & (first <= M)  # a row that missed once stays stopped
+        path.append(torch.where(alive, first, 0))
+        cur = torch.where(alive, first, cur)
+    path_t = torch.stack(path, 1)
+    return (path_t > 0).sum(1), path_t, top.gather(1, cur[:, None]).squeeze(1)
+
+
 def sample_token(logits: Tensor, temperature: float, gen: torch.Generator | None) -> Tensor:
     """[B, V] -> [B]: argmax at temperature 0, else a draw from softmax(logits / T)."""
     if temperature <= 0:

@@ -75,6 +75,23 @@ def tree_ancestors(parents: Tensor) -> Tensor:
     return anc
 
 
+def tree_ancestors_by_depth(parents: Tensor, depth: int) -> Tensor:
+    """`tree_ancestors` in `depth` rounds of tensor ops on the parents' device, for trees no
+    deeper than `depth` (the draft's steps): each round climbs every node one parent up. No
+    host read and no per-node loop, so the static path builds the verify mask on the device
+    (parity: tests/test_engine_device_cycle.py)."""
+    B, M = parents.shape
+    dev = parents.device
+    up = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), parents.long() + 1], 1)
+    idx = torch.arange(M + 1, device=dev).expand(B, M + 1)
+    anc = idx[:, :, None] == idx[:, None, :]  # each node itself
+    cur = idx
+    for _ in range(depth):
+        cur = up.gather(1, cur)  # the root is its own parent: climbing stops there
+        anc = anc | (cur[:, :, None] == idx[:, None, :])
+    return anc
+
+
 def pick_draft(
     logits: Tensor, temperature: float, gen: torch.Generator | None
 ) -> tuple[Tensor, Tensor | None]:

@@ -16,6 +16,12 @@ different counts per cycle, so the target cache may hold rejected entries of som
 attention mask hides them, the common tail is cropped, and the cache is compacted when holes pile
 up. `plain_generate` runs the same target path without speculation (the benchmark baseline).
 
+On the static runner with the static drafter (the GPU path, batch 1), greedy cycles keep their
+glue on the device (`_device_cycles`): acceptance, the cache update and the drafter's next input
+are tensor ops between the graphs, and the host reads each cycle's accepted tokens once; plain
+greedy decoding there reads its tokens once per 8 steps (`_device_plain`). The host-side cycle
+below stays the reference (`device_glue=False`), and runs sampling and the eager runner.
+
 Accounting follows SGLang: accept_len = completion_tokens / verify passes (the first token comes
 from prefill, the bonus token of each cycle is counted).
 """
@@ -25,6 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -34,8 +41,16 @@ from serve.engine.acceptance import (
     rejection_accept,
     sample_token,
     tree_greedy_accept,
+    tree_greedy_accept_on_device,
 )
-from serve.engine.drafting import DraftSource, DraftTree, EagleDraft, tree_ancestors, tree_problem
+from serve.engine.drafting import (
+    DraftSource,
+    DraftTree,
+    EagleDraft,
+    tree_ancestors,
+    tree_ancestors_by_depth,
+    tree_problem,
+)
 from serve.engine.eager import TargetRunner
 from serve.engine.linear import use_small_rows_linear
 from serve.engine.requests import Generation, GenParams, RequestStats, TokenCallback
@@ -148,6 +163,8 @@ class SpecEngine:
         static_capacity: int = 4096,
         static_draft: bool | None = None,
         capture_chains: tuple[int, ...] = (1, 2, 3, 4, 5),
+        device_glue: bool = True,
+        drafter_dtype: str = "serving",
     ):
         """`runner`: "auto" = the static-cache, CUDA-graph runner when the target is on a GPU
         and Llama-like (requests then run one at a time), else the eager batched `TargetRunner`;
@@ -157,7 +174,11 @@ class SpecEngine:
         a `StaticEagleDraft` (static shapes; CUDA graphs on a GPU); None = wherever the static
         runner runs, False = never (the eager reference), True = also with the eager runner.
         `capture_chains`: with CUDA graphs, `set_drafter` captures the graphs of the configured
-        shape and of these chains (bench.shape_chains' default) up front (`capture`)."""
+        shape and of these chains (bench.shape_chains' default) up front (`capture`).
+        `device_glue`: greedy requests on the static runner and drafter run `_device_cycles`
+        (the cycle's glue on the device, one host read a cycle); False = the host-side cycles,
+        the reference. `drafter_dtype`: "serving" = on a GPU a static drafter runs in the
+        target's dtype (its rotary frequencies stay fp32); "float32" = as loaded."""
         self.device = next(target.parameters()).device
         # An MKL trick for fp32 on CPU only. In bf16 (oneDNN) F.linear is already fast for few
         # rows and W @ x^T is not: SmolLM2 decode 20.7 vs 31.1 ms, 10-token verify 23.5 vs 24.0.
@@ -179,8 +200,13 @@ class SpecEngine:
         self.static_draft = use_static if static_draft is None else static_draft
         self.static_capacity = static_capacity
         self.capture_chains = tuple(capture_chains)
+        self.device_glue = device_glue
+        if drafter_dtype not in ("serving", "float32"):
+            raise ValueError(f"drafter_dtype={drafter_dtype!r}: use serving or float32")
+        self.drafter_dtype = drafter_dtype
         self._runner: Runner = self.static or self.target
         self.drafter: DraftSource | None = None
+        self._captures_at_start = 0  # graph_captures() when `capture` last finished
         self.steps = steps
         self.stop_ids = set(stop_ids) if stop_ids is not None else eos_ids(target)
         if drafter is not None:
@@ -188,6 +214,8 @@ class SpecEngine:
 
     def set_drafter(self, drafter: DraftSource | None) -> None:
         if self.static_draft and isinstance(drafter, EagleDraft):
+            if self.drafter_dtype == "serving" and self.device.type == "cuda":
+                _to_dtype(drafter.model, self.target.model.get_input_embeddings().weight.dtype)
             drafter = StaticEagleDraft(drafter.model, self.static_capacity, source=drafter.source)
         if drafter is not None:
             self.target.set_aux_layers(drafter.aux_layer_ids)
@@ -216,14 +244,25 @@ class SpecEngine:
         benchmark, pays a capture inside its timing. Returns the new graphs per part; empty
         without graphs (CPU). GPU only: verified by tests/test_engine_static_draft.py's `gpu`
         test test_capture_at_start_up_covers_the_requests."""
-        if self.static is None or not self.static.use_graphs:
-            return {}
         shapes = self.capture_shapes() if self.drafter is not None else []
-        widths = [(1, False)] + [(w, True) for w in sorted({n for _, _, n in shapes})]
-        out = {"target": self.static.capture(widths)}
-        if isinstance(self.drafter, StaticEagleDraft):
+        out = {}
+        if self.static is not None and self.static.use_graphs:
+            widths = [(1, False)] + [(w, True) for w in sorted({n for _, _, n in shapes})]
+            out["target"] = self.static.capture(widths)
+        if isinstance(self.drafter, StaticEagleDraft) and self.drafter.use_graphs:
             out["drafter"] = self.drafter.capture(shapes)
+        self._captures_at_start = self.graph_captures()
         return out
+
+    def graph_captures(self) -> int:
+        """CUDA graphs the target runner and the drafter have captured so far."""
+        n = self.static.captures if self.static is not None else 0
+        return n + (self.drafter.captures if isinstance(self.drafter, StaticEagleDraft) else 0)
+
+    def late_captures(self) -> int:
+        """Graphs captured since start-up (`capture`): each one is a capture (and compile)
+        inside some request's time, so the benchmark prints this and expects 0."""
+        return self.graph_captures() - self._captures_at_start
 
     @torch.inference_mode()
     def generate(
@@ -274,6 +313,10 @@ class SpecEngine:
         pos_next = valid.sum(1)  # position of x_next, not yet in the target cache
         done = [rows.append(r, [int(x_next[r])]) for r in range(len(prompts))]
         x_next, pos_next = _drop_finished(done, rows, runner, drafter, x_next, pos_next)
+        if rows.active and self._on_device(params):
+            self._device_cycles(rows, x_next, pos_next, k, topk, n_tokens, tree)
+            runner.release()
+            return rows.results(t0)
 
         j = torch.arange(k + 1)
         while rows.active:
@@ -317,6 +360,94 @@ class SpecEngine:
                 rows.charge("draft_ms", _ms(t))
         runner.release()
         return rows.results(t0)
+
+    def _on_device(self, params: GenParams) -> bool:
+        """Whether a request runs `_device_cycles`: the static runner and drafter, greedy."""
+        return (
+            self.device_glue
+            and self.static is not None
+            and isinstance(self.drafter, StaticEagleDraft)
+            and params.temperature <= 0
+        )
+
+    def _device_cycles(
+        self,
+        rows: _Rows,
+        x_next: Tensor,
+        pos_next: Tensor,
+        k: int,
+        topk: int,
+        n_tokens: int,
+        tree: bool,
+    ) -> None:
+        """The cycles of one greedy request on the static runner and drafter, with the glue on
+        the device (issue 50): acceptance, the cache update and the next draft's input are
+        tensor ops between the graphs, and the host reads the cycle's outcome (the accepted
+        count, the path's tokens, the bonus) once, from a pinned buffer, after the drafter's
+        extension is queued behind it. The host keeps what sizes the graphs (the committed
+        length, an upper bound of the drafter's top position) from those reads alone. The
+        drafter's extension is always k + 1 wide (rejected entries masked), so its width needs
+        no device value. Same tokens, drafts and statistics as the host-side cycles (the
+        reference, `device_glue=False`): tests/test_engine_device_cycle.py."""
+        runner, drafter = self.static, self.drafter
+        assert runner is not None and isinstance(drafter, StaticEagleDraft)
+        dev = runner.device
+        cuda = dev.type == "cuda"
+        j = torch.arange(k + 1, device=dev)
+        x, pos = (
+            x_next.to(dev),
+            pos_next.to(dev),
+        )  # [1] each: the token after the cache, its position
+        top = int(pos_next[0])  # host: pos, as known after the last read
+        host = torch.empty(k + 2, dtype=torch.long, pin_memory=cuda)
+        copied = torch.cuda.Event() if cuda else None
+        st = rows.stats[rows.active[0]]
+        marks: list[tuple[Any, ...]] = []  # per cycle: start, drafted, verified, accepted, extended
+        while rows.active:
+            mark = [_mark(cuda)]
+            if tree:
+                t = drafter.propose_tree(k, topk, n_tokens - 1)
+                mark.append(_mark(cuda))
+                ids = torch.cat([x, t.tokens[0]])
+                vpos = pos + torch.cat([j[:1] * 0, t.depths[0]])
+                anc = tree_ancestors_by_depth(t.parents, k)[0]
+                logits, aux = runner.verify(ids, vpos, anc, aux=True)
+                mark.append(_mark(cuda))
+                a, path, bonus = tree_greedy_accept_on_device(t, logits[None], k)
+                nodes = torch.cat([j[:1] * 0, path[0]])
+                runner.keep_path(nodes)
+                toks, aux = ids.gather(0, path[0]), aux[nodes]
+            else:
+                drafts, _ = drafter.propose(k, 0.0, None)
+                mark.append(_mark(cuda))
+                logits, aux = runner.verify(torch.cat([x, drafts[0]]), pos + j, None, aux=True)
+                mark.append(_mark(cuda))
+                a, bonus = greedy_accept(drafts, logits[None])
+                toks = drafts[0]
+            host.copy_(torch.cat([a, toks, bonus]), non_blocking=True)  # the one host read
+            if copied is not None:
+                copied.record()
+            mark.append(_mark(cuda))
+            # slot pos + i gets the token after it: the i-th accepted draft, then the bonus
+            ext = torch.cat([torch.where(j[:k] < a, toks, bonus), bonus])
+            drafter.extend_on_device(ext[None], aux[None], (pos + j)[None], (j <= a)[None], top + k)  # fmt: skip
+            mark.append(_mark(cuda))
+            marks.append(tuple(mark))
+            x, pos = bonus, pos + a + 1
+            if copied is not None:
+                copied.synchronize()
+            n = int(host[0])
+            runner.advance(n + 1)
+            top += n + 1
+            st.spec_verify_ct += 1
+            st.accepted_drafts += n
+            st.accept_hist[n] += 1
+            if rows.append(0, host[1 : 1 + n].tolist() + [int(host[k + 1])]):
+                rows.active = []
+        draft_ms, verify_ms, accept_ms = _marks_ms(marks, cuda)
+        st.draft_ms += draft_ms
+        st.verify_ms += verify_ms
+        st.accept_ms += accept_ms
 
     def _chain_cycle(
         self,
@@ -399,6 +530,9 @@ class SpecEngine:
         pos = valid.sum(1)
         done = [rows.append(r, [int(x[r])]) for r in range(len(prompts))]
         x, pos = _drop_finished(done, rows, runner, None, x, pos)
+        if rows.active and self.device_glue and self.static is not None and params.temperature <= 0:
+            self._device_plain(rows, x, pos)
+            rows.active = []
         while rows.active:
             t = time.perf_counter()
             ones = torch.ones(len(rows.active), 1, dtype=torch.bool)
@@ -411,6 +545,39 @@ class SpecEngine:
             x, pos = _drop_finished(done, rows, runner, None, x, pos)
         runner.release()
         return rows.results(t0)
+
+    PLAIN_STEPS_PER_READ = 8
+
+    def _device_plain(self, rows: _Rows, x: Tensor, pos: Tensor) -> None:
+        """Greedy plain decoding of one request on the static runner with the argmax fed back
+        on the device and the host reading the tokens once per `PLAIN_STEPS_PER_READ` steps
+        (as `BatchDecoder` does): never past the request's token limit, and a stop token
+        ends it at the next read (the steps after it are wasted, not emitted). Same tokens as
+        the host loop (`device_glue=False`): tests/test_engine_device_cycle.py."""
+        runner = self.static
+        assert runner is not None
+        dev = runner.device
+        cuda = dev.type == "cuda"
+        x, p = x.to(dev), pos.to(dev)  # [1] each
+        host = torch.empty(self.PLAIN_STEPS_PER_READ, dtype=torch.long, pin_memory=cuda)
+        copied = torch.cuda.Event() if cuda else None
+        req = rows.active[0]
+        while True:
+            t = time.perf_counter()
+            n = min(self.PLAIN_STEPS_PER_READ, rows.limits[req] - len(rows.out[req]))
+            toks = []
+            for _ in range(n):
+                logits, _ = runner.verify(x, p, None, aux=False)
+                runner.advance(1)
+                x, p = logits.argmax(-1), p + 1
+                toks.append(x)
+            host[:n].copy_(torch.cat(toks), non_blocking=True)
+            if copied is not None:
+                copied.record()
+                copied.synchronize()
+            rows.stats[req].verify_ms += _ms(t)
+            if rows.append(0, host[:n].tolist()):
+                return
 
     def _check_fits(self, prompts: list[list[int]], limits: list[int], width: int) -> None:
         """The static cache must hold prompt + completion + one verify's spare entries."""
@@ -438,12 +605,47 @@ class SpecEngine:
         return out
 
 
+def _mark(cuda: bool) -> Any:
+    """A point in time of the device cycle: a CUDA event on the stream (read at the end, so
+    timing adds no sync), else the host clock."""
+    if not cuda:
+        return time.perf_counter()
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    return e
+
+
+def _marks_ms(marks: list[tuple[Any, ...]], cuda: bool) -> tuple[float, float, float]:
+    """(draft, verify, accept) ms summed over cycles of (start, drafted, verified, accepted,
+    extended) marks: drafting is the proposal plus the extension, verifying the target's pass
+    (with its inputs' packing), accepting the acceptance, the tree's cache move and the queued
+    host copy."""
+    if not marks:
+        return 0.0, 0.0, 0.0
+    if cuda:
+        marks[-1][-1].synchronize()
+        span = lambda a, b: a.elapsed_time(b)  # noqa: E731
+    else:
+        span = lambda a, b: (b - a) * 1000  # noqa: E731
+    draft = sum(span(m[0], m[1]) + span(m[3], m[4]) for m in marks)
+    return draft, sum(span(m[1], m[2]) for m in marks), sum(span(m[2], m[3]) for m in marks)
+
+
 def _host_sample(logits: Tensor, temperature: float, gen: torch.Generator | None) -> Tensor:
     """`sample_token` whose result is on the host: argmax on the logits' device, sampling on the
     CPU (the engine's generator is a CPU one)."""
     if temperature > 0:
         logits = logits.cpu()
     return sample_token(logits, temperature, gen).cpu()
+
+
+def _to_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The drafter's weights in `dtype`, its rotary frequencies left fp32: in bf16 they would
+    shift the angle of position p by about p / 256 radians."""
+    inv_freq = getattr(model, "inv_freq", None)
+    model.to(dtype)
+    if isinstance(inv_freq, Tensor):
+        model.inv_freq = inv_freq
 
 
 def eos_ids(model: torch.nn.Module) -> set[int]:

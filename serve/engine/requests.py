@@ -36,6 +36,7 @@ class RequestStats:
     steps: int = 0
     draft_ms: float = 0.0  # drafter time per cycle summed: extends after verify + draft steps
     verify_ms: float = 0.0  # target forwards after prefill (verify, or decode steps when plain)
+    accept_ms: float = 0.0  # device cycle only: acceptance, cache move, host copy (else in verify)
     prefill_ms: float = 0.0  # target prefill + the drafter's extend over the prompt
     total_ms: float = 0.0
     finish_reason: str = "length"
@@ -67,6 +68,7 @@ class RequestStats:
             "spec_steps": self.steps,
             "draft_ms": round(self.draft_ms, 3),
             "verify_ms": round(self.verify_ms, 3),
+            "accept_ms": round(self.accept_ms, 3),
             "prefill_ms": round(self.prefill_ms, 3),
             "total_ms": round(self.total_ms, 3),
         }

@@ -294,8 +294,10 @@ class StaticTargetRunner:
         self.length = 0  # committed slots
         self.kv: Tensor | None = None  # [L, 2, Hkv, capacity, d], made on first prefill
         self._graphs: dict[tuple[int, int, bool], _Graph] = {}
+        self.captures = 0  # graphs captured so far (SpecEngine.late_captures reads it)
         self._pool: Any = None
-        self._causal: dict[int, Tensor] = {}
+        self._causal: dict[int, Tensor] = {}  # q -> the chain's mask, host (`_pack`)
+        self._causal_dev: dict[int, Tensor] = {}  # q -> the same on the device (`verify`)
         self.valid = torch.zeros(1, 0, dtype=torch.bool)  # TargetRunner compatibility
 
     @staticmethod
@@ -422,7 +424,7 @@ class StaticTargetRunner:
         key = (q, span, aux)
         if key in self._graphs:
             return self._graphs[key]
-        inputs = packed.to(self.device)
+        inputs = packed.to(self.device, copy=True)  # the graph's own (`verify` packs on device)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm up (compiled, kernels chosen, workspaces made)
@@ -434,7 +436,8 @@ class StaticTargetRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits, states = self._core(inputs, q, span, aux)
-        staging = torch.empty_like(packed).pin_memory()
+        self.captures += 1
+        staging = torch.empty(packed.shape, dtype=packed.dtype).pin_memory()
         g = _Graph(graph, inputs, staging, logits, states, torch.cuda.Event())
         self._graphs[key] = g
         return g
@@ -472,6 +475,55 @@ class StaticTargetRunner:
         g.graph.replay()
         # Graphs share one memory pool: hand out copies, not the static outputs.
         return g.logits.clone(), (g.aux.clone() if g.aux is not None else None)
+
+    def verify(
+        self, ids: Tensor, positions: Tensor, tree: Tensor | None, aux: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """`forward` with its inputs already on the device, read by no host code: the q ids and
+        positions [q] of the one row (the first position is the committed length: slot i holds
+        position i) and the tree's ancestor mask [q, q] (None: a chain). The inputs are packed
+        on the device and copied into the graph's own, so the static path's cycle runs without
+        a sync. Returns (logits [q, V], aux [q, 3·Ht]): on CUDA the graph's static outputs,
+        valid until this runner's next replay (the cycle reads them before). Parity with
+        `forward`: tests/test_engine_device_cycle.py."""
+        q = ids.shape[0]
+        if self.length + q > self.capacity:
+            raise ValueError(
+                f"static KV cache full: {self.length} + {q} entries > capacity {self.capacity}; "
+                "build the engine with a larger static_capacity"
+            )
+        aux = aux and bool(self.aux_ids)
+        if tree is None:
+            if q not in self._causal_dev:  # made once: no kernels per call
+                self._causal_dev[q] = torch.ones(q, q, dtype=torch.long, device=ids.device).tril()  # fmt: skip
+            t = self._causal_dev[q]
+        else:
+            t = tree.long()
+        packed = torch.cat([ids.long(), positions.long(), positions[:1].long(), t.reshape(-1)])
+        span = self._span(q)
+        if not self.use_graphs:
+            logits, states = self._core(packed, q, span, aux)
+        else:
+            g = self._graph(q, span, aux, packed)
+            g.inputs.copy_(packed)
+            g.graph.replay()
+            logits, states = g.logits, g.aux
+        return logits[0], (states[0] if states is not None else None)
+
+    def keep_path(self, nodes: Tensor) -> None:
+        """Move the entries of the last forward at offsets `nodes` [n] (device; the root's 0
+        first, then the accepted path, any padding after it) to the first n new slots, without
+        reading them on the host: the committed length moves later (`advance`), once the host
+        has read how many were accepted. Entries past the accepted ones are left as garbage
+        that no query reads (slots >= length are masked)."""
+        assert self.kv is not None
+        src = self.length + nodes
+        n = nodes.shape[0]
+        self.kv[:, :, :, self.length : self.length + n] = self.kv[:, :, :, src]
+
+    def advance(self, n: int) -> None:
+        """Commit n more entries (of a chain, or a path that `keep_path` moved to the front)."""
+        self.length += n
 
     def prefill(
         self, prompts: list[list[int]], aux: bool

