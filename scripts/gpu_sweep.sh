@@ -23,8 +23,10 @@ N=${N:-4096}
 JOBS=${JOBS:-8}
 mkdir -p "$W/rows" "$W/scores"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+STEPS=${STEPS:-regen held demo-regen sweep-gpu sweep-demo score round-all scratch score-last}
 step() {
   local name=$1; shift
+  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
   echo "$(date +%T) $name start" >>"$W/progress"
   "$@" >"$W/$name.log" 2>&1
   echo "$(date +%T) $name rc=$?" >>"$W/progress"
@@ -33,7 +35,7 @@ step() {
 score() {
   printf '%s\n' "$@" | xargs -P "$JOBS" -I{} sh -c "python3 benchmarks/accept_eval.py \
     --drafter \$(cat $W/rows/{}.path 2>/dev/null || echo $W/rows/{}) --target $T --dtype bfloat16 \
-    --max-tokens 128 --prompts $P/heldout-chat.jsonl --prompts $P/heldout-coding.jsonl \
+    --max-tokens ${MAX_TOKENS:-128} --prompts $P/heldout-chat.jsonl --prompts $P/heldout-coding.jsonl \
     --prompts $P/heldout-math.jsonl >$W/scores/{}.json 2>$W/scores/{}.err"
 }
 B=benchmarks/base_drafter.py
@@ -42,18 +44,18 @@ step regen python3 $B gen --target "$T" --pool "$P/pool.jsonl.gz" --out "$W/rege
 step held python3 $B gen --target "$T" --pool "$P/users.jsonl.gz" --out "$W/held"
 step demo-regen python3 $B gen --target "$T" --pool "$P/demo.jsonl.gz" --max-new-tokens 128 \
   --out "$W/demo"
+GRIDS=${GRIDS:-"n=$N lr=2e-5,1e-4,3e-4,1e-3 anchor=0,1e-4,1e-3,1e-2 ttt=5 warmup=0.1 bs=16384 epochs=2;n=$N lr=1e-4,3e-4 anchor=0 ttt=5 warmup=0.1 bs=16384 epochs=1,4;n=$N lr=1e-4,3e-4 anchor=0 ttt=5 warmup=0.1 bs=16384 epochs=2 head=1"}
+IFS=';' read -ra GRID_ARGS <<<"$GRIDS"
+ARGS=(); for g in "${GRID_ARGS[@]}"; do ARGS+=(--grid "$g"); done
 step sweep-gpu python3 $S --target "$T" --train "$W/regen" --heldout "$W/held" \
-  --init base=drafters/smollm2-135m-base --export-rows "$W/rows" \
-  --grid "n=$N lr=2e-5,1e-4,3e-4,1e-3 anchor=0,1e-4,1e-3,1e-2 ttt=5 warmup=0.1 bs=16384 epochs=2" \
-  --grid "n=$N lr=1e-4,3e-4 anchor=0 ttt=5 warmup=0.1 bs=16384 epochs=1,4" \
-  --grid "n=$N lr=1e-4,3e-4 anchor=0 ttt=5 warmup=0.1 bs=16384 epochs=2 head=1"
+  --init "${INIT_NAME:-base}=drafters/smollm2-135m-base" --export-rows "$W/rows" "${ARGS[@]}"
 step sweep-demo python3 $S --target "$T" --train "$W/demo" --heldout "$W/held" \
   --init offpolicy=drafters/smollm2-135m-offpolicy --export-rows "$W/rows" \
   --grid "n=1024 lr=1e-4,3e-4,1e-3 anchor=0,1e-3 ttt=3 warmup=0.1 bs=1024 epochs=2"
 # a row whose trained states never beat its start exports nothing: it serves its start
 for j in "$W"/rows/*.json; do
   r=$(basename "$j" .json); [ -d "$W/rows/$r" ] && continue
-  case $r in base-*) echo drafters/smollm2-135m-base ;; *) echo drafters/smollm2-135m-offpolicy ;; esac >"$W/rows/$r.path"
+  case $r in base*|all-*) echo drafters/smollm2-135m-base ;; *) echo drafters/smollm2-135m-offpolicy ;; esac >"$W/rows/$r.path"
 done
 echo drafters/smollm2-135m-base >"$W/rows/start-base.path"
 echo drafters/smollm2-135m-offpolicy >"$W/rows/start-offpolicy.path"
@@ -65,7 +67,7 @@ w = pathlib.Path(sys.argv[1])
 def tree(p):
     files = json.loads(p.read_text().splitlines()[-1])["files"]
     return statistics.fmean(f["tree_5_4_12"]["accept_len"] for f in files.values())
-rows = {p.stem: tree(p) for p in (w / "scores").glob("base-*.json") if p.stat().st_size}
+rows = {p.stem: tree(p) for p in (w / "scores").glob("base*-*.json") if p.stat().st_size}
 best = max(rows, key=rows.get)
 print(" ".join(f"{k}={v}" for k, v in json.loads((w / "rows" / f"{best}.json").read_text()).items()
                if k in ("lr", "anchor", "epochs", "head")))
@@ -77,7 +79,7 @@ step round-all python3 $S --target "$T" --train "$W/regen" --heldout "$W/held" \
   --init all=drafters/smollm2-135m-base --export-rows "$W/rows" \
   --grid "n=100000 lr=$lr anchor=$anchor ttt=5 warmup=0.1 bs=16384 epochs=$epochs head=$head"
 step scratch python3 $B train --target "$T" --out "$W/regen" --export "$W/rows/scratch-00" \
-  --epochs 4 --lr 1e-3 --ttt 5 --tokens-per-batch 16384 --max-vocab 8192 --heldout 256 --curve ""
+  --epochs "${SCRATCH_EPOCHS:-4}" --lr 1e-3 --ttt 5 --tokens-per-batch 16384 --max-vocab 8192 --heldout 256 --curve ""
 [ -d "$W/rows/all-00" ] || echo drafters/smollm2-135m-base >"$W/rows/all-00.path"
 step score-last score all-00 scratch-00
 python3 - "$W" >"$W/table.md" <<'PY'
@@ -86,8 +88,8 @@ w = pathlib.Path(sys.argv[1])
 print("| row | init | n | lr | anchor | epochs | head | gate sim3 start>best (epoch) | tree chat | coding | math | mean | chain-3 mean |")
 print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 sims = {}
-for log in ("sweep-gpu.log", "sweep-demo.log", "round-all.log"):
-    for line in (w / log).read_text().splitlines() if (w / log).exists() else []:
+for log in sorted(w.glob("*.log")):
+    for line in log.read_text().splitlines():
         if line.startswith("{") and '"row"' in line:
             r = json.loads(line)
             r = r.get("result", r)
