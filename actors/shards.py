@@ -103,9 +103,10 @@ class Sample:
     ready: Callable[[], object] | None = None
 
 
-def bytes_per_token(hidden_size: int, num_aux: int = 3) -> int:
-    """Bytes one token takes in a shard (ids int32 + mask uint8 + bf16 hidden states)."""
-    return 4 + 1 + 2 * (num_aux + 1) * hidden_size
+def bytes_per_token(hidden_size: int, num_aux: int = 3, online: bool = False) -> int:
+    """Bytes one token takes in a shard: ids int32 + mask uint8, and the bf16 aux + final
+    states unless they are computed by the trainer (`online`: the shard holds ids only)."""
+    return 4 + 1 + (0 if online else 2 * (num_aux + 1) * hidden_size)
 
 
 def sample_bytes(s: Sample) -> int:

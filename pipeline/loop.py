@@ -22,6 +22,7 @@ from pipeline.console import (
     data_line,
     data_note,
     detail,
+    disk_line,
     measured_line,
     plan_line,
     stage,
@@ -33,6 +34,8 @@ from pipeline.layout import RunDir, round_tag
 from pipeline.preflight import preflight
 from pipeline.round_plan import (
     check_budget,
+    data_bytes,
+    disk_plan,
     first_round_skips,
     measure_once,
     next_round_refusal,
@@ -109,6 +112,12 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 rs.done["train"] = _serve_init(cfg, run_dir, tracker, child)
                 _commit(state, clock, run_dir)
             if not rs.is_done("generate"):
+                _free_data(cfg, run_dir, state, r)  # first: the disk plan counts what it frees
+                _commit(state, clock, run_dir)
+                rs.done["disk_plan"] = disk_plan(
+                    cfg, state, r, run_dir, _fresh(cfg, state, r, plan)
+                )
+                log.info(disk_line(r, rs.done["disk_plan"]))
                 t0, secs = clock.elapsed(), stage_seconds(rs, "data", clock)
                 n = f"{cfg.data.prompts_for_round(r)} prompts"
                 with stage(f"round {r} data", secs, n, data_note(RunDir(run_dir).data(r))) as st:
@@ -116,6 +125,8 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                         cfg, run_dir, state, r, plan, evalset, tracker, child, secs
                     )
                     rs.done["generate"]["wall_s"] = clock.elapsed() - t0
+                    # the round's peak: its data has landed, and no round's is freed before the next
+                    rs.done["generate"]["disk_bytes"] = data_bytes(RunDir(run_dir).data(r).parent)
                     st.result = data_line(rs.done["generate"])
                 _commit(state, clock, run_dir)
             if not rs.is_done("train"):
@@ -266,8 +277,9 @@ def _generate_round(
 
     out = RunDir(run_dir).data(r)
     records = _traffic_for_round(cfg, run_dir, state, r, out, evalset)
-    earlier = [state.rounds[i].done["generate"].get("drawn") or {} for i in range(r)]
-    prompts, slices = round_slices(plan, cfg.data.prompts_for_round(r) - len(records), earlier)
+    prompts, slices = round_slices(
+        plan, cfg.data.prompts_for_round(r) - len(records), _drawn(state, r)
+    )
     _keep_slice(out / "slice.json", r, slices)
     counts = {s: b - a for s, (a, b) in slices.items()}
     prompts, replied = _with_replies(prompts, plan.replies, cfg.data.dataset_replies)
@@ -286,6 +298,45 @@ def _generate_round(
     return {**_record(res), "drawn": counts, "slice": slices, "traffic_records": len(records),
             "fresh_prompts": len(prompts), "replied_prompts": len(replied),
             "traffic_ids": [x["id"] for x in records]}  # fmt: skip
+
+
+def _drawn(state: RunState, r: int) -> list[dict[str, int]]:
+    """What each round before r drew from each prompt source (`{source: count}`)."""
+    return [(state.rounds[i].done.get("generate") or {}).get("drawn") or {} for i in range(r)]
+
+
+def _fresh(cfg: Config, state: RunState, r: int, plan) -> list:
+    """Round r's fresh prompts as if the traffic log gave none: what the disk plan sizes a
+    round by before any round measured its tokens."""
+    from actors.prompts import round_slices
+
+    return round_slices(plan, cfg.data.prompts_for_round(r), _drawn(state, r))[0]
+
+
+def _window(cfg: Config, state: RunState, r: int) -> list[int]:
+    """The rounds whose data round r trains on: the last `train.data_rounds` of those up to r
+    that made data. The one rule behind training, healing and freeing."""
+    made = [rs.index for rs in state.rounds[: r + 1] if "manifest" in (rs.done.get("generate") or {})]  # fmt: skip
+    return cfg.train.data_window(made)
+
+
+def _free_data(cfg: Config, run_dir: Path, state: RunState, r: int) -> None:
+    """Before round r generates: delete the shards of every earlier round outside its window
+    (no round from r on trains on them), so the disk holds at most `train.data_rounds` rounds.
+    Their manifests and records stay, saying what was made; `freed_bytes` marks them done."""
+    made = [rs.index for rs in state.rounds[:r] if "manifest" in (rs.done.get("generate") or {})]
+    keep = set(cfg.train.data_window([*made, r]))
+    for i in made:
+        rec = state.rounds[i].done["generate"]
+        if i in keep or "freed_bytes" in rec:
+            continue
+        folder, freed = state.rounds[i].manifest.parent, 0
+        for f in [*folder.glob("*.safetensors"), *folder.glob("*.gen.jsonl")]:
+            freed += f.stat().st_size
+            f.unlink()
+        rec["freed_bytes"] = freed
+        log.info("round %d: deleted round %d's shards (%.2f GiB): outside train.data_rounds=%s",
+                 r, i, freed / 2**30, cfg.train.data_rounds)  # fmt: skip
 
 
 def _keep_slice(path: Path, r: int, slices: dict[str, list[int]]) -> None:
@@ -331,15 +382,14 @@ def _replied_batches(prompts: list, replies: dict[str, str], batch_size: int) ->
 
 
 def _heal_data(cfg: Config, run_dir: Path, state: RunState, r: int, plan, evalset) -> list[int]:
-    """Check the shards of rounds 0..r (what round r trains on); a round with missing, truncated
-    or corrupted shards gets those batches regenerated, the intact ones kept. Returns the rounds
-    healed; a shard still bad afterwards raises ShardError."""
+    """Check the shards of the rounds round r trains on (`_window`: rounds outside it may be
+    deleted, and are never remade); a round with missing, truncated or corrupted shards gets
+    those batches regenerated, the intact ones kept. Returns the rounds healed; a shard still
+    bad afterwards raises ShardError."""
     from actors.shards import verify_manifest
 
     healed = []
-    for i in range(r + 1):
-        if "manifest" not in state.rounds[i].done["generate"]:  # a round that made no data
-            continue
+    for i in _window(cfg, state, r):
         try:
             verify_manifest(state.rounds[i].done["generate"]["manifest"])
         except ShardError as e:
@@ -403,8 +453,7 @@ def _train(
 ) -> dict:
     from pipeline.train import run_train
 
-    made = [rs for rs in state.rounds[: r + 1] if "manifest" in rs.done["generate"]]
-    data_dirs = [rs.manifest.parent for rs in cfg.train.data_window(made)]  # skipped round 0: none
+    data_dirs = [state.rounds[i].manifest.parent for i in _window(cfg, state, r)]
     init = cfg.drafter.resolved_init()
     if r > 0:  # keep learning from the drafter that serves (the last one the gate promoted)
         init = _serving_drafter(state) or state.rounds[r - 1].drafter_dir

@@ -470,6 +470,44 @@ def test_a_damaged_finished_round_heals_and_stale_temp_files_go(stage, tiny_targ
     assert not stale.exists() and not list(work.glob(".*.tmp-*"))
 
 
+def test_rounds_outside_the_training_window_are_deleted_and_never_healed(stage, tmp_path):
+    """`train.data_rounds: 1`: before round 1 generates, round 0's shards are deleted (no round
+    from 1 on trains on them; its manifest stays, saying what was made), and healing round 1's
+    training checks round 1 alone, so round 0 is not remade. On main every round's states
+    stayed and healing regenerated round 0: a 64 GB disk held one round of the GPU climb."""
+    from actors.prompts import PromptPlan
+    from pipeline.config import Config
+    from pipeline.layout import RunDir
+    from pipeline.loop import _free_data, _heal_data
+    from pipeline.state import RunState
+
+    plan = PromptPlan(train={"builtin": PROMPTS}, heldout=[], users=[], weights={"builtin": 1.0})
+    target, data, out, _ = stage
+    data = data.model_copy(update={"prompts_per_round": len(PROMPTS)})
+    run_dir = tmp_path / "run"
+    state = RunState(config_digest="d")
+
+    def made(r: int) -> Path:
+        shutil.copytree(out, RunDir(run_dir).data(r))
+        state.round(r).done["generate"] = {"manifest": str(RunDir(run_dir).data(r) / MANIFEST)}
+        return RunDir(run_dir).data(r)
+
+    r0 = made(0)
+    shard_bytes = sum(p.stat().st_size for p in r0.glob("*.safetensors"))
+    _free_data(Config(target=target, data=data, train={"data_rounds": 2}), run_dir, state, 1)
+    assert len(list(r0.glob("*.safetensors"))) == 3  # in round 1's window of 2: kept
+    cfg = Config(target=target, data=data, train={"data_rounds": 1})
+    _free_data(cfg, run_dir, state, 1)
+    assert not list(r0.glob("*.safetensors")) and (r0 / MANIFEST).exists()
+    assert state.rounds[0].done["generate"]["freed_bytes"] == shard_bytes
+    r1 = made(1)
+    assert _heal_data(cfg, run_dir, state, 1, plan, ([], [])) == []
+    assert not list(r0.glob("*.safetensors"))  # outside the window: never remade
+    (r1 / "b00001-00.safetensors").unlink()  # inside it: healed
+    assert _heal_data(cfg, run_dir, state, 1, plan, ([], [])) == [1]
+    assert verify_manifest(r1) and not list(r0.glob("*.safetensors"))
+
+
 def test_a_deadline_cuts_the_stage_at_a_batch_and_healing_makes_the_same_batches(
     stage, tiny_target, tmp_path
 ):
