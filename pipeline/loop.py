@@ -55,6 +55,7 @@ from pipeline.rules import (
 )
 from pipeline.state import Clock, RunState, write_json_atomic, write_text_atomic
 from pipeline.tracking import Tracker, runs_page
+from pipeline.window import drawn, free_data, window
 
 log = logging.getLogger("eagle_loop")
 
@@ -112,7 +113,7 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 rs.done["train"] = _serve_init(cfg, run_dir, tracker, child)
                 _commit(state, clock, run_dir)
             if not rs.is_done("generate"):
-                _free_data(cfg, run_dir, state, r)  # first: the disk plan counts what it frees
+                free_data(cfg, run_dir, state, r)  # first: the disk plan counts what it frees
                 _commit(state, clock, run_dir)
                 rs.done["disk_plan"] = disk_plan(
                     cfg, state, r, run_dir, _fresh(cfg, state, r, plan)
@@ -278,14 +279,16 @@ def _generate_round(
     out = RunDir(run_dir).data(r)
     records = _traffic_for_round(cfg, run_dir, state, r, out, evalset)
     prompts, slices = round_slices(
-        plan, cfg.data.prompts_for_round(r) - len(records), _drawn(state, r)
+        plan, cfg.data.prompts_for_round(r) - len(records), drawn(state, r)
     )
     _keep_slice(out / "slice.json", r, slices)
     counts = {s: b - a for s, (a, b) in slices.items()}
     prompts, replied = _with_replies(prompts, plan.replies, cfg.data.dataset_replies)
     res = run_generate(
         cfg.target,
-        cfg.data,
+        cfg.data.model_copy(
+            update={"states": cfg.states()}
+        ),  # auto resolved: the stage keeps ids or states
         prompts,
         out,
         cfg.digest(),
@@ -300,43 +303,12 @@ def _generate_round(
             "traffic_ids": [x["id"] for x in records]}  # fmt: skip
 
 
-def _drawn(state: RunState, r: int) -> list[dict[str, int]]:
-    """What each round before r drew from each prompt source (`{source: count}`)."""
-    return [(state.rounds[i].done.get("generate") or {}).get("drawn") or {} for i in range(r)]
-
-
 def _fresh(cfg: Config, state: RunState, r: int, plan) -> list:
     """Round r's fresh prompts as if the traffic log gave none: what the disk plan sizes a
     round by before any round measured its tokens."""
     from actors.prompts import round_slices
 
-    return round_slices(plan, cfg.data.prompts_for_round(r), _drawn(state, r))[0]
-
-
-def _window(cfg: Config, state: RunState, r: int) -> list[int]:
-    """The rounds whose data round r trains on: the last `train.data_rounds` of those up to r
-    that made data. The one rule behind training, healing and freeing."""
-    made = [rs.index for rs in state.rounds[: r + 1] if "manifest" in (rs.done.get("generate") or {})]  # fmt: skip
-    return cfg.train.data_window(made)
-
-
-def _free_data(cfg: Config, run_dir: Path, state: RunState, r: int) -> None:
-    """Before round r generates: delete the shards of every earlier round outside its window
-    (no round from r on trains on them), so the disk holds at most `train.data_rounds` rounds.
-    Their manifests and records stay, saying what was made; `freed_bytes` marks them done."""
-    made = [rs.index for rs in state.rounds[:r] if "manifest" in (rs.done.get("generate") or {})]
-    keep = set(cfg.train.data_window([*made, r]))
-    for i in made:
-        rec = state.rounds[i].done["generate"]
-        if i in keep or "freed_bytes" in rec:
-            continue
-        folder, freed = state.rounds[i].manifest.parent, 0
-        for f in [*folder.glob("*.safetensors"), *folder.glob("*.gen.jsonl")]:
-            freed += f.stat().st_size
-            f.unlink()
-        rec["freed_bytes"] = freed
-        log.info("round %d: deleted round %d's shards (%.2f GiB): outside train.data_rounds=%s",
-                 r, i, freed / 2**30, cfg.train.data_rounds)  # fmt: skip
+    return round_slices(plan, cfg.data.prompts_for_round(r), drawn(state, r))[0]
 
 
 def _keep_slice(path: Path, r: int, slices: dict[str, list[int]]) -> None:
@@ -382,14 +354,14 @@ def _replied_batches(prompts: list, replies: dict[str, str], batch_size: int) ->
 
 
 def _heal_data(cfg: Config, run_dir: Path, state: RunState, r: int, plan, evalset) -> list[int]:
-    """Check the shards of the rounds round r trains on (`_window`: rounds outside it may be
+    """Check the shards of the rounds round r trains on (pipeline/window.py: rounds outside it are
     deleted, and are never remade); a round with missing, truncated or corrupted shards gets
     those batches regenerated, the intact ones kept. Returns the rounds healed; a shard still
     bad afterwards raises ShardError."""
     from actors.shards import verify_manifest
 
     healed = []
-    for i in _window(cfg, state, r):
+    for i in window(cfg, state, r):
         try:
             verify_manifest(state.rounds[i].done["generate"]["manifest"])
         except ShardError as e:
@@ -453,7 +425,7 @@ def _train(
 ) -> dict:
     from pipeline.train import run_train
 
-    data_dirs = [state.rounds[i].manifest.parent for i in _window(cfg, state, r)]
+    data_dirs = [state.rounds[i].manifest.parent for i in window(cfg, state, r)]
     init = cfg.drafter.resolved_init()
     if r > 0:  # keep learning from the drafter that serves (the last one the gate promoted)
         init = _serving_drafter(state) or state.rounds[r - 1].drafter_dir
