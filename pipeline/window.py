@@ -28,13 +28,17 @@ def window(cfg: Config, state: RunState, r: int) -> list[int]:
 
 def free_data(cfg: Config, run_dir: Path, state: RunState, r: int) -> None:
     """Before round r generates: delete the shards of every earlier round outside its window
-    (no round from r on trains on them), so the disk holds at most `train.data_rounds` rounds.
-    Their manifests and records stay, saying what was made; `freed_bytes` marks them done."""
+    (no round from r on trains on them), so the disk holds at most `train.data_rounds` rounds of
+    states. Their manifests and records stay, saying what was made; `freed_bytes` marks them
+    done. Ids-only shards (`data.states: online`, 5 B a token) stay: they hold no states, and
+    benchmarks/climb_vs_scratch.py trains on every round's data."""
+    from actors.shards import load_manifest
+
     made = [rs.index for rs in state.rounds[:r] if "manifest" in (rs.done.get("generate") or {})]
     keep = set(cfg.train.data_window([*made, r]))
     for i in made:
         rec = state.rounds[i].done["generate"]
-        if i in keep or "freed_bytes" in rec:
+        if i in keep or "freed_bytes" in rec or load_manifest(state.rounds[i].manifest).online:
             continue
         folder, freed = state.rounds[i].manifest.parent, 0
         for f in [*folder.glob("*.safetensors"), *folder.glob("*.gen.jsonl")]:

@@ -539,6 +539,16 @@ def test_online_states_give_the_training_batch_the_offline_shards_give(stage, tm
             assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-3)
 
+    # ids-only shards hold no states: kept outside the training window (scratch retrains on them)
+    from pipeline.config import Config
+    from pipeline.state import RunState
+    from pipeline.window import free_data
+
+    state = RunState(config_digest="d")
+    state.round(0).done["generate"] = {"manifest": str(online / MANIFEST)}
+    free_data(Config(target=target, data=data, train={"data_rounds": 1}), tmp_path, state, 1)
+    assert verify_manifest(online) and "freed_bytes" not in state.rounds[0].done["generate"]
+
 
 def test_a_deadline_cuts_the_stage_at_a_batch_and_healing_makes_the_same_batches(
     stage, tiny_target, tmp_path
