@@ -284,11 +284,10 @@ def _generate_round(
     _keep_slice(out / "slice.json", r, slices)
     counts = {s: b - a for s, (a, b) in slices.items()}
     prompts, replied = _with_replies(prompts, plan.replies, cfg.data.dataset_replies)
+    data = cfg.data.model_copy(update={"states": cfg.states()})  # auto resolved: ids or states
     res = run_generate(
         cfg.target,
-        cfg.data.model_copy(
-            update={"states": cfg.states()}
-        ),  # auto resolved: the stage keeps ids or states
+        data,
         prompts,
         out,
         cfg.digest(),
