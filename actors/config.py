@@ -129,7 +129,8 @@ class DataConfig(Strict):
     a round in the `train.data_rounds` window trains on them. `auto` = online where the target
     fits beside the trainer (an HF target, training on GPUs), offline elsewhere: SGLang and vLLM
     targets, and CPU runs, where the decode keeps the states for free and a time-boxed training
-    step would pay a target forward."""
+    step would pay a target forward (docs/training.md, "Online states"). The data stage run alone
+    (`python -m actors.generate`) takes `auto` as offline."""
     batch_size: int = Field(16, ge=1)
     """Prompts per generate call of one actor."""
     num_actors: int = Field(1, ge=1)
