@@ -126,8 +126,6 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                         cfg, run_dir, state, r, plan, evalset, tracker, child, secs
                     )
                     rs.done["generate"]["wall_s"] = clock.elapsed() - t0
-                    # the round's peak: its data has landed, and no round's is freed before the next
-                    rs.done["generate"]["disk_bytes"] = data_bytes(RunDir(run_dir).data(r).parent)
                     st.result = data_line(rs.done["generate"])
                 _commit(state, clock, run_dir)
             if not rs.is_done("train"):
@@ -253,6 +251,8 @@ def _generate(
     seconds: float | None = None,
 ) -> dict:
     rec = _generate_round(cfg, run_dir, state, r, plan, evalset, seconds)
+    # the round's peak disk: its data has landed, and no round's is deleted before the next
+    rec["disk_bytes"] = data_bytes(RunDir(run_dir).data(r).parent)
     tracker.log(child, {f"data/{k}": v for k, v in rec.items()})
     return rec
 

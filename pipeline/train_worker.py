@@ -98,7 +98,7 @@ def train_worker(config: dict[str, Any]) -> None:
     if job.online:  # the target beside the drafter: each batch's states from its ids
         from pipeline.online_states import OnlineStates
 
-        states = OnlineStates(job.target, job.drafter["aux_layer_ids"], device)
+        states = OnlineStates(job.target, job.drafter["aux_layer_ids"], device, tc.tokens_per_batch)
     plan = Plan.make(job, tc, rank, world, states)
     boxed = _boxed_total(Path(job.out_dir), device)  # fixed by an earlier attempt of this run
     if boxed:

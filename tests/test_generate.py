@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import shutil
 import subprocess
@@ -513,7 +514,8 @@ def test_online_states_give_the_training_batch_the_offline_shards_give(stage, tm
     """`data.states: online`: the data stage keeps ids and masks only (states of width 0, about
     5 B a token), and a training worker's target (pipeline/online_states.py) computes the
     states of each batch it reads: the same batch as the offline shards give, ids, masks and
-    packing equal, states within bf16 rounding (offline here: the decode's own states)."""
+    packing equal, states within bf16 rounding (offline here: the decode's own states), from
+    the batched decoder's forward and from the HF capture alike."""
     from eagle3.train_step import ShardSet, pack
     from pipeline.online_states import OnlineStates
 
@@ -526,9 +528,11 @@ def test_online_states_give_the_training_batch_the_offline_shards_give(stage, tm
     sets = [ShardSet(m.shard_paths(), [s.sha256 for s in m.shards]) for m in (m_off, m_on)]
     lengths = [r.length for r in sets[0].samples]
     assert lengths == [r.length for r in sets[1].samples]
-    states = OnlineStates(target.model_dump(), AUX, torch.device("cpu"))
     budget = 64  # below data.max_length: longer samples are cut on load, as training cuts them
-    for b in pack(lengths, budget, seed=0):
+    fast = OnlineStates(target.model_dump(), AUX, torch.device("cpu"), budget)
+    hf = OnlineStates(target.model_dump(), AUX, torch.device("cpu"), budget, batched=False)
+    assert fast.decoder is not None and hf.decoder is None
+    for b, states in itertools.product(pack(lengths, budget, seed=0), (fast, hf)):
         off = sets[0].load([sets[0].samples[j] for j in b], budget)
         on = states.fill(sets[1].load([sets[1].samples[j] for j in b], budget))
         assert on.cu_seqlens == off.cu_seqlens and torch.equal(on.position_ids, off.position_ids)
