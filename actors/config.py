@@ -135,6 +135,16 @@ class DataConfig(Strict):
     second pass; HF backend, Llama-like targets). `forward`: one clean forward per finished
     conversation (the only way with SGLang, which generates and captures in separate phases).
     `auto` = decode on the HF backend, forward on SGLang."""
+    states: Literal["auto", "online", "offline"] = "auto"
+    """Who computes the target's hidden states the drafter learns from. `online`: the training
+    workers, per batch from its token ids, with the target (HF backend) loaded beside the drafter;
+    the data stage stores token ids and loss masks only (5 bytes a token). `offline`: the data
+    stage, into shards (4,613 bytes a token at SmolLM2's size, ~57 KB at Kimi-K2.5's), kept while
+    a round in the `train.data_rounds` window trains on them. `auto` = online where the target
+    fits beside the trainer (an HF target, training on GPUs), offline elsewhere: SGLang and vLLM
+    targets, and CPU runs, where the decode keeps the states for free and a time-boxed training
+    step would pay a target forward (docs/training.md, "Online states"). The data stage run alone
+    (`python -m actors.generate`) takes `auto` as offline."""
     batch_size: int = Field(16, ge=1)
     """Prompts per generate call of one actor."""
     num_actors: int = Field(1, ge=1)
@@ -204,6 +214,12 @@ def data_stage_problems(target: TargetConfig, data: DataConfig) -> list[str]:
         errs.append(
             f"data.capture: 'decode' needs target.backend=hf ({target.backend} generates "
             "and captures in separate steps); set data.capture to auto or forward"
+        )
+    if target.backend != "hf" and data.states == "online":
+        errs.append(
+            f"data.states: 'online' needs target.backend=hf (the training workers load the "
+            f"target with transformers beside the drafter; a {target.backend} target is too "
+            "big for that or runs in its own server); set data.states to auto or offline"
         )
     return errs
 

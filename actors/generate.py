@@ -147,6 +147,7 @@ def run_generate(
         first.get("aux_layer_ids", []),
         config_hash,
         [s for i in sorted(records) for s in records[i]["shards"]],
+        online=first.get("online", False),
     )
     gen_s = sum(r.gen_seconds for r in generated) / max(1, n_actors)
     cap_s = sum(r.capture_seconds for r in done) / max(1, n_actors)
@@ -266,6 +267,8 @@ def batch_key(batch: Batch, target: TargetConfig, data: DataConfig) -> str:
         "target": target.model_dump(mode="json", exclude={"env", "num_gpus_per_actor"}),
         "data": data.model_dump(mode="json", include={"max_new_tokens", "max_length", "temperature", "seed", "shard_max_bytes", "context_turns"}),
     }  # fmt: skip
+    if data.states == "online":  # ids-only shards; offline keys stay what they were
+        settings["online"] = True
     if isinstance(batch, Answered):
         settings["answered"] = [list(p) + [-1] + list(c) for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True)]  # fmt: skip
     elif isinstance(batch, Replied):
@@ -399,7 +402,9 @@ def _check_storage(
     out_dir: Path, info: dict[str, Any], lengths: list[int], data: DataConfig
 ) -> None:
     """Print the storage estimate and refuse to start when the disk cannot hold it."""
-    per_tok = bytes_per_token(info["target"]["hidden_size"], len(info["aux_layer_ids"]))
+    per_tok = bytes_per_token(
+        info["target"]["hidden_size"], len(info["aux_layer_ids"]), info.get("online", False)
+    )
     tokens = sum(min(n + data.max_new_tokens, data.max_length) for n in lengths)
     need = int(per_tok * tokens * STORAGE_MARGIN)
     free = shutil.disk_usage(out_dir).free

@@ -10,6 +10,9 @@ A shard is one safetensors file holding S samples packed back to back (N tokens 
 | `aux_hidden`   | bf16  | [N, A*H]     | target hidden states at the aux layer ids, concatenated (A=3) |
 | `final_hidden` | bf16  | [N, H]       | target's last hidden state after the final norm               |
 
+With online states (`data.states: online`, manifest `"online": true`) the two state tensors have
+width 0: the shard holds ids and masks, and the training workers compute the states per batch.
+
 Files are written atomically (temp file + ``os.replace``) and never exceed
 ``DataConfig.shard_max_bytes``. Shards of one prompt batch are named ``b{batch:05d}-{part:02d}``;
 a sidecar ``b{batch:05d}.json`` written after them records their sha256, so an interrupted run
@@ -75,6 +78,7 @@ class Manifest:
     num_tokens: int
     num_loss_tokens: int
     format: str = FORMAT
+    online: bool = False  # ids and masks only (width-0 states): the trainer computes the states
     root: str = field(default="", compare=False)  # directory it was read from (not serialised)
 
     def shard_paths(self) -> list[Path]:
@@ -103,9 +107,10 @@ class Sample:
     ready: Callable[[], object] | None = None
 
 
-def bytes_per_token(hidden_size: int, num_aux: int = 3) -> int:
-    """Bytes one token takes in a shard (ids int32 + mask uint8 + bf16 hidden states)."""
-    return 4 + 1 + 2 * (num_aux + 1) * hidden_size
+def bytes_per_token(hidden_size: int, num_aux: int = 3, online: bool = False) -> int:
+    """Bytes one token takes in a shard: ids int32 + mask uint8, and the bf16 aux + final
+    states unless they are computed by the trainer (`online`: the shard holds ids only)."""
+    return 4 + 1 + (0 if online else 2 * (num_aux + 1) * hidden_size)
 
 
 def sample_bytes(s: Sample) -> int:
@@ -396,8 +401,10 @@ def write_manifest(
     aux_layer_ids: list[int],
     config_hash: str,
     shards: list[ShardInfo],
+    online: bool = False,
 ) -> Manifest:
     m = Manifest(
+        online=online,
         target=dict(target),
         aux_layer_ids=tuple(aux_layer_ids),
         config_hash=config_hash,
@@ -430,6 +437,7 @@ def load_manifest(path: str | Path) -> Manifest:
         num_samples=d["num_samples"],
         num_tokens=d["num_tokens"],
         num_loss_tokens=d["num_loss_tokens"],
+        online=d.get("online", False),
         root=str(p.parent),
     )
 

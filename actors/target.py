@@ -297,8 +297,10 @@ class TargetWorker:
         self.aux_layer_ids = resolve_aux_layer_ids(target.aux_layer_ids, self.backend.num_layers)
         self._compute = threading.Lock()
         self._pinned: PinnedPool | None = None  # made by the first forward capture (HF backend)
+        # online states: the training workers compute them; this stage keeps ids and masks only
+        self.online = data.states == "online"
         self.capture_in_decode = (
-            capture_mode(data.capture, target.backend, self.backend) == "decode"
+            not self.online and capture_mode(data.capture, target.backend, self.backend) == "decode"
         )
 
     def info(self) -> dict[str, Any]:
@@ -312,7 +314,7 @@ class TargetWorker:
             "vocab_size": b.vocab_size,
             "tokenizer_hash": b.tokenizer_hash,
         }
-        return {"target": target, "aux_layer_ids": list(self.aux_layer_ids)}
+        return {"target": target, "aux_layer_ids": list(self.aux_layer_ids), "online": self.online}
 
     def prompt_lengths(self, prompts: list[Conversation]) -> list[int]:
         """Templated token counts (for the storage estimate)."""
@@ -501,10 +503,36 @@ class TargetWorker:
         actor's other call computes meanwhile.
 
         HF backend: overlapped (`_capture_streamed`). Other backends (SGLang): capture in
-        token-bounded groups, then write each shard as soon as it is full."""
+        token-bounded groups, then write each shard as soon as it is full. Online states: no
+        capture, the ids only (`_write_ids`)."""
+        if self.online:
+            return self._write_ids(gen, out_dir, batch_index, batch_key)
         if isinstance(self.backend, HFTarget):
             return self._capture_streamed(gen, out_dir, batch_index, batch_key)
         return self._capture_then_write(gen, out_dir, batch_index, batch_key)
+
+    def _write_ids(
+        self, gen: Generated, out_dir: str, batch_index: int, batch_key: str
+    ) -> BatchResult:
+        """`data.states: online`: the batch's shards hold its token ids and loss masks, with
+        states of width 0 (the same format, 5 bytes a token); the training workers compute the
+        states per batch (pipeline/online_states.py)."""
+        t0 = time.perf_counter()
+
+        def none(n: int) -> torch.Tensor:
+            return torch.empty(n, 0, dtype=torch.bfloat16)
+
+        samples = [
+            Sample(ids, m, none(len(ids)), none(len(ids)))
+            for ids, m in zip(gen.input_ids, gen.loss_mask, strict=True)
+        ]
+        meta, out = self._shard_meta(batch_key), Path(out_dir)
+        shards = [
+            write_shard(out / shard_name(batch_index, j), part, meta)
+            for j, part in enumerate(pack_parts(samples, self.data.shard_max_bytes))
+        ]
+        write_batch_record(out, batch_index, batch_key, shards, self.info())
+        return _captured(gen, batch_index, shards, 0.0, time.perf_counter() - t0)
 
     def _capture_streamed(
         self, gen: Generated, out_dir: str, batch_index: int, batch_key: str

@@ -44,6 +44,11 @@ def main() -> None:
     made = [rd["done"]["generate"] for rd in state["rounds"] if "manifest" in rd["done"].get("generate", {})]  # fmt: skip
     if not made:
         raise SystemExit(f"{run.state}: no round made data; run the loop first")
+    if gone := [i for i, g in enumerate(made) if "freed_bytes" in g]:
+        raise SystemExit(
+            f"{run.state}: the shards of the data rounds {gone} were deleted once outside the "
+            "train.data_rounds window; a run with data.states: online keeps every round's ids"
+        )
     out = run.root / "scratch"
     tc = cfg.train.model_copy(update={"epochs": a.epochs, "lr": a.lr, "data_rounds": None})
     start_ray(runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})

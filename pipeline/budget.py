@@ -164,3 +164,81 @@ def plan_vs_actual(plan: dict[str, Any], done: dict[str, dict]) -> dict[str, flo
                 actual += float(done.get("gate", {}).get("wall_s", 0.0))
             out[f"actual/{short}_s"] = actual
     return out
+
+
+# ---- disk ------------------------------------------------------------------------------------
+# A round's shards are planned like its seconds: predicted before it generates, and refused with
+# the figures when the disk cannot hold them. Rounds outside the training window
+# (`train.data_rounds`) are deleted before a round generates (pipeline/loop.py `_free_data`), so
+# at most `window` rounds' data are on disk at once.
+
+# Before any round measured its tokens per sample: a prompt's characters over this, plus the
+# chat template's tokens (SmolLM2's default system prompt and role headers are about 30), plus
+# `data.max_new_tokens`. English BPE averages about 4 characters a token; 3 leans to more bytes.
+CHARS_PER_TOKEN = 3.0
+TEMPLATE_TOKENS = 40
+
+
+@dataclass(frozen=True)
+class DiskPlan:
+    round: int
+    samples: int  # prompts the round generates or captures
+    tokens_per_sample: float
+    measured: bool  # tokens_per_sample from an earlier round's data (else from characters)
+    bytes_per_token: int  # actors/shards.py bytes_per_token: ids only when data.states is online
+    round_bytes: int  # the prediction, with the generate stage's margin
+    window: int  # rounds whose data are on disk together, at most
+    held_bytes: int  # data on disk now (earlier rounds still in the window, this round's part)
+    free_bytes: int
+
+    def record(self) -> dict[str, Any]:
+        return {k: round(v, 1) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+def plan_disk(
+    r: int,
+    samples: int,
+    tokens_per_sample: float,
+    measured: bool,
+    bytes_per_token: int,
+    window: int,
+    held_bytes: int,
+    own_bytes: int,
+    free_bytes: int,
+    online: bool,
+) -> DiskPlan:
+    """Round r's data bytes, refused (BudgetError) when they do not fit: now (`free_bytes` plus
+    what round r already wrote, `own_bytes`, on a resume), or once `window` rounds of this size
+    are on disk together (the free bytes plus what every round holds now, `held_bytes`, which
+    the window's later rounds replace)."""
+    from actors.generate import STORAGE_MARGIN
+
+    need = int(samples * tokens_per_sample * bytes_per_token * STORAGE_MARGIN)
+    plan = DiskPlan(
+        r, samples, tokens_per_sample, measured, bytes_per_token, need, window, held_bytes,
+        free_bytes,
+    )  # fmt: skip
+    if need - own_bytes > free_bytes or window * need > free_bytes + held_bytes:
+        fixes = (
+            "lower data.prompts_per_round, data.max_new_tokens or train.data_rounds, or free space"
+        )
+        if not online:
+            fixes = "set data.states: online (ids only, 5 B a token), or " + fixes
+        how = "measured on the rounds before" if measured else "estimated from prompt characters"
+        raise BudgetError(
+            f"disk: round {r}'s data needs about {size(need)} ({samples} samples x "
+            f"{tokens_per_sample:.0f} tokens, {how}, x {bytes_per_token} B a token), and "
+            f"{window} round(s) of it in the train.data_rounds window {size(window * need)}; "
+            f"{size(free_bytes)} free and {size(held_bytes)} held by the rounds on disk; "
+            f"{fixes}; round {r} was not started"
+        )
+    return plan
+
+
+def size(n: float) -> str:
+    """Bytes as people read them: 1.23 GiB, 45.6 MiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

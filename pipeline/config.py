@@ -282,6 +282,13 @@ class Config(_Strict):
             raise ValueError("; ".join(errs))
         return self
 
+    def states(self) -> Literal["online", "offline"]:
+        """`data.states` resolved: `auto` is online for an HF target trained on GPUs (each
+        worker holds the target beside the drafter on its GPU), offline otherwise."""
+        if self.data.states != "auto":
+            return self.data.states
+        return "online" if self.target.backend == "hf" and self.train.use_gpu else "offline"
+
     def digest(self) -> str:
         """Stable hash of the resolved config (recorded in manifests). `tracking` and `ray_host`
         are left out: where results are tracked or Ray listens does not change them, and a run

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from pipeline.budget import size
 from pipeline.layout import RunDir
 
 log = logging.getLogger("eagle_loop")
@@ -249,7 +250,19 @@ def data_line(rec: dict[str, Any]) -> str:
     if drawn := {k: v for k, v in (rec.get("drawn") or {}).items() if v}:  # per source or domain
         given += ": " + ", ".join(f"{k} {v}" for k, v in drawn.items())
     cut = f"; {rec['left_out']} batch(es) left out at the deadline" if rec.get("left_out") else ""
-    return f"{made} ({given}){cut}"
+    disk = f"; peak disk {size(rec['disk_bytes'])} of data" if "disk_bytes" in rec else ""
+    return f"{made} ({given}){cut}{disk}"
+
+
+def disk_line(r: int, plan: dict[str, Any]) -> str:
+    """The round's disk plan (pipeline/budget.py DiskPlan record), before it generates."""
+    how = "measured" if plan["measured"] else "estimated"
+    return (
+        f"round {r} disk plan: {size(plan['round_bytes'])} ({plan['samples']} samples x "
+        f"{plan['tokens_per_sample']:.0f} tokens ({how}) x {plan['bytes_per_token']} B), "
+        f"window of {plan['window']} round(s); {size(plan['free_bytes'])} free, "
+        f"{size(plan['held_bytes'])} held"
+    )
 
 
 def train_line(rec: dict[str, Any]) -> str:

@@ -23,6 +23,7 @@ from pipeline.console import (
     data_line,
     data_note,
     detail,
+    disk_line,
     measured_line,
     plan_line,
     stage,
@@ -34,6 +35,8 @@ from pipeline.layout import RunDir, round_tag
 from pipeline.preflight import preflight
 from pipeline.round_plan import (
     check_budget,
+    data_bytes,
+    disk_plan,
     first_round_skips,
     measure_once,
     next_round_refusal,
@@ -53,6 +56,7 @@ from pipeline.rules import (
 )
 from pipeline.state import Clock, RunState, write_json_atomic, write_text_atomic
 from pipeline.tracking import Tracker, runs_page
+from pipeline.window import drawn, free_data, window
 
 log = logging.getLogger("eagle_loop")
 
@@ -110,6 +114,12 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 rs.done["train"] = _serve_init(cfg, run_dir, tracker, child)
                 _commit(state, clock, run_dir)
             if not rs.is_done("generate"):
+                free_data(cfg, run_dir, state, r)  # first: the disk plan counts what it frees
+                _commit(state, clock, run_dir)
+                rs.done["disk_plan"] = disk_plan(
+                    cfg, state, r, run_dir, _fresh(cfg, state, r, plan)
+                )
+                log.info(disk_line(r, rs.done["disk_plan"]))
                 t0, secs = clock.elapsed(), stage_seconds(rs, "data", clock)
                 n = f"{cfg.data.prompts_for_round(r)} prompts"
                 with stage(f"round {r} data", secs, n, data_note(RunDir(run_dir).data(r))) as st:
@@ -247,6 +257,8 @@ def _generate(
     seconds: float | None = None,
 ) -> dict:
     rec = _generate_round(cfg, run_dir, state, r, plan, evalset, seconds)
+    # the round's peak disk: its data has landed, and no round's is deleted before the next
+    rec["disk_bytes"] = data_bytes(RunDir(run_dir).data(r).parent)
     tracker.log(child, {f"data/{k}": v for k, v in rec.items()})
     return rec
 
@@ -272,8 +284,9 @@ def _generate_round(
 
     out = RunDir(run_dir).data(r)
     records = _traffic_for_round(cfg, run_dir, state, r, out, evalset)
-    earlier = [state.rounds[i].done["generate"].get("drawn") or {} for i in range(r)]
-    prompts, slices = round_slices(plan, cfg.data.prompts_for_round(r) - len(records), earlier)
+    prompts, slices = round_slices(
+        plan, cfg.data.prompts_for_round(r) - len(records), drawn(state, r)
+    )
     _keep_slice(out / "slice.json", r, slices)
     write_key_file(
         out / KEY_FILE,
@@ -281,9 +294,10 @@ def _generate_round(
     )
     counts = {s: b - a for s, (a, b) in slices.items()}
     prompts, replied = _with_replies(prompts, plan.replies, cfg.data.dataset_replies)
+    data = cfg.data.model_copy(update={"states": cfg.states()})  # auto resolved: ids or states
     res = run_generate(
         cfg.target,
-        cfg.data,
+        data,
         prompts,
         out,
         cfg.digest(),
@@ -298,6 +312,14 @@ def _generate_round(
             "drawn": counts, "slice": slices, "traffic_records": len(records),
             "fresh_prompts": len(prompts), "replied_prompts": len(replied),
             "traffic_ids": [x["id"] for x in records]}  # fmt: skip
+
+
+def _fresh(cfg: Config, state: RunState, r: int, plan) -> list:
+    """Round r's fresh prompts as if the traffic log gave none: what the disk plan sizes a
+    round by before any round measured its tokens."""
+    from actors.prompts import round_slices
+
+    return round_slices(plan, cfg.data.prompts_for_round(r), drawn(state, r))[0]
 
 
 def _keep_slice(path: Path, r: int, slices: dict[str, list[int]]) -> None:
@@ -345,15 +367,14 @@ def _replied_batches(prompts: list, replies: dict[str, str], batch_size: int) ->
 
 
 def _heal_data(cfg: Config, run_dir: Path, state: RunState, r: int, plan, evalset) -> list[int]:
-    """Check the shards of rounds 0..r (what round r trains on); a round with missing, truncated
-    or corrupted shards gets those batches regenerated, the intact ones kept. Returns the rounds
-    healed; a shard still bad afterwards raises ShardError."""
+    """Check the shards of the rounds round r trains on (pipeline/window.py: rounds outside it are
+    deleted, and are never remade); a round with missing, truncated or corrupted shards gets
+    those batches regenerated, the intact ones kept. Returns the rounds healed; a shard still
+    bad afterwards raises ShardError."""
     from actors.shards import verify_manifest
 
     healed = []
-    for i in range(r + 1):
-        if "manifest" not in state.rounds[i].done["generate"]:  # a round that made no data
-            continue
+    for i in window(cfg, state, r):
         try:
             verify_manifest(state.rounds[i].done["generate"]["manifest"])
         except ShardError as e:
@@ -417,8 +438,7 @@ def _train(
 ) -> dict:
     from pipeline.train import run_train
 
-    made = [rs for rs in state.rounds[: r + 1] if "manifest" in rs.done["generate"]]
-    data_dirs = [rs.manifest.parent for rs in cfg.train.data_window(made)]  # skipped round 0: none
+    data_dirs = [state.rounds[i].manifest.parent for i in window(cfg, state, r)]
     init = cfg.drafter.resolved_init()
     if r > 0:  # keep learning from the drafter that serves (the last one the gate promoted)
         init = _serving_drafter(state) or state.rounds[r - 1].drafter_dir

@@ -1,20 +1,28 @@
 """The loop's budget glue (`stop.max_wall_minutes`): the start-up measurement, once; each
 round's plan from it or from what the round before took; the stop rule's question whether the
-next round fits; the seconds a data or training stage may still spend. The arithmetic is
-pipeline/budget.py's, the measurement pipeline/measure.py's."""
+next round fits; the seconds a data or training stage may still spend. And every round's disk
+plan, with or without a time budget. The arithmetic is pipeline/budget.py's, the measurement
+pipeline/measure.py's."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 from pipeline.budget import (
+    CHARS_PER_TOKEN,
     MIN_STAGE_S,
+    TEMPLATE_TOKENS,
     TRAIN_START_S,
     BudgetError,
     Measured,
     Rates,
+    plan_disk,
     plan_round,
 )
 from pipeline.config import Config
 from pipeline.console import detail
+from pipeline.layout import RunDir
 from pipeline.state import Clock, RunState
 from pipeline.tracking import Tracker
 
@@ -140,3 +148,53 @@ def stage_seconds(rs, stage: str, clock: Clock) -> float | None:
     # the box holds the training steps; Ray Train's start-up and the export come on top
     overhead = TRAIN_START_S if stage == "train" else 0.0
     return max(MIN_STAGE_S, end - clock.elapsed() - overhead)
+
+
+def disk_plan(cfg: Config, state: RunState, r: int, run_dir: Path, prompts: list) -> dict:
+    """Round r's disk plan (pipeline/budget.py `plan_disk`), before it generates: its samples
+    at the tokens per sample the last round with data measured (before any: estimated from the
+    characters of its fresh `prompts`), at the bytes a token takes in its shards. BudgetError
+    when they do not fit beside the data the rounds on disk hold."""
+    from actors.hf_backend import resolve_aux_layer_ids
+    from actors.shards import bytes_per_token
+    from eagle3.target_weights import read_target_info
+
+    t, d = cfg.target, cfg.data
+    info = read_target_info(t.model, t.revision, t.gguf_file)
+    aux = resolve_aux_layer_ids(t.aux_layer_ids, info.num_layers)
+    online = cfg.states() == "online"
+    made = [g for rs in state.rounds[:r] if (g := rs.done.get("generate") or {}).get("num_samples")]
+    if made:
+        tokens, measured = made[-1]["num_tokens"] / made[-1]["num_samples"], True
+    else:
+        each = [
+            min(d.max_length, sum(len(m["content"]) for m in c) / CHARS_PER_TOKEN
+                + TEMPLATE_TOKENS + d.max_new_tokens)
+            for c in prompts
+        ]  # fmt: skip
+        tokens, measured = sum(each) / max(1, len(each)), False
+    rounds = cfg.stop.max_rounds
+    p = plan_disk(
+        r,
+        d.prompts_for_round(r) + d.self_prompts_per_round,
+        tokens,
+        measured,
+        bytes_per_token(info.hidden_size, len(aux), online),
+        min(cfg.train.data_rounds or rounds, rounds),
+        held_bytes=data_bytes(RunDir(run_dir).data(r).parent),
+        own_bytes=data_bytes(RunDir(run_dir).data(r)),
+        free_bytes=shutil.disk_usage(_existing(RunDir(run_dir).data(r))).free,
+        online=online,
+    )
+    return p.record()
+
+
+def data_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (0 when it does not exist)."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path

@@ -31,6 +31,8 @@ def round_row(index: int, done: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "promoted": (done.get("gate") or {}).get("promoted", True),
         "champion_accept_len": (done.get("gate") or {}).get("champion_accept_len"),
         "traffic_records": (done.get("generate") or {}).get("traffic_records", 0),
+        # data on disk once the round's landed: its peak (earlier rounds outside the window gone)
+        "disk_bytes": (done.get("generate") or {}).get("disk_bytes"),
         # training's held-out simulation of the drafter it exported (the gate reads the same)
         "predicted_accept_len": (train.get("eval_metrics") or {}).get("sim_accept_len"),
         # the drafter the round started from, on the same held-out samples (fine-tuning only)

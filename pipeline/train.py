@@ -166,6 +166,12 @@ def prepare(
         problems.append(
             f"data dirs were captured at different aux layer ids {sorted(ids)}; train on data of one capture setting"
         )
+    online = {m.online for m in manifests}
+    if len(online) > 1:
+        problems.append(
+            "data dirs mix ids-only (data.states: online) and captured (offline) data; train on "
+            "data of one data.states setting"
+        )
     if sum(m.num_samples for m in manifests) == 0 or sum(m.num_loss_tokens for m in manifests) == 0:
         problems.append(
             f"{[str(d) for d in data_dirs]}: no samples with loss tokens; rerun the generate stage"
@@ -203,6 +209,7 @@ def prepare(
         cfg.train.model_dump(),
         sim,
         crash_at_step,
+        online=True in online,
     )
 
 

@@ -65,6 +65,7 @@ class TrainJob:
     train: dict[str, Any]  # TrainConfig
     sim_steps: int  # draft steps the served chain uses (sim_accept_len)
     crash_at_step: int | None = None  # resume drill: the last worker exits once at this step
+    online: bool = False  # ids-only shards: the worker computes the states (online_states.py)
 
 
 def _say(line: str) -> None:
@@ -93,7 +94,12 @@ def train_worker(config: dict[str, Any]) -> None:
     # embed, lm_head and norm only: the target itself is never loaded here
     tensors = load_target_tensors(t["model"], t["revision"], t["gguf_file"])
     module, drafter, autocast, dt = _build(job, tc, tensors, device)
-    plan = Plan.make(job, tc, rank, world)
+    states = None
+    if job.online:  # the target beside the drafter: each batch's states from its ids
+        from pipeline.online_states import OnlineStates
+
+        states = OnlineStates(job.target, job.drafter["aux_layer_ids"], device, tc.tokens_per_batch)
+    plan = Plan.make(job, tc, rank, world, states)
     boxed = _boxed_total(Path(job.out_dir), device)  # fixed by an earlier attempt of this run
     if boxed:
         plan.total = min(plan.total, boxed)
@@ -175,9 +181,12 @@ class Plan:
     budget: int
     steps_per_epoch: int
     total: int
+    states: Any = None  # OnlineStates when the shards hold ids only, else None
 
     @classmethod
-    def make(cls, job: TrainJob, tc: TrainConfig, rank: int, world: int) -> Plan:
+    def make(
+        cls, job: TrainJob, tc: TrainConfig, rank: int, world: int, states: Any = None
+    ) -> Plan:
         data = ShardSet([p for p, _ in job.shards], [s for _, s in job.shards])
         train_refs, eval_refs = split_eval(data.samples, tc.eval_fraction)
         if not train_refs:
@@ -200,6 +209,7 @@ class Plan:
             budget,
             spe,
             spe * tc.epochs,
+            states,
         )
 
     @property
@@ -208,11 +218,15 @@ class Plan:
 
     def batch(self, i: int, epoch: int):
         order = rank_order(len(self.bins), self.rank, self.world, self.seed, epoch)
-        return self.data.load([self.train_refs[j] for j in self.bins[order[i]]], self.budget)
+        return self._load([self.train_refs[j] for j in self.bins[order[i]]])
 
     def eval_batches(self):
         for b in self.eval_bins:
-            yield self.data.load([self.eval_refs[j] for j in b], self.budget)
+            yield self._load([self.eval_refs[j] for j in b])
+
+    def _load(self, refs: list):
+        batch = self.data.load(refs, self.budget)
+        return batch if self.states is None else self.states.fill(batch)
 
     def describe(self, tc: TrainConfig, world: int, step: int, device, dt) -> str:
         long = sum(r.length > self.budget for r in self.train_refs)

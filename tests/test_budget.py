@@ -10,6 +10,7 @@ from pipeline.budget import (
     BudgetError,
     Measured,
     Rates,
+    plan_disk,
     plan_round,
     plan_vs_actual,
 )
@@ -199,3 +200,45 @@ def test_the_plan_counts_every_chain_the_shape_choice_measures():
     assert bench_mix(tree, 0) == (1 + 12 + 5 * 4, 1 + 4)
     chain3 = parse_config({"serve": {"steps": 3, "topk": 1}, "bench": bench})
     assert bench_mix(chain3, 0)[0] == 1 + 12 + 4 * 4  # chain-3 is the configured shape's figure
+
+
+def test_a_round_that_cannot_fit_the_disk_is_refused_with_the_figures_and_the_fix():
+    """Issue 49's round 1 as the plan sees it: 8,192 samples of 912 tokens (round 0 measured)
+    at SmolLM2's 4,613 B a token need 37.9 GB; 34 GB free refuses it before it generates, where
+    the data stage failed 63 s in. Ids only (online states, 5 B a token) it fits; and a window
+    of 3 such rounds is refused even when one fits now."""
+    free = 34_050_957_312
+    with pytest.raises(BudgetError) as e:
+        plan_disk(1, 8192, 912, True, 4613, 1, 0, 0, free, online=False)
+    msg = str(e.value)
+    assert "round 1's data needs about 35.31 GiB" in msg and "8192 samples x 912 tokens" in msg
+    assert "31.71 GiB free" in msg and "round 1 was not started" in msg
+    assert "data.states: online" in msg and "train.data_rounds" in msg
+    ok = plan_disk(1, 8192, 912, True, 5, 1, 0, 0, free, online=True)
+    assert ok.round_bytes == int(8192 * 912 * 5 * 1.1)
+    plan_disk(1, 8192, 912, True, 4613, 1, 0, 0, 2 * free, online=False)  # fits alone
+    with pytest.raises(BudgetError, match="3 round\\(s\\) of it in the train.data_rounds window"):
+        plan_disk(1, 8192, 912, True, 4613, 3, 0, 0, 2 * free, online=False)
+
+
+def test_the_loop_refuses_a_round_the_disk_cannot_hold_before_it_generates(tiny_target, tmp_path):
+    """The loop plans round 0's disk from its prompts' characters before the data stage starts
+    (no Ray here: generating would need it): refused with the figures, nothing generated."""
+    import json
+
+    from pipeline.config import parse_config
+    from pipeline.loop import run_loop
+
+    cfg = parse_config({
+        "target": {"model": str(tiny_target)},
+        "data": {"source": "builtin", "heldout_prompts": 4, "max_new_tokens": 10**9,
+                 "max_length": 10**9},  # a billion tokens a sample: no disk holds 400 of them
+        "drafter": {"draft_vocab_size": 512},
+        "stop": {"accept_len": None, "max_rounds": 1},
+        "tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"},
+    })  # fmt: skip
+    with pytest.raises(BudgetError, match=r"disk: round 0's data needs about [\d.]+ GiB"):
+        run_loop(cfg, tmp_path / "run")
+    state = json.loads((tmp_path / "run" / "state.json").read_text())
+    assert set(state["rounds"][0]["done"]) == set()
+    assert not (tmp_path / "run" / "data" / "round-000").exists()

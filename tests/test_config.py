@@ -161,3 +161,20 @@ def test_a_round_trains_on_the_data_window_of_train_data_rounds():
     assert parse_config({"train": {"data_rounds": 2}}).train.data_window(made[:1]) == ["r0"]
     with pytest.raises(ConfigError, match="train.data_rounds"):
         parse_config({"train": {"data_rounds": 0}})
+
+
+def test_states_are_online_where_the_target_fits_beside_the_trainer():
+    """`data.states: auto`: online for an HF target trained on GPUs, offline on CPUs (the decode
+    keeps the states for free there) and for SGLang/vLLM targets; online with those is refused
+    naming the fix. The GPU climb asks for online; the CPU demo stays offline."""
+    assert parse_config({"train": {"use_gpu": True}}).states() == "online"
+    assert parse_config({}).states() == "offline"
+    sglang = {"target": {"backend": "sglang"}, "train": {"use_gpu": True}}
+    assert parse_config(sglang).states() == "offline"
+    assert parse_config({"data": {"states": "online"}}).states() == "online"
+    for backend in ("sglang", "vllm"):
+        with pytest.raises(ConfigError, match=rf"data.states: 'online' needs target.backend=hf .*{backend}"):  # fmt: skip
+            parse_config({"target": {"backend": backend}, "data": {"states": "online"}})
+    configs = Path(__file__).parent.parent / "configs"
+    assert load_config(configs / "smollm2-1gpu-climb.yaml").states() == "online"
+    assert load_config(configs / "smollm2-cpu.yaml").states() == "offline"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import shutil
 import subprocess
@@ -468,6 +469,89 @@ def test_a_damaged_finished_round_heals_and_stale_temp_files_go(stage, tiny_targ
     after = {p.name: p.stat().st_mtime_ns for p in work.glob("*.safetensors")}
     assert after["b00001-00.safetensors"] == before["b00001-00.safetensors"]  # kept
     assert not stale.exists() and not list(work.glob(".*.tmp-*"))
+
+
+def test_rounds_outside_the_training_window_are_deleted_and_never_healed(stage, tmp_path):
+    """`train.data_rounds: 1`: before round 1 generates, round 0's shards are deleted (no round
+    from 1 on trains on them; its manifest stays, saying what was made), and healing round 1's
+    training checks round 1 alone, so round 0 is not remade. On main every round's states
+    stayed and healing regenerated round 0: a 64 GB disk held one round of the GPU climb."""
+    from actors.prompts import PromptPlan
+    from pipeline.config import Config
+    from pipeline.layout import RunDir
+    from pipeline.loop import _heal_data
+    from pipeline.state import RunState
+    from pipeline.window import free_data
+
+    plan = PromptPlan(train={"builtin": PROMPTS}, heldout=[], users=[], weights={"builtin": 1.0})
+    target, data, out, _ = stage
+    data = data.model_copy(update={"prompts_per_round": len(PROMPTS)})
+    run_dir = tmp_path / "run"
+    state = RunState(config_digest="d")
+
+    def made(r: int) -> Path:
+        shutil.copytree(out, RunDir(run_dir).data(r))
+        state.round(r).done["generate"] = {"manifest": str(RunDir(run_dir).data(r) / MANIFEST)}
+        return RunDir(run_dir).data(r)
+
+    r0 = made(0)
+    shard_bytes = sum(p.stat().st_size for p in r0.glob("*.safetensors"))
+    free_data(Config(target=target, data=data, train={"data_rounds": 2}), run_dir, state, 1)
+    assert len(list(r0.glob("*.safetensors"))) == 3  # in round 1's window of 2: kept
+    cfg = Config(target=target, data=data, train={"data_rounds": 1})
+    free_data(cfg, run_dir, state, 1)
+    assert not list(r0.glob("*.safetensors")) and (r0 / MANIFEST).exists()
+    assert state.rounds[0].done["generate"]["freed_bytes"] == shard_bytes
+    r1 = made(1)
+    assert _heal_data(cfg, run_dir, state, 1, plan, ([], [])) == []
+    assert not list(r0.glob("*.safetensors"))  # outside the window: never remade
+    (r1 / "b00001-00.safetensors").unlink()  # inside it: healed
+    assert _heal_data(cfg, run_dir, state, 1, plan, ([], [])) == [1]
+    assert verify_manifest(r1) and not list(r0.glob("*.safetensors"))
+
+
+def test_online_states_give_the_training_batch_the_offline_shards_give(stage, tmp_path):
+    """`data.states: online`: the data stage keeps ids and masks only (states of width 0, about
+    5 B a token), and a training worker's target (pipeline/online_states.py) computes the
+    states of each batch it reads: the same batch as the offline shards give, ids, masks and
+    packing equal, states within bf16 rounding (offline here: the decode's own states), from
+    the batched decoder's forward and from the HF capture alike."""
+    from eagle3.train_step import ShardSet, pack
+    from pipeline.online_states import OnlineStates
+
+    target, data, out, _ = stage
+    online = tmp_path / "online"
+    run_generate(target, data.model_copy(update={"states": "online"}), PROMPTS, online, "cfghash")
+    m_off, m_on = verify_manifest(out), verify_manifest(online)
+    assert m_on.online and not m_off.online and m_on.num_tokens == m_off.num_tokens
+    assert sum(s.bytes for s in m_on.shards) < 6 * m_on.num_tokens + 3 * 2**10  # + headers
+    sets = [ShardSet(m.shard_paths(), [s.sha256 for s in m.shards]) for m in (m_off, m_on)]
+    lengths = [r.length for r in sets[0].samples]
+    assert lengths == [r.length for r in sets[1].samples]
+    budget = 64  # below data.max_length: longer samples are cut on load, as training cuts them
+    fast = OnlineStates(target.model_dump(), AUX, torch.device("cpu"), budget)
+    hf = OnlineStates(target.model_dump(), AUX, torch.device("cpu"), budget, batched=False)
+    assert fast.decoder is not None and hf.decoder is None
+    for b, states in itertools.product(pack(lengths, budget, seed=0), (fast, hf)):
+        off = sets[0].load([sets[0].samples[j] for j in b], budget)
+        on = states.fill(sets[1].load([sets[1].samples[j] for j in b], budget))
+        assert on.cu_seqlens == off.cu_seqlens and torch.equal(on.position_ids, off.position_ids)
+        assert torch.equal(on.input_ids, off.input_ids)
+        assert torch.equal(on.loss_mask, off.loss_mask)
+        for name in ("aux_hidden", "final_hidden"):
+            got, want = getattr(on, name), getattr(off, name)
+            assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-3)
+
+    # ids-only shards hold no states: kept outside the training window (scratch retrains on them)
+    from pipeline.config import Config
+    from pipeline.state import RunState
+    from pipeline.window import free_data
+
+    state = RunState(config_digest="d")
+    state.round(0).done["generate"] = {"manifest": str(online / MANIFEST)}
+    free_data(Config(target=target, data=data, train={"data_rounds": 1}), tmp_path, state, 1)
+    assert verify_manifest(online) and "freed_bytes" not in state.rounds[0].done["generate"]
 
 
 def test_a_deadline_cuts_the_stage_at_a_batch_and_healing_makes_the_same_batches(

@@ -347,6 +347,40 @@ def test_patience_stops_training_when_acceptance_stops_improving(
     assert json.loads((out / "boxed_total.json").read_text()) == {"total": 3, "early_stop": True}
 
 
+def ids_only(data: Path, out: Path) -> Path:
+    """The shards of `data` as `data.states: online` writes them: ids and masks, no states."""
+    from actors.shards import iter_samples, read_shard, verify_manifest
+
+    m = verify_manifest(data)
+    none = torch.empty(0, 0, dtype=torch.bfloat16)
+    samples = [
+        Sample(s["input_ids"].tolist(), s["loss_mask"].tolist(), none.new_empty(len(s["input_ids"]), 0),
+               none.new_empty(len(s["input_ids"]), 0))
+        for p in m.shard_paths()
+        for s in iter_samples(read_shard(p))
+    ]  # fmt: skip
+    out.mkdir(parents=True)
+    info = write_shard(out / shard_name(0, 0), samples)
+    write_manifest(out, m.target, list(m.aux_layer_ids), "test", [info], online=True)
+    return out
+
+
+def test_online_states_train_from_ids_only_shards(ray_module, target_and_data, tmp_path):
+    """`data.states: online`: the worker loads the target beside the drafter and computes each
+    batch's states from its ids (pipeline/online_states.py); training runs, learns and exports
+    as on captured shards. Data of both kinds in one round is refused before any worker starts."""
+    target, data = target_and_data
+    online = ids_only(data, tmp_path / "ids")
+    with pytest.raises(TrainInputError, match="mix ids-only .* and captured"):
+        prepare(config(target), [data, online], tmp_path / "mixed", "scratch")
+    assert prepare(config(target), [online], tmp_path / "job", "scratch").online
+    res = run_train(config(target, num_workers=1, epochs=4), [online], tmp_path / "out")
+    lines = [m for m in read_jsonl(Path(res.metrics_file)) if "loss" in m]
+    assert res.steps == len(lines) > 4 and Path(res.drafter_dir, "config.json").is_file()
+    first, last = lines[0]["loss"], lines[-1]["loss"]
+    assert last < 0.9 * first, (first, last)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_one_gpu_worker_trains_over_nccl_and_exports(ray_module, target_and_data, tmp_path):
