@@ -244,6 +244,8 @@ def data_line(rec: dict[str, Any]) -> str:
     made = f"{rec['num_samples']} samples, {rec['num_tokens']:,} tokens"
     given = f"{rec.get('traffic_records', 0)} served requests + {rec.get('fresh_prompts', 0)} fresh prompts"
     cut = f"; {rec['left_out']} batch(es) left out at the deadline" if rec.get("left_out") else ""
+    torn = (rec.get("traffic_skipped") or {}).get("torn")
+    cut += f"; {torn} torn traffic line(s) skipped" if torn else ""
     return f"{made} ({given}){cut}"
 
 
