@@ -59,7 +59,7 @@ log = logging.getLogger("eagle_loop")
 def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
     preflight(cfg)  # seconds, before any MLflow run or GPU time (run.py: before Ray starts too)
     run_dir.mkdir(parents=True, exist_ok=True)
-    RunDir(run_dir).config.write_text(dump_config(cfg))
+    write_text_atomic(RunDir(run_dir).config, dump_config(cfg))
     detail.info("resolved config:\n%s", dump_config(cfg))
     state = RunState.load_or_new(run_dir, cfg.digest())
     tracker = Tracker(cfg.tracking, run_dir)  # default store: <run_dir>/mlflow.db
@@ -283,7 +283,9 @@ def _generate_round(
         deadline=None if seconds is None else time.monotonic() + seconds,  # in this process
         only=None if only is None else set(only),
     )
+    skipped = RunDir(run_dir).traffic_skipped(r)  # what the traffic reader passed over
     return {**_record(res), "drawn": counts, "slice": slices, "traffic_records": len(records),
+            "traffic_skipped": json.loads(skipped.read_text()) if skipped.exists() else {},
             "fresh_prompts": len(prompts), "replied_prompts": len(replied),
             "traffic_ids": [x["id"] for x in records]}  # fmt: skip
 
@@ -359,7 +361,7 @@ def _traffic_for_round(
     import json
 
     from actors.prompts import prompt_key
-    from serve.traffic import read_traffic, select_traffic
+    from serve.traffic import Skipped, read_traffic, select_traffic
 
     share = cfg.data.sources().get("traffic", 0.0)
     if not share:
@@ -368,14 +370,20 @@ def _traffic_for_round(
     if chosen.exists():
         return [json.loads(x) for x in chosen.read_text().splitlines() if x.strip()]
     used = {i for rs in state.rounds[:r] for i in (rs.done.get("generate") or {}).get("traffic_ids", [])}  # fmt: skip
+    skipped = Skipped()
     recs = select_traffic(
-        read_traffic(RunDir(run_dir).traffic),  # streamed, never whole in memory
+        read_traffic(RunDir(run_dir).traffic, skipped),  # streamed, never whole in memory
         round(cfg.data.prompts_for_round(r) * share),
         used,
         {prompt_key(c) for c in evalset[0]},
         cfg.data.max_length,
     )
+    if skipped.torn or skipped.foreign:
+        log.warning("round %d: the traffic log had %d torn line(s) (a replica that died "
+                    "mid-write) and %d foreign one(s); skipped", r, skipped.torn, skipped.foreign)  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
+    # before the selection: a resumed round that finds the selection finds this beside it
+    write_json_atomic(RunDir(run_dir).traffic_skipped(r), dataclasses.asdict(skipped))
     write_text_atomic(chosen, "".join(json.dumps(x) + "\n" for x in recs))
     return recs
 
