@@ -17,9 +17,9 @@ REPO = Path(__file__).resolve().parent.parent
 class RayHead:
     """A real `ray start --head` on loopback, as users run it, and `ray job` against it."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, repo: Path = REPO):
         tmp.mkdir(parents=True, exist_ok=True)
-        self.tmp = tmp
+        self.tmp, self.repo = tmp, repo  # the checkout jobs are submitted from
         # Token auth on, as Ray 2.60 defaults for local clusters: the head, `ray job submit` and
         # the driver all read ~/.ray/auth_token (made here if missing).
         env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token")
@@ -64,7 +64,7 @@ class RayHead:
         sets = ["--set", *overrides] if overrides else []
         renv = subprocess.run(
             [sys.executable, "pipeline/run.py", "runtime-env", str(config), *sets],
-            cwd=REPO, env=self.env, capture_output=True, text=True, check=True,
+            cwd=self.repo, env=self.env, capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
         renv_file = self.tmp / "runtime-env.json"  # a file, as scripts/demo.sh passes it:
         renv_file.write_text(renv)  # never on the command line, where `ps` shows its env vars
@@ -78,7 +78,7 @@ class RayHead:
             cmd += ["--run-dir", str(run_dir)]
         for _ in range(30):  # a fresh head answers "No available agent" until its job agent is up
             done = subprocess.run(
-                cmd, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=1500
+                cmd, cwd=self.repo, env=self.env, capture_output=True, text=True, timeout=1500
             )
             if "No available agent" not in done.stderr + done.stdout:
                 break
