@@ -111,11 +111,11 @@ def _run(cfg: Config, run_dir: Path) -> dict | None:
 
     from pipeline.budget import BudgetError
     from pipeline.loop import run_loop
-    from pipeline.tracking import UnknownRuns
+    from pipeline.tracking import TrackingUnavailable, UnknownRuns
 
     try:
         return run_loop(cfg, run_dir)
-    except UnknownRuns as err:  # says what to do; a traceback would bury it
+    except (UnknownRuns, TrackingUnavailable) as err:  # says what to do; a traceback would bury it
         log.error("%s", err)
     except BudgetError:  # the loop said it (run FAILED: ...), before any round
         pass
