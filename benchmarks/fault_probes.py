@@ -62,6 +62,9 @@ def probe_override_upload(repo: Path, tmp: Path) -> None:
     sys.path.insert(0, str(HERE / "tests"))  # the tests' real head (tests/ray_head.py)
     from ray_head import RayHead
 
+    helps = subprocess.run([sys.executable, "pipeline/run.py", "runtime-env", "--help"],
+                           cwd=repo, capture_output=True, text=True).stdout  # fmt: skip
+    takes_set = "--set" in helps  # before the fix, scripts/demo.sh gave it none
     head = RayHead(Path(tempfile.mkdtemp(prefix="fp-ray-", dir="/tmp")), repo=repo)
     t = time.monotonic()
     try:
@@ -70,13 +73,14 @@ def probe_override_upload(repo: Path, tmp: Path) -> None:
             None,
             overrides=("drafter.init=drafters/smollm2-135m-base",),
             entrypoint=("-m", "pipeline.preflight"),
+            env_overrides=None if takes_set else (),
         )
     finally:
         head.shutdown()
     out = job.stdout + job.stderr
     ok = job.returncode == 0 and "preflight: ok" in out
     why = next((ln.strip() for ln in out.splitlines() if "does not exist" in ln), None)
-    emit("override_upload", 0 if ok else 1, None, job_rc=job.returncode,
+    emit("override_upload", 0 if ok else 1, None, job_rc=job.returncode, runtime_env_set=takes_set,
          job_s=round(time.monotonic() - t, 1), error=why and why[:300])  # fmt: skip
 
 

@@ -57,13 +57,16 @@ class RayHead:
         wait: bool = True,
         overrides: tuple[str, ...] = (),
         entrypoint: tuple[str, ...] = ("pipeline/run.py",),
+        env_overrides: tuple[str, ...] | None = None,
     ) -> subprocess.CompletedProcess:
         """`ray job submit` of `python ENTRYPOINT --config CONFIG [--set OVERRIDES] [--run-dir
         RUN_DIR]`, with the runtime env scripts/demo.sh makes: `runtime-env CONFIG` with the
-        same overrides."""
+        same overrides (`env_overrides`: others, for a checkout whose runtime-env takes none)."""
         sets = ["--set", *overrides] if overrides else []
+        env_over = overrides if env_overrides is None else env_overrides  # a probe of old code
+        env_sets = ["--set", *env_over] if env_over else []
         renv = subprocess.run(
-            [sys.executable, "pipeline/run.py", "runtime-env", str(config), *sets],
+            [sys.executable, "pipeline/run.py", "runtime-env", str(config), *env_sets],
             cwd=self.repo, env=self.env, capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
         renv_file = self.tmp / "runtime-env.json"  # a file, as scripts/demo.sh passes it:
