@@ -169,6 +169,8 @@ class Tracker:
             return False
         try:
             return self.client.get_run(run_id).info.lifecycle_stage == "active"
+        except TrackingUnavailable:  # not "unknown": that would tell the user to start new runs
+            raise
         except Exception:
             return False
 

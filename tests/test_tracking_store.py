@@ -111,3 +111,7 @@ def test_a_tracking_server_down_past_the_retries_stops_with_a_message(tmp_path, 
         tracker.log(run, {"data/x": 2.0})
     msg = str(err.value)
     assert f"127.0.0.1:{port}" in msg and "unreachable" in msg and "resumes" in msg, msg
+    # a resume while the server is down: not "the store does not have these runs", whose fix
+    # (a new run directory or state.json moved aside) would start duplicate MLflow runs
+    with pytest.raises(TrackingUnavailable):
+        tracker.check_known({"parent": run}, "state.json", None)
