@@ -1,5 +1,6 @@
 """Issue 51's fault probes: each fault made to happen against the real components, one JSON line
-per probe: {"probe": NAME, "lost": COUNT, "recovery_s": SECONDS, "detail": {...}}.
+per probe: {"probe": NAME, "lost": COUNT, "recovery_s": SECONDS, "detail": {...}} (with the
+harness's fields: bench, device, date, load).
 
   python benchmarks/fault_probes.py                          # this checkout, every probe
   python benchmarks/fault_probes.py --repo /tmp/before       # another checkout's code (before)
@@ -31,7 +32,6 @@ minutes each; tests/test_closed_loop.py stops a real job in round 1's training a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -44,11 +44,16 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(HERE))
+
+from benchmarks.harness import Results  # noqa: E402
+
+RESULTS = Results("fault_probes")
 
 
 def emit(probe: str, lost: int, recovery_s: float | None, **detail: Any) -> None:
-    rec = {"probe": probe, "lost": lost, "recovery_s": recovery_s, "detail": detail}
-    print(json.dumps(rec), flush=True)
+    """One line per probe (the harness adds where and when it was measured)."""
+    RESULTS.emit({"probe": probe, "lost": lost, "recovery_s": recovery_s, "detail": detail})
 
 
 def free_port() -> int:
