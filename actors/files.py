@@ -5,10 +5,13 @@ bytes go to a hidden temp file beside the target (same filesystem) and `os.repla
 with `fsync` (the default) the file and then its directory are synced, so what a resume reads
 survives a crash of the machine too.
 The temp name carries the process and thread, so concurrent writers of one name never share it.
+A write that runs out of space (a disk another process filled, a quota, a file-size limit) raises
+`DiskFull` naming the file and the bytes left, and leaves nothing under the name.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -17,6 +20,31 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
+
+# Out of space: the disk (ENOSPC), a quota (EDQUOT), the process's file-size limit (EFBIG,
+# RLIMIT_FSIZE with SIGXFSZ ignored).
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+class DiskFull(OSError):
+    """A write that ran out of space; the message names the file and the bytes left free."""
+
+
+def disk_full(path: str | Path, err: OSError) -> DiskFull | None:
+    """`err` as DiskFull naming `path` and the free bytes of its filesystem, when it is an
+    out-of-space error; else None."""
+    if err.errno not in _FULL:
+        return None
+    where = Path(path).parent
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    return DiskFull(
+        err.errno,
+        f"{path}: out of space while writing it ({os.strerror(err.errno or 0)}; {free:,} bytes "
+        f"free on {where}'s filesystem); nothing was left under its name: free space (or raise "
+        "the quota) and run again, a run resumes where it stopped",
+    )
 
 
 @contextmanager
@@ -34,6 +62,11 @@ def atomic_file(path: str | Path, fsync: bool = True) -> Iterator[BinaryIO]:
         os.replace(tmp, path)
         if fsync:  # the rename itself is durable only once the directory is synced
             fsync_dir(path.parent)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if full := disk_full(path, e):
+            raise full from e
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -72,6 +105,11 @@ def replaced_dir(path: str | Path) -> Iterator[Path]:
         tmp.rename(path)
         fsync_dir(path.parent)
         shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full := disk_full(path, e):
+            raise full from e
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -182,7 +183,7 @@ def save_drafter(
     )  # mkdtemp's 0700 would hide the checkpoint from a server running as another user
     try:
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        _save_file(tensors, tmp / WEIGHTS_NAME)
         for f in (tmp / CONFIG_NAME, tmp / WEIGHTS_NAME):
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -195,6 +196,21 @@ def save_drafter(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors (Rust) spells an I/O error
+
+
+def _save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file, with an I/O error (a full disk: `os error 28`) raised as the
+    OSError it is, naming the file: the caller tells a full disk apart by its errno
+    (actors/files.py `disk_full`), where SafetensorError's text alone would reach the user."""
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except Exception as e:  # SafetensorError
+        if m := _OS_ERROR.search(str(e)):
+            raise OSError(int(m[1]), f"{path}: {e}") from e
+        raise
 
 
 def _cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

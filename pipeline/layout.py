@@ -4,7 +4,8 @@ Layout of a run directory:
     <run>/config.resolved.yaml   the validated config of this run
     <run>/state.json             finished stages and their records (what a resume reads)
     <run>/summary.json           the rounds table, the stop reason and the champion
-    <run>/data/round-NNN/        shards and manifest.json (generate)
+    <run>/data/round-NNN/        shards and manifest.json (generate); the traffic records it
+                                 chose and the log's torn lines it skipped
     <run>/train/round-NNN/       Ray Train storage, metrics.jsonl, drafter/ (train)
     <run>/bench/round-NNN/       round-NNN.json and round-NNN.png (bench)
     <run>/serve/                 logs of the serving deployment
@@ -69,6 +70,10 @@ class RunDir:
 
     def data(self, r: int) -> Path:
         return self.root / "data" / round_tag(r)
+
+    def traffic_skipped(self, r: int) -> Path:
+        """The traffic log's lines round r's reader passed over: {"torn": n, "foreign": n}."""
+        return self.data(r) / "traffic_skipped.json"
 
     def train(self, r: int) -> Path:
         return self.root / "train" / round_tag(r)

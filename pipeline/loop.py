@@ -56,6 +56,7 @@ from pipeline.rules import (
 )
 from pipeline.state import Clock, RunState, write_json_atomic, write_text_atomic
 from pipeline.tracking import Tracker, runs_page
+from pipeline.traffic_round import answered_batches, traffic_for_round
 from pipeline.window import drawn, free_data, window
 
 log = logging.getLogger("eagle_loop")
@@ -64,7 +65,7 @@ log = logging.getLogger("eagle_loop")
 def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
     preflight(cfg)  # seconds, before any MLflow run or GPU time (run.py: before Ray starts too)
     run_dir.mkdir(parents=True, exist_ok=True)
-    RunDir(run_dir).config.write_text(dump_config(cfg))
+    write_text_atomic(RunDir(run_dir).config, dump_config(cfg))
     detail.info("resolved config:\n%s", dump_config(cfg))
     state = RunState.load_or_new(run_dir, cfg.digest())
     tracker = Tracker(cfg.tracking, run_dir)  # default store: <run_dir>/mlflow.db
@@ -283,7 +284,7 @@ def _generate_round(
     from actors.prompts import round_slices
 
     out = RunDir(run_dir).data(r)
-    records = _traffic_for_round(cfg, run_dir, state, r, out, evalset)
+    records = traffic_for_round(cfg, run_dir, state, r, out, evalset)
     prompts, slices = round_slices(
         plan, cfg.data.prompts_for_round(r) - len(records), drawn(state, r)
     )
@@ -302,14 +303,16 @@ def _generate_round(
         out,
         cfg.digest(),
         round_index=r,
-        answered=_answered_batches(records, cfg.data.batch_size),
+        answered=answered_batches(records, cfg.data.batch_size),
         replied=_replied_batches(replied, plan.replies, cfg.data.batch_size),
         deadline=None if seconds is None else time.monotonic() + seconds,  # in this process
         only=None if only is None else set(only),
     )
+    skipped = RunDir(run_dir).traffic_skipped(r)  # what the traffic reader passed over
     # learned tokens are the target's own (data.context_turns); the rest conditions them
     return {**_record(res), "context_tokens": res.num_tokens - res.num_loss_tokens,
             "drawn": counts, "slice": slices, "traffic_records": len(records),
+            "traffic_skipped": json.loads(skipped.read_text()) if skipped.exists() else {},
             "fresh_prompts": len(prompts), "replied_prompts": len(replied),
             "traffic_ids": [x["id"] for x in records]}  # fmt: skip
 
@@ -384,47 +387,6 @@ def _heal_data(cfg: Config, run_dir: Path, state: RunState, r: int, plan, evalse
             verify_manifest(rec["manifest"])
             healed.append(i)
     return healed
-
-
-def _traffic_for_round(
-    cfg: Config, run_dir: Path, state: RunState, r: int, out: Path, evalset
-) -> list[dict]:
-    """The traffic records round `r` learns from, chosen once and kept in the round's data dir
-    (a resumed round captures the same ones even if the log grew)."""
-    import json
-
-    from actors.prompts import prompt_key
-    from serve.traffic import read_traffic, select_traffic
-
-    share = cfg.data.sources().get("traffic", 0.0)
-    if not share:
-        return []
-    chosen = out / "traffic_selected.jsonl"
-    if chosen.exists():
-        return [json.loads(x) for x in chosen.read_text().splitlines() if x.strip()]
-    used = {i for rs in state.rounds[:r] for i in (rs.done.get("generate") or {}).get("traffic_ids", [])}  # fmt: skip
-    recs = select_traffic(
-        read_traffic(RunDir(run_dir).traffic),  # streamed, never whole in memory
-        round(cfg.data.prompts_for_round(r) * share),
-        used,
-        {prompt_key(c) for c in evalset[0]},
-        cfg.data.max_length,
-    )
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(chosen, "".join(json.dumps(x) + "\n" for x in recs))
-    return recs
-
-
-def _answered_batches(records: list[dict], batch_size: int) -> list:
-    from actors.prompts import Answered
-
-    return [
-        Answered(
-            tuple(tuple(x["prompt_ids"]) for x in records[i : i + batch_size]),
-            tuple(tuple(x["completion_ids"]) for x in records[i : i + batch_size]),
-        )
-        for i in range(0, len(records), batch_size)
-    ]
 
 
 def _train(

@@ -82,6 +82,12 @@ def _drafter_problems(cfg: Config) -> list[str]:
     if init in ("scratch", "previous"):
         return []
     if problem := path_problem("drafter.init", init):
+        if init.startswith("drafters/"):  # a shipped one, left out of a job's upload
+            problem += (
+                "; in a `ray job submit` job, make the runtime env with the job's own overrides "
+                "(`eagle-loop runtime-env CONFIG --set ...`): it uploads only the drafter the "
+                "resolved config starts from"
+            )
         return [problem]
     from eagle3.target_weights import resolve_target
     from pipeline.compat import check_compat

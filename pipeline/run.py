@@ -111,11 +111,11 @@ def _run(cfg: Config, run_dir: Path) -> dict | None:
 
     from pipeline.budget import BudgetError
     from pipeline.loop import run_loop
-    from pipeline.tracking import UnknownRuns
+    from pipeline.tracking import TrackingUnavailable, UnknownRuns
 
     try:
         return run_loop(cfg, run_dir)
-    except UnknownRuns as err:  # says what to do; a traceback would bury it
+    except (UnknownRuns, TrackingUnavailable) as err:  # says what to do; a traceback would bury it
         log.error("%s", err)
     except BudgetError:  # the loop said it (run FAILED: ...), before any round
         pass
@@ -156,12 +156,15 @@ def unused_drafters(cfg: Config, working_dir: str = ".") -> list[str]:
             if d.is_dir() and d.resolve() != used]  # fmt: skip
 
 
-def job_runtime_env(config: str, working_dir: str = ".") -> dict:
+def job_runtime_env(
+    config: str, working_dir: str = ".", overrides: list[str] | None = None
+) -> dict:
     """The runtime_env to submit a job with: the config's own plus the working dir, without the
     local virtualenv, run outputs and the shipped drafters it does not start from (they must not
     be uploaded), and without secret env vars (`split_secrets`: give them to the cluster's
-    nodes)."""
-    cfg = load_config(config)
+    nodes). `overrides` are the job's own `--set` values: the config the job resolves decides
+    what travels, so a `--set drafter.init=drafters/...` uploads that drafter."""
+    cfg = load_config(config, overrides)
     env, _ = split_secrets(dict(cfg.runtime_env))
     env.setdefault("working_dir", working_dir)
     env.setdefault("excludes", UPLOAD_EXCLUDES + unused_drafters(cfg, working_dir))
@@ -184,20 +187,22 @@ def env_main(argv: list[str], prog: str = PROG) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name, help_, example in (
         ("runtime-env", "print the job's runtime_env as JSON (secret env vars left out)",
-         "runtime-env configs/smollm2-cpu.yaml > runtime-env.json"),
+         "runtime-env configs/smollm2-cpu.yaml --set drafter.init=drafters/smollm2-135m-base "
+         "> runtime-env.json   # the job's own --set values"),
         ("node-env", "print `export K=V` lines of the config's secret env vars",
          "node-env configs/smollm2-cpu.yaml > secrets.sh   # then `source secrets.sh`, `ray start`"),
     ):  # fmt: skip
         p = sub.add_parser(name, help=help_, description=help_, epilog=f"example:\n  {prog} "
                            f"{example}", formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
         p.add_argument("config", help="YAML config (see configs/)")
+        add_set_argument(p)  # the same overrides as the job's, or the upload misses a drafter
         if name == "runtime-env":
             p.add_argument("--working-dir", default=".", help="the job's working dir (default .)")
     args = ap.parse_args(argv)
     try:
-        secrets = split_secrets(load_config(args.config).runtime_env)[1]
+        secrets = split_secrets(load_config(args.config, args.set).runtime_env)[1]
         if args.cmd == "runtime-env":
-            print(json.dumps(job_runtime_env(args.config, args.working_dir)))
+            print(json.dumps(job_runtime_env(args.config, args.working_dir, args.set)))
     except ConfigError as err:
         print(err, file=sys.stderr)
         return CONFIG

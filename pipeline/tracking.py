@@ -9,6 +9,7 @@ what `mlflow.start_run(parent_run_id=...)` sets.
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,56 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 class UnknownRuns(RuntimeError):
     """state.json names MLflow runs the tracking store does not have."""
+
+
+class TrackingUnavailable(RuntimeError):
+    """The tracking server stayed unreachable past MLflow's own retries."""
+
+
+def _unreachable(err: BaseException) -> bool:
+    """An MLflow error caused by a server that cannot be reached (refused, reset, timed out,
+    retries used up), as opposed to one the server answered with."""
+    from requests.exceptions import ConnectionError, RetryError, Timeout
+
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, ConnectionError | RetryError | Timeout):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+class _Guarded:
+    """An MlflowClient whose calls name an outage. MLflow's HTTP client already retries a server
+    that does not answer (MLFLOW_HTTP_REQUEST_MAX_RETRIES, 7 by default, with backoff: about 4
+    minutes), so a blip costs the stage a wait and no metric (benchmarks/fault_probes.py
+    `mlflow_blip`: 20 s down, 0 lost). What outlasts that raises TrackingUnavailable, which ends
+    the stage before its record is committed: the re-run resumes there and logs it again."""
+
+    def __init__(self, client: MlflowClient, uri: str):
+        self._client, self._uri = client, uri
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t = time.monotonic()
+            try:
+                return attr(*args, **kwargs)
+            except Exception as e:
+                if not _unreachable(e):
+                    raise
+                raise TrackingUnavailable(
+                    f"tracking server {redact(self._uri)} unreachable: MLflow's {name} gave up "
+                    f"after {time.monotonic() - t:.0f} s of retries ({type(e).__name__}). The "
+                    "stage stopped before its results were recorded, so nothing is lost: start "
+                    "the server again (or set tracking.tracking_uri) and re-run the same "
+                    "command; the run resumes at this stage"
+                ) from e
+
+        return call
 
 
 def store_uri(cfg: TrackingConfig, run_dir: str | Path | None) -> str:
@@ -73,7 +124,7 @@ class Tracker:
     def __init__(self, cfg: TrackingConfig, run_dir: str | Path | None = None):
         self.cfg = cfg
         self.uri = store_uri(cfg, run_dir)
-        self.client = MlflowClient(tracking_uri=self.uri)
+        self.client = _Guarded(MlflowClient(tracking_uri=self.uri), self.uri)
         exp = self.client.get_experiment_by_name(cfg.experiment)
         self.experiment_id = (
             exp.experiment_id
@@ -118,6 +169,8 @@ class Tracker:
             return False
         try:
             return self.client.get_run(run_id).info.lifecycle_stage == "active"
+        except TrackingUnavailable:  # not "unknown": that would tell the user to start new runs
+            raise
         except Exception:
             return False
 

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from actors.config import add_set_argument
+from actors.files import atomic_write
 from eagle3.train_step import (
     token_counts,
 )
@@ -105,7 +106,7 @@ def run_train(
     job = prepare(
         cfg, [Path(d).resolve() for d in data_dirs], out, init or cfg.drafter.init, crash_at_step
     )
-    (out / "train_config.yaml").write_text(dump_config(cfg))
+    atomic_write(out / "train_config.yaml", dump_config(cfg))
     tc = cfg.train
     resources = {"CPU": tc.cpus_per_worker}  # use_gpu adds one GPU per worker
     from pipeline.rendezvous import LoopbackTorchConfig
@@ -277,7 +278,7 @@ def _scratch_config(d: DrafterConfig, info, aux_ids: list[int]) -> dict[str, Any
 
 def _write_vocab_map(paths: list[str], drafter: dict[str, Any], init_dir: Path) -> None:
     """Top-N loss-token frequencies over all shards -> d2t/t2d (eagle3.vocab.build_vocab_map)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file, save
 
     from eagle3.vocab import build_vocab_map, coverage
 
@@ -294,7 +295,7 @@ def _write_vocab_map(paths: list[str], drafter: dict[str, Any], init_dir: Path) 
     else:
         d2t, t2d = build_vocab_map(counts, drafter["draft_vocab_size"])
         init_dir.mkdir(parents=True, exist_ok=True)
-        save_file({"d2t": d2t, "t2d": t2d}, str(f))
+        atomic_write(f, save({"d2t": d2t, "t2d": t2d}))  # a restart keeps it: whole or absent
     print(
         f"[train] vocab map: {drafter['draft_vocab_size']} draft tokens cover {coverage(counts, t2d):.1%} of "
         f"{int(counts.sum())} loss tokens",

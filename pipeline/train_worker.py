@@ -151,7 +151,9 @@ def train_worker(config: dict[str, Any]) -> None:
             sched.get_last_lr()[0],
             time.perf_counter() - t0,
             res.grad_norm,
-            {} if anchor is None else {"anchor_loss": res.anchor_loss, "drift_rms": anchor.drift_rms()},
+            {}
+            if anchor is None
+            else {"anchor_loss": res.anchor_loss, "drift_rms": anchor.drift_rms()},
         )
         if plan.eval_refs and _eval_due(step, i, plan, tc):
             m = mlog.eval(step, epoch, _evaluate(module, plan, soft, tc, autocast, device))
@@ -633,7 +635,11 @@ class MetricsLog:
         m.update(grad_norm=grad_norm, tokens=tokens, step_s=secs, **(anchor or {}))
         self.last = m
         if self.enabled:
-            pull = f" anchor {anchor['anchor_loss']:.2e} drift {anchor['drift_rms']:.2e}" if anchor else ""
+            pull = (
+                f" anchor {anchor['anchor_loss']:.2e} drift {anchor['drift_rms']:.2e}"
+                if anchor
+                else ""
+            )
             _say(format_line(step, self.total, m, f" gnorm {grad_norm:.2f}{pull}"))
             self._write({"step": step, "epoch": epoch, **m})
 

@@ -15,8 +15,9 @@ CONFIG=${CONFIG:-configs/smollm2-cpu.yaml}
 RUN_DIR=$(realpath -m "${RUN_DIR:-demo-run}")
 MLFLOW_PORT=${MLFLOW_PORT:-5000}
 DASH_PORT=${DASH_PORT:-8265}
-# The config's experiment and live server port (serve.port; SERVE_PORT overrides it)
-read -r EXPERIMENT CONFIG_SERVE_PORT INIT < <(python -c "import sys; from pipeline.config import load_config; c = load_config(sys.argv[1]); print(c.tracking.experiment, c.serve.port, c.drafter.init)" "$CONFIG")
+# The config's experiment and live server port (serve.port; SERVE_PORT overrides it), with this
+# script's arguments (overrides, `a.b=v`) applied, as the job applies them
+read -r EXPERIMENT CONFIG_SERVE_PORT INIT < <(python -c "import sys; from pipeline.config import load_config; c = load_config(sys.argv[1], sys.argv[2:]); print(c.tracking.experiment, c.serve.port, c.drafter.init)" "$CONFIG" "$@")
 SERVE_PORT=${SERVE_PORT:-$CONFIG_SERVE_PORT}
 mkdir -p "$RUN_DIR"
 t0=$(date +%s)
@@ -81,7 +82,10 @@ echo "run dir:       $RUN_DIR"
 # The runtime env (env vars included: tokens) goes in a file only this user reads, never on the
 # `ray job submit` command line, where `ps` shows it to everyone; removed on exit.
 RUNTIME_ENV=$(mktemp "${TMPDIR:-/tmp}/eagle-loop-runtime-env.XXXXXX.json")  # mode 600
-python pipeline/run.py runtime-env "$CONFIG" >"$RUNTIME_ENV"
+# The job's overrides, given to the runtime env too: the resolved config decides what is uploaded
+# (a `drafter.init=drafters/...` override must travel with the job).
+OVERRIDES=("tracking.tracking_uri=http://127.0.0.1:$MLFLOW_PORT" "serve.port=$SERVE_PORT" "$@")
+python pipeline/run.py runtime-env "$CONFIG" --set "${OVERRIDES[@]}" >"$RUNTIME_ENV"
 # A fresh head refuses jobs ("No available agent") until its job agent is up.
 for _ in $(seq 60); do ray job list --address "http://127.0.0.1:$DASH_PORT" >/dev/null 2>&1 && break; sleep 1; done
 sleep 3
@@ -96,7 +100,7 @@ sleep 3
 RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES= ray --logging-level warning job submit \
   --address "http://127.0.0.1:$DASH_PORT" --runtime-env "$RUNTIME_ENV" -- \
   python pipeline/run.py --config "$CONFIG" --run-dir "$RUN_DIR" \
-  --set "tracking.tracking_uri=http://127.0.0.1:$MLFLOW_PORT" "serve.port=$SERVE_PORT" "$@"
+  --set "${OVERRIDES[@]}"
 
 # This head's session folder, from its start-up log (session_latest may be another Ray's)
 RAY_LOGS=$(sed 's/\x1b\[[0-9;]*m//g' "$RUN_DIR/ray-start.log" | grep -o '/[^ ]*/logs/ray_process_exit.log' | head -1)

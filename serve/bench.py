@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 
 from actors.engine_server import BaselineCache, SpecCounters
+from actors.files import atomic_write
 from serve.bench_stats import (
     LevelResult,
     Prompt,
@@ -330,7 +331,7 @@ def bench_endpoint(
         cache.put(key, {"url": endpoint.url, "levels": levels,
                         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})  # fmt: skip
     result.extra["baseline_cached"] = cached
-    Path(result.json_path).write_text(json.dumps(asdict(result), indent=2) + "\n")
+    atomic_write(result.json_path, json.dumps(asdict(result), indent=2) + "\n")
     return result
 
 
@@ -383,7 +384,7 @@ def _summarize(
         domains=domains or {},
         shape=shape or {},
     )
-    Path(result.json_path).write_text(json.dumps(asdict(result), indent=2) + "\n")
+    atomic_write(result.json_path, json.dumps(asdict(result), indent=2) + "\n")
     plot(result)
     return result
 

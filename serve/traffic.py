@@ -38,6 +38,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -113,10 +114,25 @@ class TrafficLog:
                 self._fh.close()
                 self._n += 1
                 self._open()
-            self._fh.write(line)
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
+            try:
+                self._fh.write(line)
+                self._fh.flush()
+                os.fsync(self._fh.fileno())
+            except OSError:
+                # A full disk may have taken part of the line: the next record appended after it
+                # would share its line and be lost with it. Reopening cuts the torn tail.
+                self._drop_handle()
+                raise
         return True
+
+    def _drop_handle(self) -> None:
+        """Close the file after a failed write (its unwritten buffer discarded); the next
+        append reopens it and cuts what part of the line reached the disk."""
+        fh, self._fh = self._fh, None
+        try:
+            fh.close()  # flushes the buffer again: may fail the same way
+        except OSError:
+            pass
 
     def _redacted(self, record: dict[str, Any]) -> dict[str, Any] | None:
         if not self.redact:
@@ -187,18 +203,31 @@ def _cut_torn_tail(fh: Any) -> None:
         log.warning("traffic log: cut a torn last line (%d bytes) off %s", size - pos, fh.name)
 
 
-def read_traffic(directory: str | Path) -> Iterator[dict[str, Any]]:
+@dataclass
+class Skipped:
+    """The lines of the log a reader passed over, so the round that reads it can say so."""
+
+    torn: int = 0
+    """Lines that are not whole JSON: cut by a crash mid-write (the last line of a file), or
+    another writer's junk."""
+    foreign: int = 0
+    """Whole JSON that is no record to learn from: another version, or without ids."""
+
+
+def read_traffic(directory: str | Path, skipped: Skipped | None = None) -> Iterator[dict[str, Any]]:
     """Every complete record under `directory`, oldest file first; a torn or foreign line (a
-    crash mid-write, another writer's junk) is skipped."""
+    crash mid-write, another writer's junk) is skipped and counted in `skipped`."""
     d = Path(directory)
     if not d.is_dir():
         return
+    skipped = skipped if skipped is not None else Skipped()
     for path in sorted(d.glob(PATTERN), key=lambda p: (p.stat().st_mtime, p.name)):
         with path.open("rb") as fh:
             for raw in fh:
                 try:
                     rec = json.loads(raw)
                 except ValueError:
+                    skipped.torn += 1
                     continue
                 if (
                     isinstance(rec, dict)
@@ -207,6 +236,8 @@ def read_traffic(directory: str | Path) -> Iterator[dict[str, Any]]:
                     and isinstance(rec.get("prompt_ids"), list)
                 ):
                     yield rec
+                else:
+                    skipped.foreign += 1
 
 
 def prompt_text_key(rec: dict[str, Any]) -> str | None:

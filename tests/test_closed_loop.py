@@ -14,10 +14,7 @@ separately. It starts Ray clusters of its own, so it runs after the shared Ray i
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,6 +22,7 @@ import pytest
 import torch
 import yaml
 from conftest import free_port
+from ray_head import RayHead
 from safetensors.torch import load_file, save_file
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,75 +63,6 @@ def _config(tmp: Path, target: Path) -> dict:
         "stop": {"accept_len": 9.0, "max_rounds": 2},
         "tracking": {"tracking_uri": f"sqlite:///{tmp}/mlflow.db", "experiment": "closed"},
     }  # fmt: skip
-
-
-class RayHead:
-    """A real `ray start --head` on loopback, as users run it, and `ray job` against it."""
-
-    def __init__(self, tmp: Path):
-        # Token auth on, as Ray 2.60 defaults for local clusters: the head, `ray job submit` and
-        # the driver all read ~/.ray/auth_token (made here if missing).
-        env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token")
-        self.bin = Path(sys.executable).parent
-        env["PATH"] = f"{self.bin}:{env['PATH']}"  # the job's `python` is this venv's
-        self.env = env
-        token = [str(self.bin / "ray"), "get-auth-token", "--generate"]
-        subprocess.run(token, check=True, env=env, capture_output=True)
-        # Every port this head listens on is a free one: Ray's fixed defaults (client server
-        # 10001, dashboard agent 52365) are shared with any other Ray on the machine, and an
-        # agent that loses its port leaves the head without a job agent ("No available agent").
-        dash, gcs, client, agent = (free_port() for _ in range(4))
-        log = tmp / "ray-start.log"
-        # --block, and SIGTERM to stop it: that stops this head's processes only, where
-        # `ray stop --force` would kill every Ray on the machine (other test runs' included).
-        self.proc = subprocess.Popen(
-            [str(self.bin / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
-             "--port", str(gcs), "--ray-client-server-port", str(client),
-             "--dashboard-agent-listen-port", str(agent), "--num-cpus", "4",
-             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
-             "--disable-usage-stats", f"--temp-dir={tmp}"],
-            env=dict(env, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0"), stdout=log.open("w"),
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-        self.address = f"http://127.0.0.1:{dash}"
-        deadline = time.monotonic() + 300
-        while "Ray runtime started" not in log.read_text():
-            assert self.proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
-            time.sleep(1)
-
-    def submit(self, config: Path, run_dir: Path, wait: bool = True) -> subprocess.CompletedProcess:
-        renv = subprocess.run(
-            [sys.executable, "pipeline/run.py", "runtime-env", str(config)],
-            cwd=REPO, env=self.env, capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
-        renv_file = config.with_name("runtime-env.json")  # a file, as scripts/demo.sh passes it:
-        renv_file.write_text(renv)  # never on the command line, where `ps` shows its env vars
-        renv_file.chmod(0o600)
-        cmd = [str(self.bin / "ray"), "job", "submit", "--address", self.address,
-               "--runtime-env", str(renv_file)]  # fmt: skip
-        if not wait:
-            cmd.append("--no-wait")
-        cmd += ["--", "python", "pipeline/run.py", "--config", str(config), "--run-dir", str(run_dir)]  # fmt: skip
-        for _ in range(30):  # a fresh head answers "No available agent" until its job agent is up
-            done = subprocess.run(
-                cmd, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=1500
-            )
-            if "No available agent" not in done.stderr + done.stdout:
-                break
-            time.sleep(2)
-        return done
-
-    def stop_job(self, job_id: str) -> None:
-        subprocess.run([str(self.bin / "ray"), "job", "stop", "--address", self.address, job_id],
-                       env=self.env, capture_output=True, timeout=120)  # fmt: skip
-
-    def shutdown(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, 9)
-            self.proc.wait()
 
 
 def _state(run_dir: Path) -> dict:

@@ -51,6 +51,41 @@ def test_log_rotates_redacts_and_skips_torn_lines(tmp_path):
         load_redactor("no_colon")
 
 
+@pytest.mark.ray_free
+def test_the_next_round_skips_a_line_cut_by_a_crash_and_says_so(tmp_path, tiny_target, caplog):
+    """A replica killed mid-write leaves a last line without its end; the next round's data
+    stage reads the whole records around it, and its log line, its record's
+    `traffic_skipped` (from the file kept beside the selection) and the console say how many
+    torn lines it skipped."""
+    from conftest import tiny_run_config
+
+    from pipeline.config import parse_config
+    from pipeline.console import data_line
+    from pipeline.layout import RunDir
+    from pipeline.loop import _traffic_for_round
+    from pipeline.state import RunState
+
+    run = RunDir(tmp_path / "run")
+    log = TrafficLog(run.traffic, "7")
+    for i in range(3):
+        log.append(_rec(i))
+    log.close()
+    with next(run.traffic.glob("traffic-7-*.jsonl")).open("ab") as fh:
+        fh.write(json.dumps({"v": 1, **_rec(3)}).encode()[:40])  # the crash: no end, no newline
+    data = {"source": {"builtin": 0.5, "traffic": 0.5}, "prompts_per_round": 8}
+    serve = {"record_traffic": True}
+    cfg = parse_config(tiny_run_config(tiny_target, tmp_path, "torn", data=data, serve=serve))
+    state = RunState(config_digest=cfg.digest())
+    with caplog.at_level("WARNING", logger="eagle_loop"):
+        recs = _traffic_for_round(cfg, run.root, state, 0, run.data(0), ([],))
+    assert sorted(r["id"] for r in recs) == ["r0", "r1", "r2"]
+    assert "1 torn line(s)" in caplog.text
+    skipped = json.loads(run.traffic_skipped(0).read_text())
+    assert skipped == {"torn": 1, "foreign": 0}
+    rec = {"num_samples": 3, "num_tokens": 15, "traffic_records": 3, "traffic_skipped": skipped}
+    assert "1 torn traffic line(s) skipped" in data_line(rec)
+
+
 def test_redaction_sees_the_ids_and_masked_text_never_keeps_its_old_ids(tmp_path):
     """prompt_ids spell the same text as messages: a hook that masks only the content gets ids
     derived from what it returned, or the record is dropped; the hook sees and may mask the

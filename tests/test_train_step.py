@@ -11,8 +11,8 @@ import torch
 from actors.shards import Sample, iter_samples, read_shard, write_shard
 from eagle3.config import Eagle3Config
 from eagle3.train_step import (
-    Anchor,
     STATE_FILE,
+    Anchor,
     Batch,
     ShardSet,
     SoftTargets,

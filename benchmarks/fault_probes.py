@@ -1,0 +1,380 @@
+"""Issue 51's fault probes: each fault made to happen against the real components, one JSON line
+per probe: {"probe": NAME, "lost": COUNT, "recovery_s": SECONDS, "detail": {...}} (with the
+harness's fields: bench, device, date, load).
+
+  python benchmarks/fault_probes.py                          # this checkout, every probe
+  python benchmarks/fault_probes.py --repo /tmp/before       # another checkout's code (before)
+  python benchmarks/fault_probes.py --only disk_full mlflow_blip
+
+`lost` counts what did not survive: a record, a metric, a request, a file left half-written under
+its name, a job that failed. `recovery_s` is from the fault's end to the first thing that worked
+again (null where nothing had to recover).
+- `override_upload`: a real `ray start --head` and `ray job submit` of the run's first check
+  (preflight) with `--set drafter.init=drafters/smollm2-135m-base`, the runtime env made as
+  scripts/demo.sh makes it; lost 1 when the job does not find the drafter it was told to use.
+- `torn_traffic`: a process appending 40 KB traffic records dies mid-line (SIGXFSZ: its
+  RLIMIT_FSIZE cuts a write); lost = acknowledged records the reader does not return; detail
+  says whether the reader reported the torn line.
+- `disk_full`: a real 32 MiB tmpfs filled by another file, then a manifest, a shard, a drafter
+  export over an older one and a traffic record are written; lost = files half-written under
+  their names + old drafters damaged + traffic records lost; detail: whether each error named the
+  file and the free bytes. Needs root (mount); says so and skips otherwise.
+- `replica_kill_after_swap`: a real Serve replica of a tiny target swapped from drafter A to B,
+  then killed with SIGKILL by its pid while 4 requests run; lost = requests that failed;
+  recovery_s = kill to the first answer; detail: whether the new replica serves B (its
+  `usage.drafter` digest).
+- `mlflow_blip`: a real `mlflow server` (sqlite) stopped for 20 s while the tracking seam logs a
+  metric every 0.25 s, then started again; lost = metrics missing from the store.
+Not probed here: `ray job stop` during each stage and two runs on one cluster (full runs of
+minutes each; tests/test_closed_loop.py stops a real job in round 1's training and resumes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(HERE))
+
+from benchmarks.harness import Results  # noqa: E402
+
+RESULTS = Results("fault_probes")
+
+
+def emit(probe: str, lost: int, recovery_s: float | None, **detail: Any) -> None:
+    """One line per probe (the harness adds where and when it was measured)."""
+    RESULTS.emit({"probe": probe, "lost": lost, "recovery_s": recovery_s, "detail": detail})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- override_upload ---------------------------------------------------------------------------
+def probe_override_upload(repo: Path, tmp: Path) -> None:
+    sys.path.insert(0, str(HERE / "tests"))  # the tests' real head (tests/ray_head.py)
+    from ray_head import RayHead
+
+    helps = subprocess.run([sys.executable, "pipeline/run.py", "runtime-env", "--help"],
+                           cwd=repo, capture_output=True, text=True).stdout  # fmt: skip
+    takes_set = "--set" in helps  # before the fix, scripts/demo.sh gave it none
+    head = RayHead(Path(tempfile.mkdtemp(prefix="fp-ray-", dir="/tmp")), repo=repo)
+    t = time.monotonic()
+    try:
+        job = head.submit(
+            repo / "configs" / "smollm2-cpu.yaml",
+            None,
+            overrides=("drafter.init=drafters/smollm2-135m-base",),
+            entrypoint=("-m", "pipeline.preflight"),
+            env_overrides=None if takes_set else (),
+        )
+    finally:
+        head.shutdown()
+    out = job.stdout + job.stderr
+    ok = job.returncode == 0 and "preflight: ok" in out
+    why = next((ln.strip() for ln in out.splitlines() if "does not exist" in ln), None)
+    emit("override_upload", 0 if ok else 1, None, job_rc=job.returncode, runtime_env_set=takes_set,
+         job_s=round(time.monotonic() - t, 1), error=why and why[:300])  # fmt: skip
+
+
+# -- torn_traffic ------------------------------------------------------------------------------
+# The writer dies mid-line: its file-size limit (RLIMIT_FSIZE) lets the kernel write part of a
+# record, then kills it with SIGXFSZ, as a crash would (a SIGKILL rarely lands inside the
+# memcpy of a write; the fsync after it takes the time).
+WRITER = """
+import resource, signal, sys
+from serve.traffic import TrafficLog
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; the kernel's kill is the crash
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), int(sys.argv[2])))
+log = TrafficLog(sys.argv[1], "7")
+for i in range(10**6):
+    log.append({"id": f"r{i}", "prompt_ids": [1] * 20_000, "completion_ids": [4, 5]})
+    print(f"r{i}", flush=True)
+"""
+
+
+def probe_torn_traffic(repo: Path, tmp: Path) -> None:
+    from serve import traffic
+
+    d = tmp / "traffic"
+    proc = subprocess.run([sys.executable, "-c", WRITER, str(d), str(100_000)], cwd=repo,
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(repo)))  # fmt: skip
+    acked = proc.stdout.split()
+    data = b"".join(p.read_bytes() for p in d.glob("*.jsonl"))
+    if hasattr(traffic, "Skipped"):  # the reader counts what it skips
+        skipped = traffic.Skipped()
+        got = [r["id"] for r in traffic.read_traffic(d, skipped)]
+        reported: Any = skipped.torn
+    else:
+        got, reported = [r["id"] for r in traffic.read_traffic(d)], "not reported"
+    emit("torn_traffic", len(set(acked) - set(got)), None, writer_rc=proc.returncode,
+         line_cut=not data.endswith(b"\n"), acked=len(acked), read=len(got),
+         torn_lines_reported=reported)  # fmt: skip
+
+
+# -- disk_full ---------------------------------------------------------------------------------
+def _fill(d: Path, leave: int) -> Path:
+    filler = d / "filler"
+    with filler.open("wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 20))
+        except OSError:
+            pass
+    os.truncate(filler, max(0, filler.stat().st_size - leave))
+    return filler
+
+
+def _names(err: BaseException, path: Path) -> bool:
+    return str(path) in str(err) and "bytes free" in str(err)
+
+
+def probe_disk_full(repo: Path, tmp: Path) -> None:
+    import torch
+
+    from actors.files import atomic_write
+    from actors.shards import Sample, write_shard
+    from eagle3.checkpoint import load_drafter, save_drafter
+    from pipeline.train_worker import write_drafter_dir
+    from serve.traffic import TrafficLog, read_traffic
+
+    mnt = tmp / "small"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode:
+        emit("disk_full", 0, None, skipped=f"cannot mount a tmpfs: {done.stderr.strip()}")
+        return
+    detail: dict[str, Any] = {"fs": "tmpfs 32 MiB"}
+    lost = 0
+    try:
+        drafter = repo / "drafters" / "smollm2-135m-base"
+        cfg, old = load_drafter(drafter)
+        dest = mnt / "drafter"
+        save_drafter(old, cfg, dest, dtype=torch.bfloat16)  # the one a resume would read
+        log = TrafficLog(mnt / "traffic", "7")
+        rec = {"prompt": "p", "completion_ids": [4, 5]}
+        log.append({**rec, "id": "before", "prompt_ids": [1, 2, 3]})
+        t = 2000
+        sample = Sample(list(range(t)), [1] * t, torch.zeros(t, 768, dtype=torch.bfloat16),
+                        torch.zeros(t, 256, dtype=torch.bfloat16))  # fmt: skip
+        writes = {
+            "manifest": (mnt / "manifest.json", lambda p: atomic_write(p, b"x" * (1 << 20))),
+            "shard": (mnt / "batch-000000-part-000.safetensors", lambda p: write_shard(p, [sample])),
+            "drafter": (dest, lambda p: write_drafter_dir(p, None, {k: v + 1 if v.is_floating_point() else v for k, v in old.items()}, cfg)),
+        }  # fmt: skip
+        filler = _fill(mnt, 256 << 10)
+        for name, (path, write) in writes.items():
+            try:
+                write(path)
+                detail[name] = "written?"
+            except Exception as e:  # noqa: BLE001 - what each one raises is the finding
+                detail[name] = {"error": type(e).__name__, "names_path_and_free": _names(e, path)}
+            if name != "drafter" and path.exists():
+                lost += 1  # a half file under its name
+        try:
+            _, kept = load_drafter(dest)
+            lost += 0 if all(torch.equal(kept[k], old[k].to(kept[k].dtype)) for k in old) else 1
+        except Exception as e:  # noqa: BLE001
+            lost += 1
+            detail["old_drafter"] = repr(e)[:200]
+        try:
+            log.append({**rec, "id": "cut", "prompt_ids": list(range(100_000))})
+        except OSError:
+            pass
+        filler.unlink()
+        t0 = time.monotonic()
+        atomic_write(mnt / "manifest.json", b"x" * (1 << 20))  # space freed: works again
+        recovery = round(time.monotonic() - t0, 3)
+        log.append({**rec, "id": "after", "prompt_ids": [1, 2, 3]})
+        log.close()
+        got = [r["id"] for r in read_traffic(mnt / "traffic")]
+        lost += len({"before", "after"} - set(got))
+        detail["traffic_read"] = got
+        detail["temp_files_left"] = [p.name for p in mnt.rglob("*") if ".tmp-" in p.name]
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    emit("disk_full", lost, recovery, **detail)
+
+
+# -- replica_kill_after_swap -------------------------------------------------------------------
+def probe_replica_kill(repo: Path, tmp: Path) -> None:
+    import concurrent.futures as cf
+
+    import httpx
+    import ray
+    from ray import serve
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, str(HERE / "tests"))
+    from conftest import build_tiny_llama, save_random_drafter
+
+    from eagle3.target_weights import SMOLLM2_GGUF, smollm2_dir
+    from pipeline.config import ServeConfig, TargetConfig
+    from serve.deployment import drafter_digest
+    from serve.endpoint import deploy_endpoint
+
+    tok = tmp / "tok"
+    AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF).save_pretrained(tok)
+    target = build_tiny_llama(tmp / "target", tok)
+    lm = AutoModelForCausalLM.from_pretrained(target)
+    a, b = (save_random_drafter(lm, tmp / n, s) for n, s in (("a", 1), ("b", 2)))
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(repo)}})  # fmt: skip
+    try:
+        port = free_port()
+        ep = deploy_endpoint(ServeConfig(port=port, steps=2, num_cpus=1),
+                             TargetConfig(model=str(target)), a, tmp / "logs", app_name="faults")  # fmt: skip
+        ep.swap_drafter(b)
+        pid = ep.info()["pid"]
+        body = {"prompt": [5, 6, 7], "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+
+        def ask() -> int:
+            try:
+                return httpx.post(f"{ep.url}/v1/completions", json=body, timeout=120).status_code
+            except httpx.HTTPError:
+                return 0
+
+        with cf.ThreadPoolExecutor(4) as pool:
+            inflight = [pool.submit(ask) for _ in range(4)]
+            time.sleep(0.3)
+            os.kill(pid, signal.SIGKILL)
+            t = time.monotonic()
+            codes = [f.result() for f in inflight]
+        digest, recovery = None, None
+        while time.monotonic() - t < 240:
+            try:
+                r = httpx.post(f"{ep.url}/v1/completions", json=body, timeout=30)
+                if r.status_code == 200:
+                    recovery = round(time.monotonic() - t, 1)
+                    digest = r.json()["usage"].get("drafter")
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        info = serve.get_app_handle("faults").drafter_info.remote().result()
+        emit("replica_kill_after_swap", sum(c != 200 for c in codes), recovery,
+             in_flight_status=codes, new_pid=info["pid"] != pid,
+             serves_swapped=digest == drafter_digest(b), serves_initial=digest == drafter_digest(a))  # fmt: skip
+        ep.shutdown()
+    finally:
+        ray.shutdown()
+
+
+# -- mlflow_blip -------------------------------------------------------------------------------
+def _mlflow(port: int, db: Path, log: Path) -> subprocess.Popen:
+    mlflow = Path(sys.executable).with_name("mlflow")
+    return subprocess.Popen(
+        [str(mlflow), "server", "--workers", "1", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{db}", "--artifacts-destination", str(db.parent / "art")],
+        stdout=log.open("a"), stderr=subprocess.STDOUT, start_new_session=True,
+        env=dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"),
+    )  # fmt: skip
+
+
+def _wait_up(port: int, timeout: float = 180) -> None:
+    import httpx
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"mlflow server on {port} did not start")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=60)
+
+
+def probe_mlflow_blip(repo: Path, tmp: Path, outage_s: float = 20.0) -> None:
+    from pipeline.config import TrackingConfig
+    from pipeline.tracking import Tracker
+
+    port, db = free_port(), tmp / "mlflow.db"
+    server = _mlflow(port, db, tmp / "mlflow.log")
+    _wait_up(port)
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    tracker = Tracker(TrackingConfig(tracking_uri=f"http://127.0.0.1:{port}", experiment="blip"))
+    run = tracker.start_run("blip")
+    sent, failed, stop = [], [], threading.Event()
+    times: dict[str, float] = {}
+
+    def logger() -> None:
+        step = 0
+        while not stop.is_set():
+            try:
+                tracker.log(run, {"probe/x": float(step)}, step=step)
+                sent.append(step)
+                if "down" in times and "up" in times and "first_ok" not in times:
+                    times["first_ok"] = time.monotonic()
+            except Exception as e:  # noqa: BLE001 - a lost metric is the finding
+                failed.append((step, type(e).__name__, str(e)[:160]))
+            step += 1
+            time.sleep(0.25)
+
+    th = threading.Thread(target=logger)
+    th.start()
+    time.sleep(3)
+    _stop(server)
+    times["down"] = time.monotonic()
+    time.sleep(outage_s)
+    server = _mlflow(port, db, tmp / "mlflow.log")
+    _wait_up(port)
+    times["up"] = time.monotonic()
+    time.sleep(3)
+    stop.set()
+    th.join(timeout=600)
+    stored = {int(m.step) for m in tracker.client.get_metric_history(run, "probe/x")}
+    attempted = len(sent) + len(failed)
+    _stop(server)
+    rec = times.get("first_ok")
+    emit("mlflow_blip", attempted - len(stored), rec and round(rec - times["up"], 1),
+         outage_s=outage_s, attempted=attempted, stored=len(stored), failed_calls=len(failed),
+         first_error=failed[0][1:] if failed else None)  # fmt: skip
+
+
+PROBES = {
+    "override_upload": probe_override_upload,
+    "torn_traffic": probe_torn_traffic,
+    "disk_full": probe_disk_full,
+    "replica_kill_after_swap": probe_replica_kill,
+    "mlflow_blip": probe_mlflow_blip,
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--repo", type=Path, default=HERE, help="checkout whose code is probed")
+    ap.add_argument("--only", nargs="+", choices=sorted(PROBES), default=sorted(PROBES))
+    args = ap.parse_args()
+    repo = args.repo.resolve()
+    sys.path.insert(0, str(repo))  # the product's modules come from the probed checkout
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for name in args.only:
+        with tempfile.TemporaryDirectory(prefix=f"fp-{name}-", dir="/tmp") as tmp:
+            try:
+                PROBES[name](repo, Path(tmp))
+            except Exception as e:  # noqa: BLE001 - one probe's failure is its line
+                emit(name, -1, None, probe_failed=f"{type(e).__name__}: {e}"[:400])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""The served traffic a round learns from: chosen once from the run's traffic log (skipping torn
+and foreign lines, and what earlier rounds or the benchmark took) and kept in the round's data
+dir, then handed to the data stage as `Answered` batches (capture only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+from pipeline.config import Config
+from pipeline.layout import RunDir
+from pipeline.state import RunState, write_json_atomic, write_text_atomic
+
+log = logging.getLogger("pipeline.loop")
+
+
+def traffic_for_round(
+    cfg: Config, run_dir: Path, state: RunState, r: int, out: Path, evalset
+) -> list[dict]:
+    """The traffic records round `r` learns from, chosen once and kept in the round's data dir
+    (a resumed round captures the same ones even if the log grew)."""
+    import json
+
+    from actors.prompts import prompt_key
+    from serve.traffic import Skipped, read_traffic, select_traffic
+
+    share = cfg.data.sources().get("traffic", 0.0)
+    if not share:
+        return []
+    chosen = out / "traffic_selected.jsonl"
+    if chosen.exists():
+        return [json.loads(x) for x in chosen.read_text().splitlines() if x.strip()]
+    used = {i for rs in state.rounds[:r] for i in (rs.done.get("generate") or {}).get("traffic_ids", [])}  # fmt: skip
+    skipped = Skipped()
+    recs = select_traffic(
+        read_traffic(RunDir(run_dir).traffic, skipped),  # streamed, never whole in memory
+        round(cfg.data.prompts_for_round(r) * share),
+        used,
+        {prompt_key(c) for c in evalset[0]},
+        cfg.data.max_length,
+    )
+    if skipped.torn or skipped.foreign:
+        log.warning("round %d: the traffic log had %d torn line(s) (a replica that died "
+                    "mid-write) and %d foreign one(s); skipped", r, skipped.torn, skipped.foreign)  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    # before the selection: a resumed round that finds the selection finds this beside it
+    write_json_atomic(RunDir(run_dir).traffic_skipped(r), dataclasses.asdict(skipped))
+    write_text_atomic(chosen, "".join(json.dumps(x) + "\n" for x in recs))
+    return recs
+
+
+def answered_batches(records: list[dict], batch_size: int) -> list:
+    from actors.prompts import Answered
+
+    return [
+        Answered(
+            tuple(tuple(x["prompt_ids"]) for x in records[i : i + batch_size]),
+            tuple(tuple(x["completion_ids"]) for x in records[i : i + batch_size]),
+        )
+        for i in range(0, len(records), batch_size)
+    ]
