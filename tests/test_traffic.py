@@ -62,7 +62,7 @@ def test_the_next_round_skips_a_line_cut_by_a_crash_and_says_so(tmp_path, tiny_t
     from pipeline.config import parse_config
     from pipeline.console import data_line
     from pipeline.layout import RunDir
-    from pipeline.loop import _traffic_for_round
+    from pipeline.traffic_round import traffic_for_round
     from pipeline.state import RunState
 
     run = RunDir(tmp_path / "run")
@@ -77,7 +77,7 @@ def test_the_next_round_skips_a_line_cut_by_a_crash_and_says_so(tmp_path, tiny_t
     cfg = parse_config(tiny_run_config(tiny_target, tmp_path, "torn", data=data, serve=serve))
     state = RunState(config_digest=cfg.digest())
     with caplog.at_level("WARNING", logger="eagle_loop"):
-        recs = _traffic_for_round(cfg, run.root, state, 0, run.data(0), ([],))
+        recs = traffic_for_round(cfg, run.root, state, 0, run.data(0), ([],))
     assert sorted(r["id"] for r in recs) == ["r0", "r1", "r2"]
     assert "1 torn line(s)" in caplog.text
     skipped = json.loads(run.traffic_skipped(0).read_text())
@@ -187,7 +187,7 @@ def test_served_requests_are_logged_and_survive_a_replica_killed_mid_writes(
 
     from actors.chat import prompt_ids
     from pipeline.config import ServeConfig, TargetConfig
-    from pipeline.loop import _answered_batches
+    from pipeline.traffic_round import answered_batches
     from serve.deployment import _traffic_log
     from serve.endpoint import _traffic_options, deploy_endpoint
 
@@ -210,7 +210,7 @@ def test_served_requests_are_logged_and_survive_a_replica_killed_mid_writes(
         tok = AutoTokenizer.from_pretrained(tiny_target)
         start, end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
         honest = prompt_ids(tok, [{"role": "user", "content": "hi"}])
-        sample = _answered_batches([rec], 8)[0]  # what the next round captures and trains on
+        sample = answered_batches([rec], 8)[0]  # what the next round captures and trains on
         for ids in (rec["prompt_ids"], list(sample.prompt_ids[0])):
             assert ids == prompt_ids(tok, [{"role": "user", "content": FORGED}])
             assert (ids.count(start), ids.count(end)) == (honest.count(start), honest.count(end))
