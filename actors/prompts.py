@@ -119,8 +119,9 @@ class PromptFormatError(ValueError):
 @dataclass(frozen=True)
 class PromptPlan:
     """The prompts of a run, split once: per source a seeded training order, the held-out
-    benchmark prompts (interleaved across domains, so any prefix covers them all) and the
-    simulated users' pool. The three never share a prompt text."""
+    benchmark prompts (interleaved across domains, so any prefix covers them all), the
+    simulated users' pool and the gate set (the train stage's fixed eval set, interleaved like
+    the benchmark). The four never share a prompt text."""
 
     train: dict[str, list[Conversation]]
     heldout: list[Prompt]
@@ -130,6 +131,7 @@ class PromptPlan:
     # the pool's rule: a source (a domain of the pool) that runs out of fresh prompts hands its
     # share to the others (`fresh_quotas`); otherwise each keeps its weight and wraps around
     fill: bool = False
+    gate: list[Prompt] = field(default_factory=list)  # `data.gate_prompts` per source
 
 
 def load_prompts(data: DataConfig) -> list[Conversation]:
@@ -171,7 +173,9 @@ def plan_prompts(
     trained: frozenset[str] = frozenset(),
 ) -> PromptPlan:
     """Load every prompt source of `data` and split it: per source `data.heldout_prompts` held
-    out, then its share of `data.user_prompts`, the rest training material in a seeded order.
+    out, then its share of `data.user_prompts`, then `data.gate_prompts` for the gate set, the
+    rest training material in a seeded order. The gate set comes last, so the held-out and user
+    splits are the same with or without it.
     Source `pool` trains on actors/pool.py's pool, without those, the prompts of `eval_files`
     (`bench.eval_files`) and of the repository's benchmark sets, and the prompts whose key hashes
     are `trained` (the starting drafter's key file: `init_trained_hashes`), one training order
@@ -191,18 +195,20 @@ def plan_prompts(
         keys = sorted(unique)  # input order must not matter, only the seed
         random.Random(seed).shuffle(keys)
         shuffled[src] = [unique[k] for k in keys]
-    heldout_by, users, taken = {}, [], set()
+    heldout_by, users, gate_by, taken = {}, [], {}, set()
     for src, prompts in shuffled.items():
         n_users = round(data.user_prompts * weights[src])
-        if data.heldout_prompts + n_users >= len(prompts):
+        held, used = data.heldout_prompts, data.heldout_prompts + n_users
+        if used + data.gate_prompts >= len(prompts):
             raise ValueError(
-                f"data.heldout_prompts: {data.heldout_prompts} (+ {n_users} simulated users' "
-                f"prompts) leaves no training prompts out of {len(prompts)} distinct ones of "
-                f"source {src!r}; lower it or add prompts"
+                f"data.heldout_prompts: {held} (+ {n_users} simulated users' prompts + "
+                f"data.gate_prompts {data.gate_prompts}) leaves no training prompts out of "
+                f"{len(prompts)} distinct ones of source {src!r}; lower them or add prompts"
             )
-        heldout_by[src] = prompts[: data.heldout_prompts]
-        users += prompts[data.heldout_prompts : data.heldout_prompts + n_users]
-        taken |= {prompt_key(p.messages) for p in prompts[: data.heldout_prompts + n_users]}
+        heldout_by[src] = prompts[:held]
+        users += prompts[held:used]
+        gate_by[src] = prompts[used : used + data.gate_prompts]
+        taken |= {prompt_key(p.messages) for p in prompts[: used + data.gate_prompts]}
     train = {
         src: [p.messages for p in prompts if prompt_key(p.messages) not in taken]
         for src, prompts in shuffled.items()
@@ -213,13 +219,15 @@ def plan_prompts(
         for p in prompts
         if p.reply and prompt_key(p.messages) not in taken
     }
-    return PromptPlan(train, interleave(list(heldout_by.values())), users, weights, replies)
+    heldout, gate = interleave(list(heldout_by.values())), interleave(list(gate_by.values()))
+    return PromptPlan(train, heldout, users, weights, replies, gate=gate)
 
 
 def demo_prompt_keys(data: DataConfig, eval_files: Sequence[str] = ()) -> set[str]:
     """The prompt keys of everything a demo with this `data` section and `bench.eval_files`
-    benchmarks or gives its simulated users: its held-out split (all of it, not only
-    `bench.num_prompts`), its users' pool, those files and the repository's benchmark sets."""
+    benchmarks, gives its simulated users or gates training on: its held-out split (all of it,
+    not only `bench.num_prompts`), its users' pool, its gate set, those files and the
+    repository's benchmark sets."""
     return _held_keys(plan_prompts(_as_real(data)), eval_files)
 
 
@@ -242,9 +250,9 @@ def init_trained_hashes(init: str) -> frozenset[str]:
 def _pool_plan(
     data: DataConfig, seed: int, eval_files: Sequence[str], trained: frozenset[str]
 ) -> PromptPlan:
-    """`data.source: pool`'s split: the held-out and user prompts `real` would give (so a pool
-    run is judged on the demo's benchmark), and the pool without them and without the `trained`
-    prompts, as one training order per domain weighted by `data.pool_domains`."""
+    """`data.source: pool`'s split: the held-out, user and gate prompts `real` would give (so a
+    pool run is judged on the demo's benchmark), and the pool without them and without the
+    `trained` prompts, as one training order per domain weighted by `data.pool_domains`."""
     real = plan_prompts(_as_real(data), seed)
     pool = build_pool(_held_keys(real, eval_files), seed, trained=trained)
     train = {
@@ -255,7 +263,7 @@ def _pool_plan(
     train = {d: convs for d, convs in train.items() if convs}  # a domain with none: no share
     total = sum(data.pool_domains[d] for d in train)
     weights = {d: data.pool_domains[d] / total for d in train}
-    return PromptPlan(train, real.heldout, real.users, weights, fill=True)
+    return PromptPlan(train, real.heldout, real.users, weights, fill=True, gate=real.gate)
 
 
 def _as_real(data: DataConfig) -> DataConfig:
@@ -265,7 +273,7 @@ def _as_real(data: DataConfig) -> DataConfig:
 
 
 def _held_keys(plan: PromptPlan, eval_files: Sequence[str]) -> set[str]:
-    prompts = plan.heldout + plan.users
+    prompts = plan.heldout + plan.users + plan.gate
     files = [Path(f) for f in eval_files] + sorted(BENCH_FILES.glob("*.jsonl"))
     prompts += [p for f in files for p in load_jsonl_prompts(f)]
     return {prompt_key(p.messages) for p in prompts}

@@ -5,6 +5,8 @@ Layout of a run directory:
     <run>/state.json             finished stages and their records (what a resume reads)
     <run>/summary.json           the rounds table, the stop reason and the champion
     <run>/data/round-NNN/        shards and manifest.json (generate)
+    <run>/data/gate/             the gate set's shards, made once per run, read by every round's
+                                 training (no rule that frees old rounds' data may touch it)
     <run>/train/round-NNN/       Ray Train storage, metrics.jsonl, drafter/ (train)
     <run>/bench/round-NNN/       round-NNN.json and round-NNN.png (bench)
     <run>/serve/                 logs of the serving deployment
@@ -69,6 +71,10 @@ class RunDir:
 
     def data(self, r: int) -> Path:
         return self.root / "data" / round_tag(r)
+
+    def gate(self) -> Path:
+        """The gate set's data (`data.gate_prompts`): the train stage's eval set, every round."""
+        return self.root / "data" / "gate"
 
     def train(self, r: int) -> Path:
         return self.root / "train" / round_tag(r)

@@ -109,7 +109,15 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 rs.done["generate"] = {"skipped": "train.first_round: skip", "wall_s": 0.0}
                 rs.done["train"] = _serve_init(cfg, run_dir, tracker, child)
                 _commit(state, clock, run_dir)
-            if not rs.is_done("generate"):
+            if _gate_due(cfg, state, r):  # once per run, in the first round that trains
+                t0 = clock.elapsed()
+                what = f"{len(plan.gate)} prompts, once per run: every round's eval set"
+                with stage("gate set", None, what) as st:
+                    rs.done["gate_set"] = _gate_set(cfg, run_dir, plan)
+                    rs.done["gate_set"]["wall_s"] = clock.elapsed() - t0
+                    st.result = data_line(rs.done["gate_set"])
+                _commit(state, clock, run_dir)
+            if not rs.is_done("generate"):  # its deadline is what the gate set left of the plan's
                 t0, secs = clock.elapsed(), stage_seconds(rs, "data", clock)
                 n = f"{cfg.data.prompts_for_round(r)} prompts"
                 with stage(f"round {r} data", secs, n, data_note(RunDir(run_dir).data(r))) as st:
@@ -235,6 +243,28 @@ def _serve_init(cfg: Config, run_dir: Path, tracker: Tracker, child: str) -> dic
             "skipped": "train.first_round: skip", "wall_s": 0.0}  # fmt: skip
 
 
+def _gate_due(cfg: Config, state: RunState, r: int) -> bool:
+    """Round r makes the gate set: one is asked for, none was made, and round r trains."""
+    made = any(rs.is_done("gate_set") for rs in state.rounds)
+    return bool(cfg.data.gate_prompts) and not made and not _skips(cfg, r)
+
+
+def _gate_set(cfg: Config, run_dir: Path, plan) -> dict:
+    """The gate set's target replies and states (`data.gate_prompts` per source) in
+    <run>/data/gate/, through the data stage's own path, so they are made as round data is
+    (generated, or ids only where the trainer computes states) and a call on a folder already
+    made keeps its intact batches and remakes the others (healing, resume). Not time-boxed: an
+    eval set cut short would judge rounds on another set; the budget plan's data share holds it
+    (the round's own data gets what it leaves)."""
+    from actors.generate import run_generate
+
+    data = cfg.data.model_copy(update={"self_prompts_per_round": 0})  # only the gate's prompts
+    res = run_generate(
+        cfg.target, data, [p.messages for p in plan.gate], RunDir(run_dir).gate(), cfg.digest()
+    )
+    return {**_record(res), "fresh_prompts": len(plan.gate)}
+
+
 def _generate(
     cfg: Config,
     run_dir: Path,
@@ -350,6 +380,8 @@ def _heal_data(cfg: Config, run_dir: Path, state: RunState, r: int, plan, evalse
     healed; a shard still bad afterwards raises ShardError."""
     from actors.shards import verify_manifest
 
+    if any(rs.is_done("gate_set") for rs in state.rounds):  # intact batches are kept
+        _gate_set(cfg, run_dir, plan)
     healed = []
     for i in range(r + 1):
         if "manifest" not in state.rounds[i].done["generate"]:  # a round that made no data
@@ -423,12 +455,14 @@ def _train(
     if r > 0:  # keep learning from the drafter that serves (the last one the gate promoted)
         init = _serving_drafter(state) or state.rounds[r - 1].drafter_dir
     tc = cfg.train.for_round(r, seconds, from_drafter=init != "scratch")  # the recipe it takes
+    gate = [RunDir(run_dir).gate()] if any(rs.is_done("gate_set") for rs in state.rounds) else []
     res = run_train(
         cfg=cfg.model_copy(update={"train": tc}),
         data_dirs=data_dirs,
         init=init,
         out_dir=RunDir(run_dir).train(r),
         run_name=f"{cfg.name}-{round_tag(r)}",
+        eval_dirs=gate,  # the gate set, every round alike; none: a hold-out of the round's data
     )
     rec = _record(res)
     rec["prompt_keys"] = _write_prompt_keys(Path(rec["drafter_dir"]), init, data_dirs, rec)
@@ -439,6 +473,8 @@ def _train(
     start = rec.get("start_eval_metrics") or {}
     tracker.log(child, {f"train/start_eval_{k}": v for k, v in start.items()})
     tracker.log(child, {"train/kept_start": float(bool(rec.get("kept_start")))})
+    gate = {k: v for k, v in (rec.get("gate") or {}).items() if isinstance(v, int | float)}
+    tracker.log(child, {f"train/gate_{k}": float(v) for k, v in gate.items()})
     if rec.get("kept_start"):
         log.info("round %d: no trained state beat the drafter it started from (held-out sim "
                  "%.3f); it is exported unchanged", r, start.get("sim_accept_len", 0.0))  # fmt: skip

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -65,6 +66,8 @@ class TrainJob:
     train: dict[str, Any]  # TrainConfig
     sim_steps: int  # draft steps the served chain uses (sim_accept_len)
     crash_at_step: int | None = None  # resume drill: the last worker exits once at this step
+    # the gate set's shards (path, sha256): the eval data when given, else a hold-out of `shards`
+    eval_shards: tuple[tuple[str, str], ...] = ()
 
 
 def _say(line: str) -> None:
@@ -113,15 +116,17 @@ def train_worker(config: dict[str, Any]) -> None:
     if rank == 0:
         _say(plan.describe(tc, world, step, device, dt))
 
-    best = Best(Path(job.out_dir), rank == 0, device, tc.min_gain if job.init == "drafter" else 0.0)
+    best = Best(Path(job.out_dir), rank == 0, device, len(plan.eval_bins), tc.gate_z)
     stale = 0  # evaluations since the last new best (a resumed attempt starts counting afresh)
     if job.init == "drafter" and step == 0 and plan.eval_refs:
         # The drafter given is the first candidate: a round exports it unchanged unless a
-        # trained state beats it on the same held-out measure.
-        m = mlog.eval(0, 0, _evaluate(module, plan, soft, tc, autocast, device))
-        best.offer(0, m["sim_accept_len"], module, drafter)
+        # trained state beats it on the same held-out batches by the gate's margin.
+        sums = _evaluate(module, plan, soft, tc, autocast, device)
+        m = mlog.eval(0, 0, sums, None)
+        best.offer(0, m["sim_accept_len"], mlog.batch_sims(sums), None, module, drafter)
         if rank == 0:
-            _say(f"[train] step 0 (the drafter given): sim_accept {m['sim_accept_len']:.3f}")
+            _say(f"[train] step 0 (the drafter given): sim_accept {m['sim_accept_len']:.3f} "
+                 f"over {len(plan.eval_bins)} eval batches")  # fmt: skip
     # After the step-0 evaluation: the time box's probe times training steps only.
     start, first = time.perf_counter(), step
     while step < plan.total:
@@ -148,8 +153,12 @@ def train_worker(config: dict[str, Any]) -> None:
             {} if anchor is None else {"anchor_loss": res.anchor_loss, "drift_rms": anchor.drift_rms()},
         )
         if plan.eval_refs and _eval_due(step, i, plan, tc):
-            m = mlog.eval(step, epoch, _evaluate(module, plan, soft, tc, autocast, device))
-            stale = 0 if best.offer(step, m["sim_accept_len"], module, drafter) else stale + 1
+            sums = _evaluate(module, plan, soft, tc, autocast, device)
+            sims = mlog.batch_sims(sums)
+            gain = best.gain(sims)
+            m = mlog.eval(step, epoch, sums, gain)
+            won = best.offer(step, m["sim_accept_len"], sims, gain, module, drafter)
+            stale = 0 if won else stale + 1
             if tc.patience and stale >= tc.patience and step < plan.total:
                 plan.total = _stop_early(step, stale, best, Path(job.out_dir), rank)
         if step % tc.checkpoint_every == 0 or step == plan.total:
@@ -162,13 +171,16 @@ def train_worker(config: dict[str, Any]) -> None:
 @dataclass
 class Plan:
     """Which samples this rank trains and evaluates on, in which batches: a pure function of
-    (shards, tokens_per_batch, eval_fraction, seed, epoch, rank, world), so a resumed run replays it."""
+    (shards, eval shards, tokens_per_batch, eval_fraction, seed, epoch, rank, world), so a
+    resumed run replays it. The eval data is the gate set when the job has one (every training
+    sample is trained on), else `eval_fraction` of the shards held out."""
 
     data: ShardSet
+    eval_data: ShardSet
     train_refs: list
     eval_refs: list
     bins: list[list[int]]
-    eval_bins: list[list[int]]  # this rank's
+    eval_bins: list[list[int]]  # all ranks': rank r evaluates bins r, r + world, ...
     rank: int
     world: int
     seed: int
@@ -179,17 +191,23 @@ class Plan:
     @classmethod
     def make(cls, job: TrainJob, tc: TrainConfig, rank: int, world: int) -> Plan:
         data = ShardSet([p for p, _ in job.shards], [s for _, s in job.shards])
-        train_refs, eval_refs = split_eval(data.samples, tc.eval_fraction)
+        if job.eval_shards:
+            eval_data = ShardSet([p for p, _ in job.eval_shards], [s for _, s in job.eval_shards])
+            train_refs, eval_refs = list(data.samples), list(eval_data.samples)
+        else:
+            eval_data = data
+            train_refs, eval_refs = split_eval(data.samples, tc.eval_fraction)
         if not train_refs:
             raise ValueError(
                 f"{job.out_dir}: no training samples after the eval hold-out; lower train.eval_fraction"
             )
         budget = tc.tokens_per_batch
         bins = pack([r.length for r in train_refs], budget, tc.seed)
-        eval_bins = pack([r.length for r in eval_refs], budget, tc.seed)[rank::world]
+        eval_bins = pack([r.length for r in eval_refs], budget, tc.seed)
         spe = steps_per_epoch(len(bins), world)
         return cls(
             data,
+            eval_data,
             train_refs,
             eval_refs,
             bins,
@@ -211,8 +229,10 @@ class Plan:
         return self.data.load([self.train_refs[j] for j in self.bins[order[i]]], self.budget)
 
     def eval_batches(self):
-        for b in self.eval_bins:
-            yield self.data.load([self.eval_refs[j] for j in b], self.budget)
+        """(index among all ranks' eval batches, batch) of this rank's share."""
+        for i in range(self.rank, len(self.eval_bins), self.world):
+            refs = [self.eval_refs[j] for j in self.eval_bins[i]]
+            yield i, self.eval_data.load(refs, self.budget)
 
     def describe(self, tc: TrainConfig, world: int, step: int, device, dt) -> str:
         long = sum(r.length > self.budget for r in self.train_refs)
@@ -222,7 +242,9 @@ class Plan:
             else ""
         )
         return (
-            f"[train] {len(self.train_refs)} train / {len(self.eval_refs)} eval samples, {len(self.bins)} batches, "
+            f"[train] {len(self.train_refs)} train / {len(self.eval_refs)} eval samples "
+            f"({'the gate set' if self.eval_data is not self.data else 'held out'}, "
+            f"{len(self.eval_bins)} batches), {len(self.bins)} batches, "
             f"{world} workers, {self.steps_per_epoch} steps/epoch x {tc.epochs} = {self.total} steps, start at {step}, "
             f"{device} {dt or torch.float32}{cut}"
         )
@@ -285,27 +307,71 @@ def _rescheduled(opt, sched, total: int, warmup_ratio: float):
     return new
 
 
+@dataclass(frozen=True)
+class Gain:
+    """A trained state against the start on the same eval batches: the mean over batches of the
+    paired difference in simulated acceptance, and that mean's standard error."""
+
+    mean: float
+    se: float  # inf with fewer than 2 batches: no spread to measure the noise by
+    n: int  # eval batches
+
+    def clears(self, z: float) -> bool:
+        """Above 0 by `z` standard errors (z = 0: any gain on average)."""
+        return self.mean > 0 and (z == 0 or self.mean > z * self.se)
+
+
+def paired_gain(start: list[float], now: list[float]) -> Gain:
+    """The paired difference now - start over eval batches: pairing takes out what makes one
+    batch easier than another for every drafter, so the margin is the noise of the difference."""
+    diff = torch.tensor(now, dtype=torch.float64) - torch.tensor(start, dtype=torch.float64)
+    n = len(diff)
+    se = float(diff.std() / n**0.5) if n > 1 else float("inf")
+    return Gain(float(diff.mean()) if n else 0.0, se, n)
+
+
 class Best:
     """The drafter with the highest held-out simulated acceptance so far, kept on disk (rank 0)
     as <out>/best/ with best.json, so a resumed run still knows it. Loss keeps falling after
-    acceptance peaks: the exported drafter is this one, not the last."""
+    acceptance peaks: the exported drafter is this one, not the last.
 
-    def __init__(self, out: Path, enabled: bool, device, start_margin: float = 0.0):
-        self.dir, self.meta, self.enabled = out / "best", out / "best.json", enabled
-        self.start_margin = start_margin  # what a trained state must beat the start (step 0) by
+    The start (the drafter a round was given, offered at step 0) is replaced only by a trained
+    state whose paired gain over it clears `z` standard errors (`Gain.clears`); once replaced,
+    the highest aggregate score wins. best.json keeps step 0's per-batch scores for that."""
+
+    def __init__(self, out: Path, enabled: bool, device, n_batches: int, z: float = 0.0):
+        self.dir, self.meta, self.enabled, self.z = out / "best", out / "best.json", enabled, z
         rec = json.loads(self.meta.read_text()) if enabled and self.meta.exists() else {}
         # rank 0's record reaches every rank: they must agree on when `offer` saves (a collective)
-        t = torch.tensor([1.0, rec["step"], rec["sim_accept_len"]] if rec else [0.0, 0.0, 0.0])
-        have, step, score = _allreduce(t.double(), device).tolist()
+        start = rec.get("start_batches") or []
+        t = torch.zeros(4 + n_batches, dtype=torch.float64)
+        if rec:
+            t[:4] = torch.tensor([1.0, rec["step"], rec["sim_accept_len"], float(bool(start))])
+            t[4 : 4 + len(start)] = torch.tensor(start, dtype=torch.float64)
+        t = _allreduce(t, device)
+        have, step, score, has_start = t[:4].tolist()
         self.step, self.score = (int(step), score) if have else (0, float("-inf"))
+        self.start: list[float] | None = t[4:].tolist() if has_start else None
 
-    def offer(self, step: int, score: float, module, drafter) -> bool:
-        """Keep this drafter if it scores better than the best so far; True if it did."""
+    def gain(self, sims: list[float]) -> Gain | None:
+        """This state's paired gain over the start (None: no start was scored)."""
+        return None if self.start is None else paired_gain(self.start, sims)
+
+    def offer(
+        self, step: int, score: float, sims: list[float], gain: Gain | None, module, drafter
+    ) -> bool:
+        """Keep this drafter if it is the best so far; True if it is. Step 0 is the start; a
+        trained state replaces it only when its `gain` clears the gate."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         from eagle3.checkpoint import save_drafter
 
-        if score <= self.score + (self.start_margin if self.step == 0 else 0.0):
+        if step == 0:
+            self.start = sims
+        elif self.step == 0 and gain is not None:  # the start is still the best
+            if not gain.clears(self.z) or score <= self.score:  # and never below it overall
+                return False
+        elif score <= self.score:
             return False
         self.step, self.score = step, score  # every rank: the eval sums are all-reduced
         sd = get_model_state_dict(  # a collective under FSDP: every rank calls
@@ -314,7 +380,8 @@ class Best:
         if self.enabled:  # save_drafter replaces the previous best atomically
             state = {k.removeprefix("drafter."): v for k, v in sd.items()}
             save_drafter(state, drafter.cfg, self.dir)
-            atomic_write(self.meta, json.dumps({"step": step, "sim_accept_len": score}))
+            rec = {"step": step, "sim_accept_len": score, "start_batches": self.start}
+            atomic_write(self.meta, json.dumps(rec))
         return True
 
 
@@ -361,12 +428,14 @@ def _allreduce(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _evaluate(module, plan: Plan, soft, tc: TrainConfig, autocast, device) -> torch.Tensor:
-    """Eval sums over this rank's eval batches, all-reduced (every rank calls, even with none)."""
+    """Eval sums per eval batch, [n_batches, 3k]: each rank fills its batches' rows, then the
+    all-reduce gives every rank all of them (every rank calls, even with none). Kept per batch:
+    the gate's margin is the spread of batch-wise differences (`paired_gain`)."""
     k = tc.ttt_length
-    sums = torch.zeros(3 * k, dtype=torch.float64)
+    sums = torch.zeros(len(plan.eval_bins), 3 * k, dtype=torch.float64)
     module.eval()
-    for b in plan.eval_batches():
-        sums += eval_step(module, b.to(device), soft, k, autocast)
+    for i, b in plan.eval_batches():
+        sums[i] = eval_step(module, b.to(device), soft, k, autocast)
     module.train()
     return _allreduce(sums, device)
 
@@ -464,6 +533,9 @@ def _export(
     dest = out / "drafter"  # a re-run after completion rewrites the same weights
     evals = [m for m in mlog.read() if "eval_loss" in m]
     kept = from_drafter and best.dir.is_dir() and best.step == 0
+    gate = _gate_record(evals, best, kept) if best.start is not None else {}
+    if gate:
+        _say(gate_line(gate))
     if kept:
         write_drafter_dir(dest, out / "init" / "given", state, drafter.cfg)
         after = max((m for m in evals if m["step"] > 0), key=lambda m: m["eval_sim_accept_len"], default=None)  # fmt: skip
@@ -512,8 +584,36 @@ def _export(
         },
         "metrics_file": str(mlog.path),
         "resumed_from": [e["start_step"] for e in mlog.events() if e["start_step"] > 0],
+        "gate": gate,
     }
     atomic_write(out / "result.json", json.dumps(rec, indent=1) + "\n")
+
+
+def _gate_record(evals: list[dict[str, Any]], best: Best, kept: bool) -> dict[str, Any]:
+    """The keep-the-start decision as result.json holds it: the state it judged (the exported
+    one, or when the start is kept the trained state scoring highest), its paired gain over the
+    start, the gain's standard error, `z` and the eval batches. {} when no trained state was
+    evaluated."""
+    trained = [m for m in evals if m["step"] > 0 and "eval_gain" in m]
+    if not trained:
+        return {}
+    judged = max(trained, key=lambda m: m["eval_sim_accept_len"])
+    if not kept:
+        judged = next((m for m in trained if m["step"] == best.step), judged)
+    return {"step": judged["step"], "gain": judged["eval_gain"],
+            "gain_se": judged.get("eval_gain_se"), "z": best.z,
+            "batches": len(best.start or []), "replaced_start": not kept}  # fmt: skip
+
+
+def gate_line(g: dict[str, Any]) -> str:
+    """The `[train]` line of the keep-the-start decision."""
+    verdict = "replaces the start" if g["replaced_start"] else "the start is kept"
+    se = g["gain_se"]
+    bar = f"paired SE {se:.4f}, needs > {g['z']:g} SE = {g['z'] * se:.4f}" if se is not None else "no SE from one batch"  # fmt: skip
+    return (
+        f"[train] gate: step {g['step']} gains {g['gain']:+.4f} sim_accept over the start on "
+        f"{g['batches']} eval batches ({bar}): {verdict}"
+    )
 
 
 def write_drafter_dir(dest: Path, copy_from: Path | None, state: dict, cfg) -> None:
@@ -623,12 +723,23 @@ class MetricsLog:
             _say(format_line(step, self.total, m, f" gnorm {grad_norm:.2f}{pull}"))
             self._write({"step": step, "epoch": epoch, **m})
 
-    def eval(self, step: int, epoch: int, sums: torch.Tensor) -> dict[str, float]:
-        m = eval_metrics(sums, self.k, self.sim_steps)
+    def batch_sims(self, sums: torch.Tensor) -> list[float]:
+        """Each eval batch's simulated acceptance, from `_evaluate`'s [n_batches, 3k] sums."""
+        return [eval_metrics(row, self.k, self.sim_steps)["sim_accept_len"] for row in sums]
+
+    def eval(
+        self, step: int, epoch: int, sums: torch.Tensor, gain: Gain | None
+    ) -> dict[str, float]:
+        """One evaluation from its per-batch sums; `gain`: its paired gain over the start,
+        logged as `gain` and `gain_se` (eval_ in metrics.jsonl)."""
+        m = eval_metrics(sums.sum(0), self.k, self.sim_steps)
+        if gain is not None:  # an infinite SE (one batch) is left out: JSON and MLflow lack it
+            m.update(gain=gain.mean, **({"gain_se": gain.se} if math.isfinite(gain.se) else {}))
         if self.enabled:
             accs = " ".join(f"{m[f'acc_{i}']:.3f}" for i in range(self.k))
+            vs = f" gain {gain.mean:+.4f} se {gain.se:.4f}" if gain is not None else ""
             _say(
-                f"[eval] epoch {epoch} step {step} loss {m['loss']:.4f} acc [{accs}] sim_accept {m['sim_accept_len']:.2f}"
+                f"[eval] epoch {epoch} step {step} loss {m['loss']:.4f} acc [{accs}] sim_accept {m['sim_accept_len']:.3f}{vs}"
             )
             self._write({"step": step, "epoch": epoch, **{f"eval_{n}": v for n, v in m.items()}})
         return m
