@@ -118,12 +118,15 @@ def train_worker(config: dict[str, Any]) -> None:
 
     best = Best(Path(job.out_dir), rank == 0, device, len(plan.eval_bins), tc.gate_z)
     stale = 0  # evaluations since the last new best (a resumed attempt starts counting afresh)
+    eval_s = 0.0  # what one evaluation takes: the time box holds the evaluations too
     if job.init == "drafter" and step == 0 and plan.eval_refs:
+        t0 = time.perf_counter()
         # The drafter given is the first candidate: a round exports it unchanged unless a
         # trained state beats it on the same held-out batches by the gate's margin.
         sums = _evaluate(module, plan, soft, tc, autocast, device)
         m = mlog.eval(0, 0, sums, None)
         best.offer(0, m["sim_accept_len"], mlog.batch_sims(sums), None, module, drafter)
+        eval_s = time.perf_counter() - t0
         if rank == 0:
             _say(f"[train] step 0 (the drafter given): sim_accept {m['sim_accept_len']:.3f} "
                  f"over {len(plan.eval_bins)} eval batches")  # fmt: skip
@@ -131,9 +134,8 @@ def train_worker(config: dict[str, Any]) -> None:
     start, first = time.perf_counter(), step
     while step < plan.total:
         if tc.max_seconds and not boxed and step - first == PROBE_STEPS:
-            boxed = _fix_total(
-                plan, step, time.perf_counter() - start, tc, device, Path(job.out_dir)
-            )
+            secs = time.perf_counter() - start
+            boxed = _fix_total(plan, step, secs, eval_s, tc, device, Path(job.out_dir))
             sched = _rescheduled(opt, sched, plan.total, tc.warmup_ratio)
         epoch, i = divmod(step, plan.steps_per_epoch)
         batch = plan.batch(i, epoch).to(device)
@@ -150,7 +152,9 @@ def train_worker(config: dict[str, Any]) -> None:
             sched.get_last_lr()[0],
             time.perf_counter() - t0,
             res.grad_norm,
-            {} if anchor is None else {"anchor_loss": res.anchor_loss, "drift_rms": anchor.drift_rms()},
+            {}
+            if anchor is None
+            else {"anchor_loss": res.anchor_loss, "drift_rms": anchor.drift_rms()},
         )
         if plan.eval_refs and _eval_due(step, i, plan, tc):
             sums = _evaluate(module, plan, soft, tc, autocast, device)
@@ -262,21 +266,28 @@ def _boxed_total(out: Path, device) -> int:
     return int(_allreduce(torch.tensor([n], dtype=torch.float64), device)[0])
 
 
-def _fix_total(plan: Plan, step: int, secs: float, tc: TrainConfig, device, out: Path) -> int:
+def _fix_total(
+    plan: Plan, step: int, secs: float, eval_s: float, tc: TrainConfig, device, out: Path
+) -> int:
     """Fix the step count a `train.max_seconds` box holds, from the slowest rank's time for the
-    steps so far (at most the epochs' count), and keep it for a resumed attempt."""
-    worst = secs
+    steps so far (at most the epochs' count), and keep it for a resumed attempt. The box holds
+    the evaluations too, at step 0's time (`eval_s`, 0 when there was none): the one done, the
+    last one and one per `train.eval_every` steps (a gate set makes them cost steps on a CPU)."""
+    t = torch.tensor([secs, eval_s], dtype=torch.float64)
     if torch.distributed.is_initialized():
-        t = torch.tensor([secs], dtype=torch.float64).to(device)
+        t = t.to(device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        worst = float(t.cpu()[0])
+    worst, eval_s = t.cpu().tolist()
     per_step = worst / PROBE_STEPS
-    fits = step + int(max(0.0, tc.max_seconds - worst) / per_step)
+    per_eval = eval_s / tc.eval_every if tc.eval_every else 0.0  # each step's share
+    left = tc.max_seconds - worst - 2 * eval_s
+    fits = step + int(max(0.0, left) / (per_step + per_eval))
     plan.total = max(step + 1, min(plan.total, fits))
     if torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True:
         atomic_write(out / BOXED, json.dumps({"total": plan.total, "s_per_step": per_step}))
         _say(
-            f"[train] time box {tc.max_seconds:.0f}s at {per_step:.2f}s/step: {plan.total} steps "
+            f"[train] time box {tc.max_seconds:.0f}s at {per_step:.2f}s/step and "
+            f"{eval_s:.1f}s/evaluation: {plan.total} steps "
             f"({plan.total / plan.steps_per_epoch:.2f} epochs)"
         )
     return plan.total
@@ -719,7 +730,11 @@ class MetricsLog:
         m.update(grad_norm=grad_norm, tokens=tokens, step_s=secs, **(anchor or {}))
         self.last = m
         if self.enabled:
-            pull = f" anchor {anchor['anchor_loss']:.2e} drift {anchor['drift_rms']:.2e}" if anchor else ""
+            pull = (
+                f" anchor {anchor['anchor_loss']:.2e} drift {anchor['drift_rms']:.2e}"
+                if anchor
+                else ""
+            )
             _say(format_line(step, self.total, m, f" gnorm {grad_norm:.2f}{pull}"))
             self._write({"step": step, "epoch": epoch, **m})
 
