@@ -413,7 +413,8 @@ def test_the_train_stage_evaluates_on_the_gate_set_and_its_gate_decides(
     assert up.train_tokens == load_manifest(data).num_tokens
     evals = [m for m in read_jsonl(Path(up.metrics_file)) if "eval_loss" in m]
     assert {m["eval_tokens"] for m in evals} == {evals[0]["eval_tokens"]}  # the same set each time
-    assert evals[0]["eval_tokens"] > 0.9 * gm.num_loss_tokens  # the gate set's, not the data's
+    # the gate set's (positions whose target token is in the draft vocab), not a 15% hold-out
+    assert evals[0]["eval_tokens"] > 0.5 * gm.num_loss_tokens
     g = up.gate
     assert not up.kept_start and g["replaced_start"] and g["z"] == 2.0 and g["batches"] >= 6
     assert g["gain"] > 2.0 * g["gain_se"] > 0 and g["step"] == up.best_step
