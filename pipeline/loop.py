@@ -30,7 +30,9 @@ from pipeline.console import (
     train_note,
     users_line,
 )
+from pipeline.gate_set import gate_dirs, gate_due, make_gate_set
 from pipeline.layout import RunDir, round_tag
+from pipeline.measure import machine
 from pipeline.preflight import preflight
 from pipeline.round_plan import (
     check_budget,
@@ -109,13 +111,8 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 rs.done["generate"] = {"skipped": "train.first_round: skip", "wall_s": 0.0}
                 rs.done["train"] = _serve_init(cfg, run_dir, tracker, child)
                 _commit(state, clock, run_dir)
-            if _gate_due(cfg, state, r):  # once per run, in the first round that trains
-                t0 = clock.elapsed()
-                what = f"{len(plan.gate)} prompts, once per run: every round's eval set"
-                with stage("gate set", None, what) as st:
-                    rs.done["gate_set"] = _gate_set(cfg, run_dir, plan)
-                    rs.done["gate_set"]["wall_s"] = clock.elapsed() - t0
-                    st.result = data_line(rs.done["gate_set"])
+            if gate_due(cfg, state, r):  # once per run, in the first round that trains
+                rs.done["gate_set"] = make_gate_set(cfg, run_dir, plan, clock)
                 _commit(state, clock, run_dir)
             if not rs.is_done("generate"):  # its deadline is what the gate set left of the plan's
                 t0, secs = clock.elapsed(), stage_seconds(rs, "data", clock)
@@ -243,28 +240,6 @@ def _serve_init(cfg: Config, run_dir: Path, tracker: Tracker, child: str) -> dic
             "skipped": "train.first_round: skip", "wall_s": 0.0}  # fmt: skip
 
 
-def _gate_due(cfg: Config, state: RunState, r: int) -> bool:
-    """Round r makes the gate set: one is asked for, none was made, and round r trains."""
-    made = any(rs.is_done("gate_set") for rs in state.rounds)
-    return bool(cfg.data.gate_prompts) and not made and not _skips(cfg, r)
-
-
-def _gate_set(cfg: Config, run_dir: Path, plan) -> dict:
-    """The gate set's target replies and states (`data.gate_prompts` per source) in
-    <run>/data/gate/, through the data stage's own path, so they are made as round data is
-    (generated, or ids only where the trainer computes states) and a call on a folder already
-    made keeps its intact batches and remakes the others (healing, resume). Not time-boxed: an
-    eval set cut short would judge rounds on another set; the budget plan's data share holds it
-    (the round's own data gets what it leaves)."""
-    from actors.generate import run_generate
-
-    data = cfg.data.model_copy(update={"self_prompts_per_round": 0})  # only the gate's prompts
-    res = run_generate(
-        cfg.target, data, [p.messages for p in plan.gate], RunDir(run_dir).gate(), cfg.digest()
-    )
-    return {**_record(res), "fresh_prompts": len(plan.gate)}
-
-
 def _generate(
     cfg: Config,
     run_dir: Path,
@@ -380,8 +355,8 @@ def _heal_data(cfg: Config, run_dir: Path, state: RunState, r: int, plan, evalse
     healed; a shard still bad afterwards raises ShardError."""
     from actors.shards import verify_manifest
 
-    if any(rs.is_done("gate_set") for rs in state.rounds):  # intact batches are kept
-        _gate_set(cfg, run_dir, plan)
+    if gate_dirs(state, run_dir):  # intact batches are kept
+        make_gate_set(cfg, run_dir, plan)
     healed = []
     for i in range(r + 1):
         if "manifest" not in state.rounds[i].done["generate"]:  # a round that made no data
@@ -455,14 +430,13 @@ def _train(
     if r > 0:  # keep learning from the drafter that serves (the last one the gate promoted)
         init = _serving_drafter(state) or state.rounds[r - 1].drafter_dir
     tc = cfg.train.for_round(r, seconds, from_drafter=init != "scratch")  # the recipe it takes
-    gate = [RunDir(run_dir).gate()] if any(rs.is_done("gate_set") for rs in state.rounds) else []
     res = run_train(
         cfg=cfg.model_copy(update={"train": tc}),
         data_dirs=data_dirs,
         init=init,
         out_dir=RunDir(run_dir).train(r),
         run_name=f"{cfg.name}-{round_tag(r)}",
-        eval_dirs=gate,  # the gate set, every round alike; none: a hold-out of the round's data
+        eval_dirs=gate_dirs(state, run_dir),  # every round alike; none: a hold-out of its data
     )
     rec = _record(res)
     rec["prompt_keys"] = _write_prompt_keys(Path(rec["drafter_dir"]), init, data_dirs, rec)
@@ -706,29 +680,13 @@ def _rows(state: RunState) -> list[dict[str, Any]]:
 
 
 def _write_summary(state: RunState, run_dir: Path) -> dict[str, Any]:
-    rows, (cpus, gpus) = _rows(state), _machine()
+    rows, (cpus, gpus) = _rows(state), machine()
     summary = {"rounds": rows, "stopped_because": state.stopped_because, "champion": state.champion,
                "elapsed_s": round(state.elapsed_s, 1), "costs": costs(rows, cpus, gpus),
                "sim_vs_bench": sim_vs_bench(rows), "curve": curve(rows, gpus),
                "plans": [rs.done["plan"] for rs in state.rounds if rs.is_done("plan")]}  # fmt: skip
     write_json_atomic(RunDir(run_dir).summary, summary)
     return summary
-
-
-def _machine() -> tuple[int, int]:
-    """(CPUs this driver may run on, GPUs of the Ray cluster): the cost units of summary.json.
-    CPUs from the affinity mask, not Ray's logical count (`taskset -c 0 make demo` is 1 CPU)."""
-    import os
-
-    gpus = 0
-    try:
-        import ray
-
-        if ray.is_initialized():
-            gpus = int(ray.cluster_resources().get("GPU", 0))
-    except ImportError:
-        pass
-    return len(os.sched_getaffinity(0)), gpus
 
 
 def _commit(state: RunState, clock: Clock, run_dir: Path) -> None:

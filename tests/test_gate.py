@@ -15,7 +15,8 @@ from actors.config import DataConfig
 from actors.prompts import plan_prompts, prompt_key, round_slices
 from eagle3.config import Eagle3Config
 from eagle3.model import Eagle3Drafter
-from pipeline.train_worker import Best, MetricsLog, paired_gain
+from pipeline.best import Best, paired_gain
+from pipeline.train_worker import MetricsLog
 
 pytestmark = pytest.mark.ray_free  # no Ray: `make test` runs it in the second pytest
 
@@ -166,15 +167,15 @@ def test_the_pool_judges_on_reals_gate_set_and_never_trains_on_it():
 
 def test_the_loop_makes_the_gate_set_once_in_the_first_round_that_trains():
     from pipeline.config import parse_config
-    from pipeline.loop import _gate_due
+    from pipeline.gate_set import gate_due
     from pipeline.state import RunState
 
     cfg = parse_config({"data": {"gate_prompts": 4}, "drafter": {"init": "somewhere"},
                         "train": {"first_round": "skip"}})  # fmt: skip
     state = RunState(config_digest=cfg.digest())
-    assert not _gate_due(cfg, state, 0)  # round 0 serves its start: nothing to judge
-    assert _gate_due(cfg, state, 1)
+    assert not gate_due(cfg, state, 0)  # round 0 serves its start: nothing to judge
+    assert gate_due(cfg, state, 1)
     state.round(1).done["gate_set"] = {"manifest": "x"}
-    assert not _gate_due(cfg, state, 1) and not _gate_due(cfg, state, 2)  # made: reused
+    assert not gate_due(cfg, state, 1) and not gate_due(cfg, state, 2)  # made: reused
     off = parse_config({})
-    assert not _gate_due(off, RunState(config_digest=off.digest()), 0)
+    assert not gate_due(off, RunState(config_digest=off.digest()), 0)
