@@ -1,6 +1,6 @@
 """The gate of the train stage: a fixed eval set carved from the prompt sources once per run
 (actors/prompts.py), and the rule that a trained state replaces the drafter a round was given
-only when its paired gain over it clears `z` standard errors (pipeline/train_worker.py Best)."""
+only when its paired gain over it clears `z` standard errors (pipeline/best.py)."""
 
 from __future__ import annotations
 
