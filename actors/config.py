@@ -114,6 +114,13 @@ class DataConfig(Strict):
     user_prompts: int = Field(0, ge=0)
     """Prompts of the sources reserved for simulated users (`serve.simulate_users`), disjoint from
     training and from the benchmark; split across sources by weight."""
+    gate_prompts: int = Field(0, ge=0)
+    """Prompts of each source reserved for the gate set: the train stage's fixed held-out eval
+    set (best-state choice and whether a round's trained drafter replaces its start), taken
+    after the benchmark's and the simulated users' prompts and disjoint from both and from
+    training, interleaved across domains like the benchmark. Their replies and states are made
+    once per run (`<run>/data/gate/`) and judge every round alike (docs/training.md, "The
+    gate"). 0 = no gate set: each round holds out `train.eval_fraction` of its own samples."""
     self_prompts_per_round: int = Field(0, ge=0)
     """Extra conversations per round whose user turn the target writes itself before answering it
     (Magpie: sampling continues the chat template's user header). They follow the target's own

@@ -162,6 +162,8 @@ def plan_vs_actual(plan: dict[str, Any], done: dict[str, dict]) -> dict[str, flo
             actual = float(done[stage].get("wall_s", 0.0))
             if short == "bench":
                 actual += float(done.get("gate", {}).get("wall_s", 0.0))
+            if short == "data":  # the gate set, made once, comes out of its round's data share
+                actual += float(done.get("gate_set", {}).get("wall_s", 0.0))
             out[f"actual/{short}_s"] = actual
     return out
 

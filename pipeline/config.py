@@ -84,11 +84,13 @@ class FinetuneConfig(_Strict):
     each weight's gradient gains 2·anchor·(θ−θ₀) whatever the model's size (DDP only; 0 = off).
     Logged per step as `train/anchor_loss`, with `train/drift_rms`, the weights' RMS distance
     from the start."""
-    min_gain: float = Field(0.01, ge=0)
-    """A trained state replaces the starting drafter only when its held-out simulated
-    acceptance beats the start's by more than this: on a few dozen held-out samples smaller
-    differences are noise (the demo's base round once scored 2.111 against 2.109 at step 0 and
-    served 2.683 against 2.699)."""
+    gate_z: float = Field(2.0, ge=0)
+    """A trained state replaces the starting drafter only when its gain over the start is
+    this many standard errors above 0: the mean over eval batches of the paired difference in
+    simulated acceptance (the same batches scored at step 0 and now) against that mean's
+    standard error. The margin follows the eval set's own noise, where a fixed one (0.01 before
+    2026-12-05) was inside the noise of a few thousand tokens and far above it on many
+    (docs/training.md, "The gate"). 0 = any gain on average replaces the start."""
     epochs: int | None = Field(None, ge=1)
     """Passes over the data; None = `train.epochs`."""
     ttt_length: int | None = Field(None, ge=1)
@@ -110,7 +112,7 @@ class TrainConfig(_Strict):
         ft = self.finetune
         if from_drafter and ft is not None:
             update.update(
-                lr=ft.lr, warmup_ratio=ft.warmup_ratio, anchor=ft.anchor, min_gain=ft.min_gain
+                lr=ft.lr, warmup_ratio=ft.warmup_ratio, anchor=ft.anchor, gate_z=ft.gate_z
             )
             update.update({k: v for k in ("epochs", "ttt_length") if (v := getattr(ft, k))})
         elif r == 0 and self.first_round_epochs is not None:
@@ -163,7 +165,9 @@ class TrainConfig(_Strict):
     checkpoint_every: int = Field(200, ge=1)
     """Optimizer steps between Ray Train checkpoints."""
     eval_fraction: float = Field(0.05, ge=0, lt=1)
-    """Fraction of shards held out for evaluation."""
+    """Fraction of a round's samples held out for evaluation, when the run has no gate set
+    (`data.gate_prompts` 0); with one, every round evaluates on it and trains on all its
+    samples."""
     max_failures: int = Field(2, ge=0)
     """Worker-group restarts Ray Train may do (resume from the last checkpoint)."""
     seed: int = 0
@@ -180,9 +184,10 @@ class TrainConfig(_Strict):
     anchor: float = Field(0.0, ge=0)
     """L2-SP weight toward the starting weights, as the workers run it: `finetune.anchor` when
     the round fine-tunes (set by `for_round`); from scratch there is no start to keep."""
-    min_gain: float = Field(0.0, ge=0)
-    """How much a trained state must beat the starting drafter's held-out simulation by to be
-    exported instead of it, as the workers run it: `finetune.min_gain` (set by `for_round`)."""
+    gate_z: float = Field(0.0, ge=0)
+    """How many paired standard errors a trained state's gain over the starting drafter must
+    reach to be exported instead of it, as the workers run it: `finetune.gate_z` (set by
+    `for_round`); from scratch there is no start to beat."""
     max_seconds: float | None = Field(None, gt=0)
     """Time box of a round's training: after its first steps the workers fix the step count
     that fits (at most `epochs`), and the LR schedule decays over it. None = `epochs` decide.

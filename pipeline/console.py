@@ -270,6 +270,10 @@ def disk_line(r: int, plan: dict[str, Any]) -> str:
 def train_line(rec: dict[str, Any]) -> str:
     ev = (rec.get("eval_metrics") or {}).get("sim_accept_len")
     held = f", held-out sim_accept {ev:.2f}" if ev else ""
+    gate = rec.get("gate") or {}
+    if gate.get("gain_se") is not None:  # the keep-the-start decision and its evidence
+        verdict = "replaces the start" if gate["replaced_start"] else "start kept"
+        held += f", {gate['gain']:+.3f} +- {gate['gain_se']:.3f} over the start: {verdict}"
     return f"{rec['steps']} steps at {rec['tok_per_s']:.0f} tok/s{held}"
 
 

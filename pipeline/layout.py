@@ -6,6 +6,8 @@ Layout of a run directory:
     <run>/summary.json           the rounds table, the stop reason and the champion
     <run>/data/round-NNN/        shards and manifest.json (generate); the traffic records it
                                  chose and the log's torn lines it skipped
+    <run>/data/gate/             the gate set's shards, made once per run, read by every round's
+                                 training (no rule that frees old rounds' data may touch it)
     <run>/train/round-NNN/       Ray Train storage, metrics.jsonl, drafter/ (train)
     <run>/bench/round-NNN/       round-NNN.json and round-NNN.png (bench)
     <run>/serve/                 logs of the serving deployment
@@ -74,6 +76,10 @@ class RunDir:
     def traffic_skipped(self, r: int) -> Path:
         """The traffic log's lines round r's reader passed over: {"torn": n, "foreign": n}."""
         return self.data(r) / "traffic_skipped.json"
+
+    def gate(self) -> Path:
+        """The gate set's data (`data.gate_prompts`): the train stage's eval set, every round."""
+        return self.root / "data" / "gate"
 
     def train(self, r: int) -> Path:
         return self.root / "train" / round_tag(r)

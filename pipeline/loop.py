@@ -31,7 +31,9 @@ from pipeline.console import (
     train_note,
     users_line,
 )
+from pipeline.gate_set import gate_dirs, gate_due, make_gate_set
 from pipeline.layout import RunDir, round_tag
+from pipeline.measure import machine
 from pipeline.preflight import preflight
 from pipeline.round_plan import (
     check_budget,
@@ -114,7 +116,10 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 rs.done["generate"] = {"skipped": "train.first_round: skip", "wall_s": 0.0}
                 rs.done["train"] = _serve_init(cfg, run_dir, tracker, child)
                 _commit(state, clock, run_dir)
-            if not rs.is_done("generate"):
+            if gate_due(cfg, state, r):  # once per run, in the first round that trains
+                rs.done["gate_set"] = make_gate_set(cfg, run_dir, plan, clock)
+                _commit(state, clock, run_dir)
+            if not rs.is_done("generate"):  # its deadline is what the gate set left of the plan's
                 free_data(cfg, run_dir, state, r)  # first: the disk plan counts what it frees
                 _commit(state, clock, run_dir)
                 rs.done["disk_plan"] = disk_plan(
@@ -376,6 +381,8 @@ def _heal_data(cfg: Config, run_dir: Path, state: RunState, r: int, plan, evalse
     bad afterwards raises ShardError."""
     from actors.shards import verify_manifest
 
+    if gate_dirs(state, run_dir):  # intact batches are kept
+        make_gate_set(cfg, run_dir, plan)
     healed = []
     for i in window(cfg, state, r):
         try:
@@ -411,6 +418,7 @@ def _train(
         init=init,
         out_dir=RunDir(run_dir).train(r),
         run_name=f"{cfg.name}-{round_tag(r)}",
+        eval_dirs=gate_dirs(state, run_dir),  # every round alike; none: a hold-out of its data
     )
     rec = _record(res)
     rec["prompt_keys"] = _write_prompt_keys(Path(rec["drafter_dir"]), init, data_dirs, rec)
@@ -421,6 +429,8 @@ def _train(
     start = rec.get("start_eval_metrics") or {}
     tracker.log(child, {f"train/start_eval_{k}": v for k, v in start.items()})
     tracker.log(child, {"train/kept_start": float(bool(rec.get("kept_start")))})
+    gate = {k: v for k, v in (rec.get("gate") or {}).items() if isinstance(v, int | float)}
+    tracker.log(child, {f"train/gate_{k}": float(v) for k, v in gate.items()})
     if rec.get("kept_start"):
         log.info("round %d: no trained state beat the drafter it started from (held-out sim "
                  "%.3f); it is exported unchanged", r, start.get("sim_accept_len", 0.0))  # fmt: skip
@@ -652,29 +662,13 @@ def _rows(state: RunState) -> list[dict[str, Any]]:
 
 
 def _write_summary(state: RunState, run_dir: Path) -> dict[str, Any]:
-    rows, (cpus, gpus) = _rows(state), _machine()
+    rows, (cpus, gpus) = _rows(state), machine()
     summary = {"rounds": rows, "stopped_because": state.stopped_because, "champion": state.champion,
                "elapsed_s": round(state.elapsed_s, 1), "costs": costs(rows, cpus, gpus),
                "sim_vs_bench": sim_vs_bench(rows), "curve": curve(rows, gpus),
                "plans": [rs.done["plan"] for rs in state.rounds if rs.is_done("plan")]}  # fmt: skip
     write_json_atomic(RunDir(run_dir).summary, summary)
     return summary
-
-
-def _machine() -> tuple[int, int]:
-    """(CPUs this driver may run on, GPUs of the Ray cluster): the cost units of summary.json.
-    CPUs from the affinity mask, not Ray's logical count (`taskset -c 0 make demo` is 1 CPU)."""
-    import os
-
-    gpus = 0
-    try:
-        import ray
-
-        if ray.is_initialized():
-            gpus = int(ray.cluster_resources().get("GPU", 0))
-    except ImportError:
-        pass
-    return len(os.sched_getaffinity(0)), gpus
 
 
 def _commit(state: RunState, clock: Clock, run_dir: Path) -> None:

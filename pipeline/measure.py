@@ -90,3 +90,19 @@ def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def machine() -> tuple[int, int]:
+    """(CPUs this driver may run on, GPUs of the Ray cluster): the cost units of summary.json.
+    CPUs from the affinity mask, not Ray's logical count (`taskset -c 0 make demo` is 1 CPU)."""
+    import os
+
+    gpus = 0
+    try:
+        import ray
+
+        if ray.is_initialized():
+            gpus = int(ray.cluster_resources().get("GPU", 0))
+    except ImportError:
+        pass
+    return len(os.sched_getaffinity(0)), gpus

@@ -38,6 +38,9 @@ def round_row(index: int, done: dict[str, dict[str, Any]]) -> dict[str, Any]:
         # the drafter the round started from, on the same held-out samples (fine-tuning only)
         "predicted_start_accept_len": (train.get("start_eval_metrics") or {}).get("sim_accept_len"),
         "kept_start": bool(train.get("kept_start")),
+        # the keep-the-start decision's evidence: paired gain over the start, its SE, z
+        "gate_gain": (train.get("gate") or {}).get("gain"),
+        "gate_gain_se": (train.get("gate") or {}).get("gain_se"),
         "stage_s": {k: round(v["wall_s"], 1) for k, v in done.items() if "wall_s" in v},
     }
 

@@ -70,6 +70,9 @@ class TrainResult:
     last_eval_metrics: dict[str, float] = field(default_factory=dict)  # the last evaluation
     kept_start: bool = False  # no trained state beat the drafter given: its files, as they came
     start_eval_metrics: dict[str, float] = field(default_factory=dict)  # step 0's ({}: scratch)
+    # the keep-the-start decision (train_worker._gate_record): the state judged, its paired gain
+    # over the start, the gain's SE, z, eval batches, replaced_start; {} when nothing was judged
+    gate: dict[str, Any] = field(default_factory=dict)
 
 
 class TrainInputError(ValueError):
@@ -88,11 +91,14 @@ def run_train(
     run_name: str | None = None,
     storage_path: str | Path | None = None,
     crash_at_step: int | None = None,
+    eval_dirs: Sequence[str | Path] = (),
 ) -> TrainResult:
     """Train a drafter on the shards of `data_dirs` into `out_dir`; Ray must be initialised.
 
     init: `scratch`, or a local folder / HF repo id of an existing drafter (default
-    cfg.drafter.init). Calling again with the same out_dir (and run_name) resumes the run."""
+    cfg.drafter.init). eval_dirs: the gate set's data (the run's `data/gate/`), evaluated on
+    instead of a hold-out of `data_dirs`. Calling again with the same out_dir (and run_name)
+    resumes the run."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -104,8 +110,9 @@ def run_train(
         print(f"[train] already finished: {rec['drafter_dir']}", flush=True)
         return TrainResult(**{**rec, "resumed_from": tuple(rec["resumed_from"])})
     job = prepare(
-        cfg, [Path(d).resolve() for d in data_dirs], out, init or cfg.drafter.init, crash_at_step
-    )
+        cfg, [Path(d).resolve() for d in data_dirs], out, init or cfg.drafter.init, crash_at_step,
+        [Path(d).resolve() for d in eval_dirs],
+    )  # fmt: skip
     atomic_write(out / "train_config.yaml", dump_config(cfg))
     tc = cfg.train
     resources = {"CPU": tc.cpus_per_worker}  # use_gpu adds one GPU per worker
@@ -149,9 +156,15 @@ def _prune_checkpoints(result) -> None:
 
 
 def prepare(
-    cfg: Config, data_dirs: list[Path], out: Path, init: str, crash_at_step: int | None = None
+    cfg: Config,
+    data_dirs: list[Path],
+    out: Path,
+    init: str,
+    crash_at_step: int | None = None,
+    eval_dirs: Sequence[Path] = (),
 ) -> TrainJob:
     """Every check that needs no training, then the drafter's starting point under <out>/init.
+    The eval data (`eval_dirs`, the gate set) gets the same checks as the training data.
     Raises TrainInputError listing all problems (or ShardError for damaged shards)."""
     from actors.shards import verify_manifest
     from eagle3.target_weights import read_target_info
@@ -159,18 +172,19 @@ def prepare(
     if not data_dirs:
         raise TrainInputError("no data dirs; pass --data DIR (a folder holding manifest.json)")
     manifests = [verify_manifest(d) for d in data_dirs]  # ShardError names bad shards
+    evals = [verify_manifest(d) for d in eval_dirs]
     tcfg = cfg.target
     info = read_target_info(tcfg.model, tcfg.revision, tcfg.gguf_file)
-    problems = [p for m in manifests for p in _target_problems(m, tcfg, info)]
-    ids = {tuple(m.aux_layer_ids) for m in manifests}
+    problems = [p for m in manifests + evals for p in _target_problems(m, tcfg, info)]
+    ids = {tuple(m.aux_layer_ids) for m in manifests + evals}
     if len(ids) > 1:
         problems.append(
             f"data dirs were captured at different aux layer ids {sorted(ids)}; train on data of one capture setting"
         )
-    online = {m.online for m in manifests}
+    online = {m.online for m in manifests + evals}
     if len(online) > 1:
         problems.append(
-            "data dirs mix ids-only (data.states: online) and captured (offline) data; train on "
+            "data dirs (with the gate set) mix ids-only (data.states: online) and captured (offline) data; train on "
             "data of one data.states setting"
         )
     if sum(m.num_samples for m in manifests) == 0 or sum(m.num_loss_tokens for m in manifests) == 0:
@@ -184,14 +198,15 @@ def prepare(
             f"train.finetune.anchor: {tc.anchor} needs DDP (FSDP2 shards the weights it "
             "anchors); set train.fsdp: false, or train.finetune.anchor: 0"
         )
+    if evals and sum(m.num_loss_tokens for m in evals) == 0:
+        problems.append(
+            f"{[str(d) for d in eval_dirs]}: the gate set has no loss tokens; delete the "
+            "folder and rerun the loop to remake it, or set data.gate_prompts: 0"
+        )
     if problems:
         raise TrainInputError("cannot train:\n  " + "\n  ".join(problems))
     aux_ids = list(next(iter(ids)))
-    shards = tuple(
-        (str(p), s.sha256)
-        for m in manifests
-        for p, s in zip(m.shard_paths(), m.shards, strict=True)
-    )
+    shards, eval_shards = _shard_refs(manifests), _shard_refs(evals)
     init_dir = out / "init"
     if init == "scratch":
         drafter = _scratch_config(cfg.drafter, info, aux_ids)
@@ -210,7 +225,17 @@ def prepare(
         cfg.train.model_dump(),
         sim,
         crash_at_step,
+        eval_shards=eval_shards,
         online=True in online,
+    )
+
+
+def _shard_refs(manifests: list) -> tuple[tuple[str, str], ...]:
+    """(path, sha256) of every shard of `manifests`, in order."""
+    return tuple(
+        (str(p), s.sha256)
+        for m in manifests
+        for p, s in zip(m.shard_paths(), m.shards, strict=True)
     )
 
 
@@ -373,6 +398,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipeline.train") 
         "--out", required=True, help="output folder (re-run with the same folder to resume)"
     )
     ap.add_argument(
+        "--eval-data",
+        nargs="*",
+        default=(),
+        help="the gate set's data dir (a run's data/gate/): evaluated on instead of a hold-out",
+    )
+    ap.add_argument(
         "--init",
         default=None,
         help="scratch, or an existing drafter folder / HF repo id (default drafter.init)",
@@ -385,7 +416,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipeline.train") 
     start_ray(cfg.runtime_env)
     from_drafter = (args.init or cfg.drafter.init) != "scratch"
     cfg = cfg.model_copy(update={"train": cfg.train.for_round(0, from_drafter=from_drafter)})
-    res = run_train(cfg, args.data, args.out, init=args.init)
+    res = run_train(cfg, args.data, args.out, init=args.init, eval_dirs=args.eval_data)
     _say(json.dumps(dataclasses.asdict(res)))
     return res
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -46,6 +47,8 @@ from eagle3.train_step import (
     steps_per_epoch,
     train_step,
 )
+from pipeline.best import Best, Gain, gate_line, gate_record
+from pipeline.best import allreduce as _allreduce
 from pipeline.config import (
     TrainConfig,
 )
@@ -66,6 +69,8 @@ class TrainJob:
     sim_steps: int  # draft steps the served chain uses (sim_accept_len)
     crash_at_step: int | None = None  # resume drill: the last worker exits once at this step
     online: bool = False  # ids-only shards: the worker computes the states (online_states.py)
+    # the gate set's shards (path, sha256): the eval data when given, else a hold-out of `shards`
+    eval_shards: tuple[tuple[str, str], ...] = ()
 
 
 def _say(line: str) -> None:
@@ -119,22 +124,26 @@ def train_worker(config: dict[str, Any]) -> None:
     if rank == 0:
         _say(plan.describe(tc, world, step, device, dt))
 
-    best = Best(Path(job.out_dir), rank == 0, device, tc.min_gain if job.init == "drafter" else 0.0)
+    best = Best(Path(job.out_dir), rank == 0, device, len(plan.eval_bins), tc.gate_z)
     stale = 0  # evaluations since the last new best (a resumed attempt starts counting afresh)
+    eval_s = 0.0  # what one evaluation takes: the time box holds the evaluations too
     if job.init == "drafter" and step == 0 and plan.eval_refs:
+        t0 = time.perf_counter()
         # The drafter given is the first candidate: a round exports it unchanged unless a
-        # trained state beats it on the same held-out measure.
-        m = mlog.eval(0, 0, _evaluate(module, plan, soft, tc, autocast, device))
-        best.offer(0, m["sim_accept_len"], module, drafter)
+        # trained state beats it on the same held-out batches by the gate's margin.
+        sums = _evaluate(module, plan, soft, tc, autocast, device)
+        m = mlog.eval(0, 0, sums, None)
+        best.offer(0, m["sim_accept_len"], mlog.batch_sims(sums), None, module, drafter)
+        eval_s = time.perf_counter() - t0
         if rank == 0:
-            _say(f"[train] step 0 (the drafter given): sim_accept {m['sim_accept_len']:.3f}")
+            _say(f"[train] step 0 (the drafter given): sim_accept {m['sim_accept_len']:.3f} "
+                 f"over {len(plan.eval_bins)} eval batches")  # fmt: skip
     # After the step-0 evaluation: the time box's probe times training steps only.
     start, first = time.perf_counter(), step
     while step < plan.total:
         if tc.max_seconds and not boxed and step - first == PROBE_STEPS:
-            boxed = _fix_total(
-                plan, step, time.perf_counter() - start, tc, device, Path(job.out_dir)
-            )
+            secs = time.perf_counter() - start
+            boxed = _fix_total(plan, step, secs, eval_s, tc, device, Path(job.out_dir))
             sched = _rescheduled(opt, sched, plan.total, tc.warmup_ratio)
         epoch, i = divmod(step, plan.steps_per_epoch)
         batch = plan.batch(i, epoch).to(device)
@@ -156,8 +165,12 @@ def train_worker(config: dict[str, Any]) -> None:
             else {"anchor_loss": res.anchor_loss, "drift_rms": anchor.drift_rms()},
         )
         if plan.eval_refs and _eval_due(step, i, plan, tc):
-            m = mlog.eval(step, epoch, _evaluate(module, plan, soft, tc, autocast, device))
-            stale = 0 if best.offer(step, m["sim_accept_len"], module, drafter) else stale + 1
+            sums = _evaluate(module, plan, soft, tc, autocast, device)
+            sims = mlog.batch_sims(sums)
+            gain = best.gain(sims)
+            m = mlog.eval(step, epoch, sums, gain)
+            won = best.offer(step, m["sim_accept_len"], sims, gain, module, drafter)
+            stale = 0 if won else stale + 1
             if tc.patience and stale >= tc.patience and step < plan.total:
                 plan.total = _stop_early(step, stale, best, Path(job.out_dir), rank)
         if step % tc.checkpoint_every == 0 or step == plan.total:
@@ -170,13 +183,16 @@ def train_worker(config: dict[str, Any]) -> None:
 @dataclass
 class Plan:
     """Which samples this rank trains and evaluates on, in which batches: a pure function of
-    (shards, tokens_per_batch, eval_fraction, seed, epoch, rank, world), so a resumed run replays it."""
+    (shards, eval shards, tokens_per_batch, eval_fraction, seed, epoch, rank, world), so a
+    resumed run replays it. The eval data is the gate set when the job has one (every training
+    sample is trained on), else `eval_fraction` of the shards held out."""
 
     data: ShardSet
+    eval_data: ShardSet
     train_refs: list
     eval_refs: list
     bins: list[list[int]]
-    eval_bins: list[list[int]]  # this rank's
+    eval_bins: list[list[int]]  # all ranks': rank r evaluates bins r, r + world, ...
     rank: int
     world: int
     seed: int
@@ -190,17 +206,23 @@ class Plan:
         cls, job: TrainJob, tc: TrainConfig, rank: int, world: int, states: Any = None
     ) -> Plan:
         data = ShardSet([p for p, _ in job.shards], [s for _, s in job.shards])
-        train_refs, eval_refs = split_eval(data.samples, tc.eval_fraction)
+        if job.eval_shards:
+            eval_data = ShardSet([p for p, _ in job.eval_shards], [s for _, s in job.eval_shards])
+            train_refs, eval_refs = list(data.samples), list(eval_data.samples)
+        else:
+            eval_data = data
+            train_refs, eval_refs = split_eval(data.samples, tc.eval_fraction)
         if not train_refs:
             raise ValueError(
                 f"{job.out_dir}: no training samples after the eval hold-out; lower train.eval_fraction"
             )
         budget = tc.tokens_per_batch
         bins = pack([r.length for r in train_refs], budget, tc.seed)
-        eval_bins = pack([r.length for r in eval_refs], budget, tc.seed)[rank::world]
+        eval_bins = pack([r.length for r in eval_refs], budget, tc.seed)
         spe = steps_per_epoch(len(bins), world)
         return cls(
             data,
+            eval_data,
             train_refs,
             eval_refs,
             bins,
@@ -220,14 +242,15 @@ class Plan:
 
     def batch(self, i: int, epoch: int):
         order = rank_order(len(self.bins), self.rank, self.world, self.seed, epoch)
-        return self._load([self.train_refs[j] for j in self.bins[order[i]]])
+        return self._load(self.data, [self.train_refs[j] for j in self.bins[order[i]]])
 
     def eval_batches(self):
-        for b in self.eval_bins:
-            yield self._load([self.eval_refs[j] for j in b])
+        """(index among all ranks' eval batches, batch) of this rank's share."""
+        for i in range(self.rank, len(self.eval_bins), self.world):
+            yield i, self._load(self.eval_data, [self.eval_refs[j] for j in self.eval_bins[i]])
 
-    def _load(self, refs: list):
-        batch = self.data.load(refs, self.budget)
+    def _load(self, data: ShardSet, refs: list):
+        batch = data.load(refs, self.budget)
         return batch if self.states is None else self.states.fill(batch)
 
     def describe(self, tc: TrainConfig, world: int, step: int, device, dt) -> str:
@@ -238,7 +261,9 @@ class Plan:
             else ""
         )
         return (
-            f"[train] {len(self.train_refs)} train / {len(self.eval_refs)} eval samples, {len(self.bins)} batches, "
+            f"[train] {len(self.train_refs)} train / {len(self.eval_refs)} eval samples "
+            f"({'the gate set' if self.eval_data is not self.data else 'held out'}, "
+            f"{len(self.eval_bins)} batches), {len(self.bins)} batches, "
             f"{world} workers, {self.steps_per_epoch} steps/epoch x {tc.epochs} = {self.total} steps, start at {step}, "
             f"{device} {dt or torch.float32}{cut}"
         )
@@ -256,21 +281,28 @@ def _boxed_total(out: Path, device) -> int:
     return int(_allreduce(torch.tensor([n], dtype=torch.float64), device)[0])
 
 
-def _fix_total(plan: Plan, step: int, secs: float, tc: TrainConfig, device, out: Path) -> int:
+def _fix_total(
+    plan: Plan, step: int, secs: float, eval_s: float, tc: TrainConfig, device, out: Path
+) -> int:
     """Fix the step count a `train.max_seconds` box holds, from the slowest rank's time for the
-    steps so far (at most the epochs' count), and keep it for a resumed attempt."""
-    worst = secs
+    steps so far (at most the epochs' count), and keep it for a resumed attempt. The box holds
+    the evaluations too, at step 0's time (`eval_s`, 0 when there was none): the one done, the
+    last one and one per `train.eval_every` steps (a gate set makes them cost steps on a CPU)."""
+    t = torch.tensor([secs, eval_s], dtype=torch.float64)
     if torch.distributed.is_initialized():
-        t = torch.tensor([secs], dtype=torch.float64).to(device)
+        t = t.to(device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        worst = float(t.cpu()[0])
+    worst, eval_s = t.cpu().tolist()
     per_step = worst / PROBE_STEPS
-    fits = step + int(max(0.0, tc.max_seconds - worst) / per_step)
+    per_eval = eval_s / tc.eval_every if tc.eval_every else 0.0  # each step's share
+    left = tc.max_seconds - worst - 2 * eval_s
+    fits = step + int(max(0.0, left) / (per_step + per_eval))
     plan.total = max(step + 1, min(plan.total, fits))
     if torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True:
         atomic_write(out / BOXED, json.dumps({"total": plan.total, "s_per_step": per_step}))
         _say(
-            f"[train] time box {tc.max_seconds:.0f}s at {per_step:.2f}s/step: {plan.total} steps "
+            f"[train] time box {tc.max_seconds:.0f}s at {per_step:.2f}s/step and "
+            f"{eval_s:.1f}s/evaluation: {plan.total} steps "
             f"({plan.total / plan.steps_per_epoch:.2f} epochs)"
         )
     return plan.total
@@ -299,39 +331,6 @@ def _rescheduled(opt, sched, total: int, warmup_ratio: float):
     new = make_scheduler(opt, total, warmup_ratio)
     new.load_state_dict(sched.state_dict())  # the step count; the lambda stays the new one
     return new
-
-
-class Best:
-    """The drafter with the highest held-out simulated acceptance so far, kept on disk (rank 0)
-    as <out>/best/ with best.json, so a resumed run still knows it. Loss keeps falling after
-    acceptance peaks: the exported drafter is this one, not the last."""
-
-    def __init__(self, out: Path, enabled: bool, device, start_margin: float = 0.0):
-        self.dir, self.meta, self.enabled = out / "best", out / "best.json", enabled
-        self.start_margin = start_margin  # what a trained state must beat the start (step 0) by
-        rec = json.loads(self.meta.read_text()) if enabled and self.meta.exists() else {}
-        # rank 0's record reaches every rank: they must agree on when `offer` saves (a collective)
-        t = torch.tensor([1.0, rec["step"], rec["sim_accept_len"]] if rec else [0.0, 0.0, 0.0])
-        have, step, score = _allreduce(t.double(), device).tolist()
-        self.step, self.score = (int(step), score) if have else (0, float("-inf"))
-
-    def offer(self, step: int, score: float, module, drafter) -> bool:
-        """Keep this drafter if it scores better than the best so far; True if it did."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        from eagle3.checkpoint import save_drafter
-
-        if score <= self.score + (self.start_margin if self.step == 0 else 0.0):
-            return False
-        self.step, self.score = step, score  # every rank: the eval sums are all-reduced
-        sd = get_model_state_dict(  # a collective under FSDP: every rank calls
-            module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        if self.enabled:  # save_drafter replaces the previous best atomically
-            state = {k.removeprefix("drafter."): v for k, v in sd.items()}
-            save_drafter(state, drafter.cfg, self.dir)
-            atomic_write(self.meta, json.dumps({"step": step, "sim_accept_len": score}))
-        return True
 
 
 def _build(job: TrainJob, tc: TrainConfig, tensors: dict, device: torch.device):
@@ -369,20 +368,15 @@ def _build(job: TrainJob, tc: TrainConfig, tensors: dict, device: torch.device):
     return module, drafter, autocast, dt
 
 
-def _allreduce(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if torch.distributed.is_initialized():
-        t = t.to(device)
-        torch.distributed.all_reduce(t)
-    return t.cpu()
-
-
 def _evaluate(module, plan: Plan, soft, tc: TrainConfig, autocast, device) -> torch.Tensor:
-    """Eval sums over this rank's eval batches, all-reduced (every rank calls, even with none)."""
+    """Eval sums per eval batch, [n_batches, 3k]: each rank fills its batches' rows, then the
+    all-reduce gives every rank all of them (every rank calls, even with none). Kept per batch:
+    the gate's margin is the spread of batch-wise differences (`paired_gain`)."""
     k = tc.ttt_length
-    sums = torch.zeros(3 * k, dtype=torch.float64)
+    sums = torch.zeros(len(plan.eval_bins), 3 * k, dtype=torch.float64)
     module.eval()
-    for b in plan.eval_batches():
-        sums += eval_step(module, b.to(device), soft, k, autocast)
+    for i, b in plan.eval_batches():
+        sums[i] = eval_step(module, b.to(device), soft, k, autocast)
     module.train()
     return _allreduce(sums, device)
 
@@ -480,6 +474,9 @@ def _export(
     dest = out / "drafter"  # a re-run after completion rewrites the same weights
     evals = [m for m in mlog.read() if "eval_loss" in m]
     kept = from_drafter and best.dir.is_dir() and best.step == 0
+    gate = gate_record(evals, best, kept) if best.start is not None else {}
+    if gate:
+        _say(gate_line(gate))
     if kept:
         write_drafter_dir(dest, out / "init" / "given", state, drafter.cfg)
         after = max((m for m in evals if m["step"] > 0), key=lambda m: m["eval_sim_accept_len"], default=None)  # fmt: skip
@@ -528,6 +525,7 @@ def _export(
         },
         "metrics_file": str(mlog.path),
         "resumed_from": [e["start_step"] for e in mlog.events() if e["start_step"] > 0],
+        "gate": gate,
     }
     atomic_write(out / "result.json", json.dumps(rec, indent=1) + "\n")
 
@@ -643,12 +641,23 @@ class MetricsLog:
             _say(format_line(step, self.total, m, f" gnorm {grad_norm:.2f}{pull}"))
             self._write({"step": step, "epoch": epoch, **m})
 
-    def eval(self, step: int, epoch: int, sums: torch.Tensor) -> dict[str, float]:
-        m = eval_metrics(sums, self.k, self.sim_steps)
+    def batch_sims(self, sums: torch.Tensor) -> list[float]:
+        """Each eval batch's simulated acceptance, from `_evaluate`'s [n_batches, 3k] sums."""
+        return [eval_metrics(row, self.k, self.sim_steps)["sim_accept_len"] for row in sums]
+
+    def eval(
+        self, step: int, epoch: int, sums: torch.Tensor, gain: Gain | None
+    ) -> dict[str, float]:
+        """One evaluation from its per-batch sums; `gain`: its paired gain over the start,
+        logged as `gain` and `gain_se` (eval_ in metrics.jsonl)."""
+        m = eval_metrics(sums.sum(0), self.k, self.sim_steps)
+        if gain is not None:  # an infinite SE (one batch) is left out: JSON and MLflow lack it
+            m.update(gain=gain.mean, **({"gain_se": gain.se} if math.isfinite(gain.se) else {}))
         if self.enabled:
             accs = " ".join(f"{m[f'acc_{i}']:.3f}" for i in range(self.k))
+            vs = f" gain {gain.mean:+.4f} se {gain.se:.4f}" if gain is not None else ""
             _say(
-                f"[eval] epoch {epoch} step {step} loss {m['loss']:.4f} acc [{accs}] sim_accept {m['sim_accept_len']:.2f}"
+                f"[eval] epoch {epoch} step {step} loss {m['loss']:.4f} acc [{accs}] sim_accept {m['sim_accept_len']:.3f}{vs}"
             )
             self._write({"step": step, "epoch": epoch, **{f"eval_{n}": v for n, v in m.items()}})
         return m

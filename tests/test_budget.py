@@ -82,6 +82,8 @@ def test_plan_against_actual_per_stage():
     got = plan_vs_actual(plan, done)
     assert got == {"plan/data_s": 200.0, "actual/data_s": 210.0, "plan/train_s": 150.0,
                    "actual/train_s": 140.0, "plan/bench_s": 100.0, "actual/bench_s": 94.0}  # fmt: skip
+    done["gate_set"] = {"wall_s": 30.0}  # made once, inside its round's data share
+    assert plan_vs_actual(plan, done)["actual/data_s"] == 240.0
 
 
 # ---- the planner's start-up measurement ---------------------------------------------------------

@@ -125,7 +125,7 @@ def test_a_round_that_starts_from_a_trained_drafter_takes_the_fine_tuning_recipe
     assert (scratch.lr, scratch.warmup_ratio, scratch.anchor, scratch.ttt_length) == (1e-3, 0.015, 0.0, 5)  # fmt: skip
     assert (tuned.lr, tuned.warmup_ratio, tuned.anchor, tuned.ttt_length) == (2e-5, 0.1, 1e-4, 4)
     assert tuned.epochs == 4 and tuned.max_seconds == 60.0  # None in the recipe keeps train's
-    assert (scratch.min_gain, tuned.min_gain) == (0.0, 0.01)  # only a start has a bar to clear
+    assert (scratch.gate_z, tuned.gate_z) == (0.0, 2.0)  # only a start has a bar to clear
     off = parse_config({"train": {"lr": 1e-3, "finetune": None}}).train
     assert off.for_round(1, from_drafter=True).lr == 1e-3 and off.for_round(1).anchor == 0.0
 

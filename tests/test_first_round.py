@@ -45,7 +45,7 @@ def base_run(tmp_path_factory, tiny_target) -> tuple[Path, Path]:
         "target": {"model": str(tiny_target)},
         "data": {"source": {"builtin": 0.5, "traffic": 0.5}, "prompts_per_round": 8,
                  "heldout_prompts": 4, "user_prompts": 8, "max_new_tokens": 24, "batch_size": 6,
-                 "num_actors": 1},
+                 "num_actors": 1, "gate_prompts": 12},
         "drafter": {"init": "drafters/tiny-base"},  # relative: from the working directory
         "train": {"first_round": "skip", "num_workers": 1, "epochs": 2, "lr": 0.003,
                   "ttt_length": 2, "tokens_per_batch": 256, "checkpoint_every": 4},
@@ -117,3 +117,30 @@ def test_the_plan_comes_from_the_start_up_measurement(base_run):
     assert p0["bench_s_per_request"] == pytest.approx(per_token * 16, abs=0.01)
     assert p1["data_s"] > 0 and p1["train_s"] > 0
     assert [r["round"] for r in summary["rounds"]] == [0, 1]
+
+
+def test_round_1_makes_the_gate_set_once_and_its_training_is_judged_on_it(base_run):
+    """The first round that trains (round 1: round 0 serves its start) makes the gate set in
+    <run>/data/gate/, of prompts none of its training took, and its training evaluates there:
+    every evaluation scores the same gate samples, and the keep-the-start decision is logged."""
+    from actors.prompt_keys import KEY_FILE, key_hash, read_key_file
+    from actors.prompts import plan_prompts
+    from pipeline.config import load_config
+
+    run_dir, _ = base_run
+    r0, r1 = (r["done"] for r in json.loads((run_dir / "state.json").read_text())["rounds"])
+    assert "gate_set" not in r0 and r1["gate_set"]["num_samples"] == 12
+    gate = json.loads((run_dir / "data" / "gate" / "manifest.json").read_text())
+    assert gate["num_samples"] == 12 and Path(r1["gate_set"]["manifest"]).parent.name == "gate"
+    plan = plan_prompts(load_config(run_dir / "config.resolved.yaml").data)
+    trained = read_key_file(run_dir / "data" / "round-001" / KEY_FILE)
+    assert len(plan.gate) == 12 and not {key_hash(p.messages) for p in plan.gate} & trained
+    evals = [json.loads(x) for x in (run_dir / "train" / "round-001" / "metrics.jsonl").read_text().splitlines()]  # fmt: skip
+    evals = [m for m in evals if "eval_tokens" in m]
+    assert evals[0]["step"] == 0 and len({m["eval_tokens"] for m in evals}) == 1
+    g = r1["train"]["gate"]
+    assert (
+        g["batches"] >= 2
+        and g["z"] == 2.0
+        and g["replaced_start"] == (not r1["train"]["kept_start"])
+    )

@@ -62,8 +62,8 @@ def test_the_next_round_skips_a_line_cut_by_a_crash_and_says_so(tmp_path, tiny_t
     from pipeline.config import parse_config
     from pipeline.console import data_line
     from pipeline.layout import RunDir
-    from pipeline.traffic_round import traffic_for_round
     from pipeline.state import RunState
+    from pipeline.traffic_round import traffic_for_round
 
     run = RunDir(tmp_path / "run")
     log = TrafficLog(run.traffic, "7")

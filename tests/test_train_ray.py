@@ -423,3 +423,38 @@ def test_a_round_whose_training_only_hurts_exports_its_start_unchanged(
     assert all(m["eval_sim_accept_len"] < first for m in evals[1:]), evals
     assert res.start_eval_metrics["sim_accept_len"] == first
     assert res.eval_metrics == res.start_eval_metrics  # the exported drafter's figures
+
+
+@pytest.mark.slow
+def test_the_train_stage_evaluates_on_the_gate_set_and_its_gate_decides(
+    ray_module, target_and_data, tmp_path
+):
+    """With a gate set (`eval_dirs`, the run's data/gate/) every training sample is trained on
+    and every evaluation scores the gate set. From a weak start, real training clears the
+    paired gate (z = 2) and replaces it; from that trained drafter, steps at a learning rate
+    too small to change anything gain only noise, and the round keeps its start."""
+    target, data = target_and_data
+    gate = tmp_path / "gate"
+    gm = capture_shards(target, gate, n=24, new_tokens=40, seed=7)
+    weak = run_train(config(target, epochs=1), [data], tmp_path / "weak")
+    up = run_train(
+        config(target, epochs=4, gate_z=2.0, eval_every=4), [data], tmp_path / "up",
+        init=weak.drafter_dir, eval_dirs=[gate],
+    )  # fmt: skip
+    # no hold-out: the training split is all of the data's tokens (each sample < the budget)
+    from actors.shards import load_manifest
+
+    assert up.train_tokens == load_manifest(data).num_tokens
+    evals = [m for m in read_jsonl(Path(up.metrics_file)) if "eval_loss" in m]
+    assert {m["eval_tokens"] for m in evals} == {evals[0]["eval_tokens"]}  # the same set each time
+    # the gate set's (positions whose target token is in the draft vocab), not a 15% hold-out
+    assert evals[0]["eval_tokens"] > 0.5 * gm.num_loss_tokens
+    g = up.gate
+    assert not up.kept_start and g["replaced_start"] and g["z"] == 2.0 and g["batches"] >= 6
+    assert g["gain"] > 2.0 * g["gain_se"] > 0 and g["step"] == up.best_step
+    still = run_train(
+        config(target, epochs=1, lr=1e-9, gate_z=2.0), [data], tmp_path / "still",
+        init=up.drafter_dir, eval_dirs=[gate],
+    )  # fmt: skip
+    assert still.kept_start and still.best_step == 0 and not still.gate["replaced_start"]
+    assert abs(still.gate["gain"]) <= 2.0 * still.gate["gain_se"]
