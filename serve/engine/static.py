@@ -457,11 +457,7 @@ class StaticTargetRunner:
         if ids.shape[0] != 1 or not bool(new_valid.all()):
             raise ValueError("StaticTargetRunner runs one row without padding")
         q = ids.shape[1]
-        if self.length + q > self.capacity:
-            raise ValueError(
-                f"static KV cache full: {self.length} + {q} entries > capacity {self.capacity}; "
-                "build the engine with a larger static_capacity"
-            )
+        self._check_room(q)
         aux = aux and bool(self.aux_ids)
         packed = self._pack(ids, positions, tree)
         span = self._span(q)
@@ -476,6 +472,13 @@ class StaticTargetRunner:
         # Graphs share one memory pool: hand out copies, not the static outputs.
         return g.logits.clone(), (g.aux.clone() if g.aux is not None else None)
 
+    def _check_room(self, q: int) -> None:
+        if self.length + q > self.capacity:
+            raise ValueError(
+                f"static KV cache full: {self.length} + {q} entries > capacity {self.capacity}; "
+                "build the engine with a larger static_capacity"
+            )
+
     def verify(
         self, ids: Tensor, positions: Tensor, tree: Tensor | None, aux: bool
     ) -> tuple[Tensor, Tensor | None]:
@@ -487,11 +490,7 @@ class StaticTargetRunner:
         valid until this runner's next replay (the cycle reads them before). Parity with
         `forward`: tests/test_engine_device_cycle.py."""
         q = ids.shape[0]
-        if self.length + q > self.capacity:
-            raise ValueError(
-                f"static KV cache full: {self.length} + {q} entries > capacity {self.capacity}; "
-                "build the engine with a larger static_capacity"
-            )
+        self._check_room(q)
         aux = aux and bool(self.aux_ids)
         if tree is None:
             if q not in self._causal_dev:  # made once: no kernels per call
