@@ -32,9 +32,13 @@ from pipeline.config import load_config  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 
+BUILT_WITH = ["data.gate_prompts=0"]
+
+
 def base_prompts() -> list[Conversation]:
     """The prompts the on-policy base's one round regenerated and trained on (with repeats)."""
-    data = load_config(REPO / "configs" / "smollm2-base-1gpu.yaml").data
+    # both shipped drafters predate the gate set: their splits carved none (data.gate_prompts 0)
+    data = load_config(REPO / "configs" / "smollm2-base-1gpu.yaml", BUILT_WITH).data
     with warnings.catch_warnings():  # HumanEval and lm_eval wrapped then, as the card says
         warnings.simplefilter("ignore")
         prompts, _ = round_slices(plan_prompts(data), data.prompts_for_round(0), [])
@@ -44,7 +48,7 @@ def base_prompts() -> list[Conversation]:
 def offpolicy_prompts() -> list[Conversation]:
     """The demo's training prompts that carry ShareGPT's reply, which the off-policy drafter
     was trained on."""
-    plan = plan_prompts(load_config(REPO / "configs" / "smollm2-cpu.yaml").data)
+    plan = plan_prompts(load_config(REPO / "configs" / "smollm2-cpu.yaml", BUILT_WITH).data)
     return [c for convs in plan.train.values() for c in convs if prompt_key(c) in plan.replies]
 
 

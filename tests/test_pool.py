@@ -80,7 +80,7 @@ def test_the_pool_source_never_yields_a_held_out_user_or_benchmark_prompt(tmp_pa
     plan = plan_prompts(_pool_config().data, eval_files=[str(eval_file)])
     convs = [c for d in plan.train.values() for c in d]
     train = {prompt_key(c) for c in convs}
-    assert len(train) == len(convs) > 50_000
+    assert len(train) == len(convs) > 49_000  # ~50k, less the held-out, users' and gate sets
     # judged on exactly what `real` would judge on, with the same users
     assert [p.messages for p in plan.heldout] == [p.messages for p in real.heldout]
     assert [p.messages for p in plan.users] == [p.messages for p in real.users]
