@@ -22,7 +22,8 @@ step() {
   case " $STEPS " in *" ${name%%-*} "*) ;; *) return 0 ;; esac
   echo "$(date +%T) $name start" >>"$DIR/progress"
   "$@" >"$log" 2>&1
-  echo "$(date +%T) $name rc=$?" >>"$DIR/progress"
+  local rc=$?  # before $(date), which resets $?
+  echo "$(date +%T) $name rc=$rc" >>"$DIR/progress"
 }
 
 step env env.txt bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; free -g | head -2; df -h /tmp | tail -1; python3 -c 'import torch, transformers, ray, mlflow; print(\"torch\", torch.__version__, \"transformers\", transformers.__version__, \"ray\", ray.__version__, \"mlflow\", mlflow.__version__)'"

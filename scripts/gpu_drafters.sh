@@ -17,7 +17,8 @@ step() {
   local name=$1; shift
   echo "$(date +%T) $name start" >>"$W/progress"
   "$@" >"$W/$name.log" 2>&1
-  echo "$(date +%T) $name rc=$?" >>"$W/progress"
+  local rc=$?  # before $(date), which resets $?
+  echo "$(date +%T) $name rc=$rc" >>"$W/progress"
 }
 B=benchmarks/base_drafter.py
 step off-gen python3 $B gen --replies dataset --target "$T" --pool "$P/train.jsonl.gz" --out "$W/off"

@@ -29,7 +29,8 @@ step() {
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
   echo "$(date +%T) $name start" >>"$W/progress"
   "$@" >"$W/$name.log" 2>&1
-  echo "$(date +%T) $name rc=$?" >>"$W/progress"
+  local rc=$?  # before $(date), which resets $?
+  echo "$(date +%T) $name rc=$rc" >>"$W/progress"
 }
 # score NAME...: accept_eval on each drafter folder $W/rows/NAME (JOBS at a time)
 score() {
