@@ -14,7 +14,10 @@ init, on the first `n` training samples, with the project's training step (eagle
 the Anchor included), cosine schedule and AdamW, each batch's aux states captured by the target
 right before its step. Scored as the workers score: held-out TTT accuracy and the chain-3
 simulated accept length (`sim3`). Prints one JSON line per (init, setting) with the start's
-score, every epoch's and the best; `--export DIR` keeps each init's best state as DIR/<init>/.
+score, every epoch's and the best; `--export DIR` keeps each init's best state as DIR/<init>/; `--export-rows DIR`
+keeps every row's best state as DIR/<init>-<row>/ (with <init>-<row>.json), for
+benchmarks/accept_eval.py to score as the loop's benchmark does (scripts/gpu_sweep.sh). Grid key
+`head=1` holds the drafter's lm_head still. Each row trains a seeded sample of `n`.
 """
 
 from __future__ import annotations
