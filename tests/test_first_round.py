@@ -112,8 +112,9 @@ def test_the_plan_comes_from_the_start_up_measurement(base_run):
     assert m["plain_s_per_token"] > 0 and m["spec_s_per_token"] > 0 and m["spec_tokens"] == 16
     assert m["drafter"] == "drafters/tiny-base"
     assert p0["data_s"] == p0["train_s"] == 0.0  # round 0 makes no data and trains nothing
-    # drafter: 1 warm-up + 4 prompts + 8 shape-choice probes (2 x 4); plain: 1 + 4
-    per_token = (13 * m["spec_s_per_token"] + 5 * m["plain_s_per_token"]) / 18
+    # drafter: 1 warm-up + 4 prompts + 16 shape-choice probes (bench.shape_chains' default
+    # 1..5 but the configured chain of serve.steps=2: 4 chains x 4 prompts); plain: 1 + 4
+    per_token = (21 * m["spec_s_per_token"] + 5 * m["plain_s_per_token"]) / 26
     assert p0["bench_s_per_request"] == pytest.approx(per_token * 16, abs=0.01)
     assert p1["data_s"] > 0 and p1["train_s"] > 0
     assert [r["round"] for r in summary["rounds"]] == [0, 1]
