@@ -218,8 +218,9 @@ class TrackingConfig(_Strict):
     store, sqlite:///<run-dir>/mlflow.db with artifacts in <run-dir>/mlartifacts."""
     experiment: str = "eagle-loop"
     """MLflow experiment name."""
-    registered_model: str = "eagle3-drafter"
-    """Registered model name; the best round gets alias `champion`."""
+    registered_model: str | None = None
+    """Registered model name; the best round gets alias `champion`. None: `<name>-drafter`
+    (the run's `name`), so runs that share a tracking server keep their own `champion`."""
 
 
 class Config(_Strict):
@@ -253,6 +254,11 @@ class Config(_Strict):
             errs.append(
                 f"serve.topk: {self.serve.topk} -- serve.engine=vllm drafts chains; set "
                 "serve.topk=1 and serve.num_draft_tokens=null"
+            )
+        if self.serve.engine != "embedded" and (self.serve.app, self.serve.route_prefix) != ("eagle3", "/"):  # fmt: skip
+            errs.append(
+                f"serve.app/serve.route_prefix: a Ray Serve application's, the embedded engine's; "
+                f"{self.serve.engine}'s server answers on serve.port alone: remove them"
             )
         if self.serve.record_traffic and self.serve.engine != "embedded":
             errs.append(
@@ -294,11 +300,16 @@ class Config(_Strict):
             return self.data.states
         return "online" if self.target.backend == "hf" and self.train.use_gpu else "offline"
 
+    def registered_model(self) -> str:
+        """The MLflow registered model the run's champion is a version of."""
+        return self.tracking.registered_model or f"{self.name}-drafter"
+
     def digest(self) -> str:
-        """Stable hash of the resolved config (recorded in manifests). `tracking` and `ray_host`
-        are left out: where results are tracked or Ray listens does not change them, and a run
-        may move to another store or host."""
-        kept = self.model_dump(mode="json", exclude={"tracking", "ray_host"})
+        """Stable hash of the resolved config (recorded in manifests). `tracking`, `ray_host`
+        and where the server answers (serve.app, serve.route_prefix) are left out: they do not
+        change results, and a run may move to another store, host or route."""
+        where = {"tracking": True, "ray_host": True, "serve": {"app", "route_prefix"}}
+        kept = self.model_dump(mode="json", exclude=where)
         return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -66,6 +66,7 @@ log = logging.getLogger("eagle_loop")
 
 def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
     preflight(cfg)  # seconds, before any MLflow run or GPU time (run.py: before Ray starts too)
+    _claim_serving(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(RunDir(run_dir).config, dump_config(cfg))
     detail.info("resolved config:\n%s", dump_config(cfg))
@@ -438,6 +439,19 @@ def _train(
     return rec
 
 
+def _claim_serving(cfg: Config, run_dir: Path) -> None:
+    """ServeClaimed, in seconds and before any MLflow run or data, when the Serve app or route
+    this run would serve on belongs to another run or server on this cluster (serve/endpoint.py
+    `check_claim`; the deploy checks again)."""
+    import ray
+
+    if cfg.serve.engine != "embedded" or not ray.is_initialized():
+        return
+    from serve.endpoint import check_claim
+
+    check_claim(cfg.serve.app, cfg.serve.route_prefix, str(run_dir.resolve()))
+
+
 def _write_prompt_keys(drafter: Path, init: str, data_dirs: list[Path], rec: dict) -> int:
     """The exported drafter's key file (actors/prompt_keys.py): its start's keys and, unless
     it is its start unchanged (`kept_start`), those of the rounds it trained on. Returns how
@@ -466,6 +480,7 @@ def _serve(cfg: Config, run_dir: Path, drafter: str | None, server, shape: dict 
             cfg.target,
             drafter,
             RunDir(run_dir).serve,
+            owner=str(run_dir.resolve()),  # a run never replaces another's app (serve.app)
             traffic_dir=RunDir(run_dir).traffic,
         )
     if drafter and server.info().get("path") != drafter:
@@ -595,10 +610,10 @@ def _finish(cfg: Config, state: RunState, run_dir: Path, tracker: Tracker) -> No
     summary = _write_summary(state, run_dir)
     if rows and state.champion:
         rid = state.rounds[state.champion["round"]].mlflow_run_id
-        version = tracker.register_champion(rid, "drafter")
+        version = tracker.register_champion(rid, cfg.registered_model())
         state.champion = {
             **state.champion,
-            "registered_model": cfg.tracking.registered_model,
+            "registered_model": cfg.registered_model(),
             "version": version,
         }
         from pipeline.plots import round_plots
@@ -619,7 +634,7 @@ def _finish(cfg: Config, state: RunState, run_dir: Path, tracker: Tracker) -> No
     tracker.finish(state.parent_run_id)
     if champ := state.champion:
         log.info("registered round %d's drafter as %s v%s", champ["round"],
-                 cfg.tracking.registered_model, champ.get("version"))  # fmt: skip
+                 cfg.registered_model(), champ.get("version"))  # fmt: skip
     detail.info("stopped because %s", summary["stopped_because"])
     detail.info("rounds:\n%s", format_table(rows))
 

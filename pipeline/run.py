@@ -112,11 +112,12 @@ def _run(cfg: Config, run_dir: Path) -> dict | None:
     from pipeline.budget import BudgetError
     from pipeline.loop import run_loop
     from pipeline.tracking import TrackingUnavailable, UnknownRuns
+    from serve.endpoint import ServeClaimed
 
     try:
         return run_loop(cfg, run_dir)
-    except (UnknownRuns, TrackingUnavailable) as err:  # says what to do; a traceback would bury it
-        log.error("%s", err)
+    except (UnknownRuns, TrackingUnavailable, ServeClaimed) as err:
+        log.error("%s", err)  # it says what to do; a traceback would bury it
     except BudgetError:  # the loop said it (run FAILED: ...), before any round
         pass
     return None

@@ -204,9 +204,16 @@ class Tracker:
     def finish(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status)
 
-    def register_champion(self, run_id: str, artifact_path: str = "drafter") -> str:
-        """Register the run's drafter as a new version and point alias `champion` at it."""
-        name = self.cfg.registered_model
+    def register_champion(
+        self, run_id: str, name: str | None = None, artifact_path: str = "drafter"
+    ) -> str:
+        """Register the run's drafter as a new version of `name` (None: tracking.
+        registered_model) and point alias `champion` at it."""
+        name = name or self.cfg.registered_model
+        if not name:
+            raise ValueError(
+                "register_champion: no registered model name (tracking.registered_model)"
+            )
         try:
             self.client.get_registered_model(name)
         except Exception:

@@ -5,11 +5,24 @@ benchmark). pipeline/config.py composes them into the one tree the YAML files lo
 from __future__ import annotations
 
 import math
+import re
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from actors.config import Strict
+
+
+def _app_name(v: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", v):
+        raise ValueError("a Ray Serve application name: letters, digits, '_', '.', '-' (at most 63), e.g. eagle3-b")  # fmt: skip
+    return v
+
+
+def _route_prefix(v: str) -> str:
+    if not re.fullmatch(r"/([A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*)?", v):
+        raise ValueError("an HTTP path: '/' or '/' and segments of letters, digits, '_', '.', '-', e.g. /b")  # fmt: skip
+    return v
 
 
 def batch_problem(max_batch_size: int, batch_wait_s: float) -> str | None:
@@ -32,7 +45,15 @@ class ServeConfig(Strict):
     host: str = "127.0.0.1"
     """Bind address of HTTP servers."""
     port: int = Field(8000, ge=1, le=65535)
-    """HTTP port."""
+    """HTTP port. Embedded engine: Ray Serve has one HTTP proxy per cluster, so every run on a
+    cluster uses the port Serve already listens on."""
+    app: Annotated[str, AfterValidator(_app_name)] = "eagle3"
+    """Embedded engine: the Ray Serve application's name. A run never replaces an application
+    of that name that another run (or `serve.cli`) deployed on the cluster: it is refused
+    before round 0. Two runs on one cluster each take their own, with their own route_prefix."""
+    route_prefix: Annotated[str, AfterValidator(_route_prefix)] = "/"
+    """Embedded engine: the path the application answers under on Serve's proxy: `/` serves
+    http://host:port/v1/...; `/b` serves http://host:port/b/v1/... (a second run's)."""
     steps: int = Field(3, ge=1)
     """Draft steps per cycle (--speculative-num-steps)."""
     topk: int = Field(1, ge=1)

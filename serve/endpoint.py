@@ -21,13 +21,14 @@ from serve.config import ServeConfig, batch_problem
 from serve.deployment import APP_NAME, SpecServer
 from serve.engine import tree_problem
 from serve.shapes import Shape
-from serve.startup import retry, start_serve, wait_http_ready
+from serve.startup import retry, serve_running, start_serve, wait_http_ready
 
 log = logging.getLogger("ray.serve")
 
 __all__ = [
     "DrafterRejected",
     "Endpoint",
+    "ServeClaimed",
     "ServingEndpoint",
     "deploy",
     "deploy_endpoint",
@@ -35,9 +36,14 @@ __all__ = [
 ]
 
 
+class ServeClaimed(ValueError):
+    """Serve on this cluster already runs an application this deploy would replace or shadow,
+    deployed by another run or server; the message names the field to change."""
+
+
 @dataclass(frozen=True)
 class Endpoint:
-    url: str  # http://host:port, the OpenAI base without /v1
+    url: str  # http://host:port[/route_prefix], the OpenAI base without /v1
     app_name: str
     drafter: str | None
 
@@ -57,7 +63,8 @@ def deploy(
     target_cfg: Any,
     drafter_dir: str | Path | None,
     *,
-    app_name: str = APP_NAME,
+    app_name: str | None = None,
+    owner: str | None = None,
     num_cpus: float = 1.0,
     torch_threads: int | None = None,
     max_batch_size: int = 8,
@@ -66,9 +73,12 @@ def deploy(
     traffic_dir: str | Path | None = None,
 ) -> Endpoint:
     """Start Serve on serve.host:serve.port and run the engine app with `drafter_dir` (None = no
-    drafter: plain decoding only); a batch waits `batch_wait_s` for mates. Returns its address.
-    A dict `serve_cfg` (the CLI's) goes through ServeConfig's validation and defaults."""
+    drafter: plain decoding only) as `app_name` (None: serve.app) on serve.route_prefix; a batch
+    waits `batch_wait_s` for mates. Returns its address. A dict `serve_cfg` (the CLI's) goes
+    through ServeConfig's validation and defaults. `owner` (a run's directory): the app is that
+    run's, and an app of that name another owner deployed is never replaced (ServeClaimed)."""
     s, t = ServeConfig.model_validate(_as_dict(serve_cfg)).model_dump(), _as_dict(target_cfg)
+    app_name = app_name or s["app"]
     if s.get("engine", "embedded") != "embedded":
         raise ValueError(
             f"serve.engine={s['engine']!r}: this deployment is the embedded engine; use the SGLang deployment"
@@ -89,16 +99,54 @@ def deploy(
         "traffic": _traffic_options(s, traffic_dir),
         **{k: s[k] for k in LIMIT_KEYS},
         "instance": uuid.uuid4().hex[:16],  # this deploy(): what `serve.cli swap` checks
+        "owner": owner,  # the run whose app this is: what another run's deploy checks
+        "route_prefix": s["route_prefix"],
     }
     actor = {"num_cpus": num_cpus, "num_gpus": s.get("num_gpus", 0.0)}
     host, port = s.get("host", "127.0.0.1"), s.get("port", 8000)
     start_serve(host, port)  # retried; raises ServeStartupError with what to try
+    if owner is not None:
+        check_claim(app_name, s["route_prefix"], owner)
     _APPS[app_name] = {"target": t, "options": options, "actor": actor}
     drafter = str(drafter_dir) if drafter_dir else None
     _run_app(app_name, drafter)  # a drafter that does not load fails here (DrafterRejected)
     _APPS[app_name]["good"] = drafter
-    wait_http_ready(f"http://{host}:{port}/health")  # the proxy routes to the app only later
-    return Endpoint(f"http://{host}:{port}", app_name, drafter)
+    url = f"http://{host}:{port}{s['route_prefix'].rstrip('/')}"
+    wait_http_ready(f"{url}/health")  # the proxy routes to the app only later
+    return Endpoint(url, app_name, drafter)
+
+
+def check_claim(app_name: str, route_prefix: str, owner: str) -> None:
+    """ServeClaimed when this cluster's Serve runs an application named `app_name` that another
+    owner deployed, or another application on `route_prefix`: serve.run would silently replace
+    the first (its target, drafter and users) with ours, and Serve refuses the second only when
+    it is already too late for this run. The owner may deploy its own app again (a resumed run
+    does); an app that is not RUNNING (a crashed deploy) may be replaced. No Serve: no check."""
+    if not serve_running():
+        return
+    from ray.serve.context import _get_global_client
+
+    apps = _get_global_client().get_serve_details().get("applications", {})
+    for name, app in apps.items():
+        if name != app_name and app.get("route_prefix") == route_prefix:
+            raise ServeClaimed(
+                f"serve.route_prefix: {route_prefix!r} is taken on this Ray cluster by the Serve "
+                f"application {name!r}; give this run its own serve.app and serve.route_prefix "
+                f"(e.g. serve.app={app_name}-2 serve.route_prefix=/{app_name}-2)"
+            )
+    app = apps.get(app_name)
+    if app is None or app.get("status") != "RUNNING":
+        return
+    theirs = serve.get_app_handle(app_name).spec.remote().result(timeout_s=60)["options"].get("owner")  # fmt: skip
+    if theirs != owner:
+        raise ServeClaimed(
+            f"serve.app: the Serve application {app_name!r} on this Ray cluster belongs to "
+            f"{'the run in ' + theirs if theirs else 'another server (serve.cli)'}; this run "
+            f"would replace its target and drafter under its clients. Give this run its own "
+            f"serve.app and serve.route_prefix (e.g. serve.app={app_name}-2 "
+            f"serve.route_prefix=/{app_name}-2), or delete that application if it is finished "
+            f"(`serve delete {app_name}`)"
+        )
 
 
 def _traffic_options(s: dict[str, Any], traffic_dir: str | Path | None) -> dict[str, Any] | None:
@@ -145,7 +193,10 @@ def _run_app(app_name: str, drafter: str | None) -> None:
             "Serve rejected a fixed deployment version; drafter swaps will restart the replica"
         )
     app = dep.bind(spec["target"], spec["options"], spec["actor"])
-    retry(lambda: serve.run(app, name=app_name, route_prefix="/"), f"serve.run of app {app_name!r}")
+    prefix = opts.get("route_prefix") or "/"
+    retry(
+        lambda: serve.run(app, name=app_name, route_prefix=prefix), f"serve.run of app {app_name!r}"
+    )
 
 
 def swap_drafter(drafter_dir: str | Path, app_name: str = APP_NAME) -> dict[str, Any]:
@@ -266,7 +317,8 @@ def deploy_endpoint(
     drafter_dir: str | Path | None,
     log_dir: str | Path,
     *,
-    app_name: str = APP_NAME,
+    app_name: str | None = None,
+    owner: str | None = None,
     launch: Sequence[str] | None = None,
     traffic_dir: str | Path | None = None,
 ) -> ServingEndpoint:
@@ -276,7 +328,8 @@ def deploy_endpoint(
     `log_dir` is unused (Serve logs under Ray's session dir). sglang: `sglang.launch_server` in
     an actor that owns max(serve.num_gpus, target.tp_size) GPUs, logging to `log_dir`; `launch`
     replaces `python -m sglang.launch_server` (e.g. another venv's Python). vllm: vLLM's OpenAI
-    server in an actor reserving serve.num_cpus / serve.num_gpus (actors/vllm_server.py)."""
+    server in an actor reserving serve.num_cpus / serve.num_gpus (actors/vllm_server.py).
+    `app_name` (None: serve.app) and `owner`: the embedded engine's (`deploy`)."""
     if serve_cfg.engine == "sglang":
         return deploy_sglang(serve_cfg, target_cfg, drafter_dir, log_dir, launch=launch)
     if serve_cfg.engine == "vllm":
@@ -288,6 +341,7 @@ def deploy_endpoint(
         target_cfg,
         drafter_dir,
         app_name=app_name,
+        owner=owner,
         num_cpus=serve_cfg.num_cpus,
         torch_threads=int(serve_cfg.num_cpus),
         traffic_dir=traffic_dir,

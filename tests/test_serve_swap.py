@@ -65,3 +65,45 @@ def test_swap_against_another_servers_cluster_is_refused(ray_module, tiny_target
         from ray import serve
 
         serve.shutdown()
+
+
+def test_a_run_never_replaces_another_runs_app_and_two_runs_serve_side_by_side(
+    ray_module, tiny_target, drafters
+):
+    """Issue 51, two runs on one cluster: Serve has one proxy per cluster, and serve.run of an
+    app name that exists replaces that app. Run A serves `eagle3` on `/`; run B with the same
+    serve.app, or with its own app on A's route, is refused naming the field to change, and A
+    keeps serving its drafter; B with its own app and route serves beside A, each request
+    reaching its own run's drafter. A resumed A (a new driver: nothing of it in this process)
+    may deploy its own app again."""
+    from ray import serve
+
+    from pipeline.config import ServeConfig, TargetConfig
+    from serve import endpoint
+    from serve.endpoint import ServeClaimed, deploy_endpoint
+
+    port, target = free_port(), TargetConfig(model=str(tiny_target))
+    a_cfg = ServeConfig(port=port, steps=2)
+    b_cfg = ServeConfig(port=port, steps=2, app="eagle3-b", route_prefix="/b")
+    try:
+        a = deploy_endpoint(a_cfg, target, drafters["good1"], "logs", owner="/runs/a")
+        a_digest = httpx.get(f"{a.url}/drafter", timeout=60).json()["digest"]
+        with pytest.raises(ServeClaimed, match=r"serve\.app: .*'eagle3'.*/runs/a"):
+            deploy_endpoint(a_cfg, target, drafters["good2"], "logs", owner="/runs/b")
+        with pytest.raises(ServeClaimed, match=r"serve\.route_prefix: '/' is taken .*'eagle3'"):
+            deploy_endpoint(b_cfg.model_copy(update={"route_prefix": "/"}), target,
+                            drafters["good2"], "logs", owner="/runs/b")  # fmt: skip
+        assert a.info()["path"] == drafters["good1"]
+        b = deploy_endpoint(b_cfg, target, drafters["good2"], "logs", owner="/runs/b")
+        assert b.url == f"http://127.0.0.1:{port}/b"
+        b_digest = httpx.get(f"{b.url}/drafter", timeout=60).json()["digest"]
+        assert httpx.get(f"{a.url}/drafter", timeout=60).json()["digest"] == a_digest != b_digest
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        for ep, digest in ((a, a_digest), (b, b_digest)):
+            r = httpx.post(f"{ep.url}/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200 and r.json()["usage"]["drafter"] == digest
+        endpoint._APPS.pop("eagle3")  # a resumed run A: a new driver process, which holds nothing
+        again = deploy_endpoint(a_cfg, target, drafters["good1"], "logs", owner="/runs/a")
+        assert again.info()["path"] == drafters["good1"]
+    finally:
+        serve.shutdown()
