@@ -38,6 +38,11 @@ TRAIN_START_S = 25.0  # Ray Train's worker start-up and the export around the ti
 MIN_STAGE_S = 30.0  # below this a stage's start-up dominates: refuse the plan instead
 
 
+def _rounded(record: Any, digits: int) -> dict[str, Any]:
+    """A dataclass as the dict a state record keeps, its floats rounded to `digits`."""
+    return {k: round(v, digits) if isinstance(v, float) else v for k, v in asdict(record).items()}
+
+
 class BudgetError(ValueError):
     """The budget left cannot hold a round; the message says how much it needs."""
 
@@ -53,7 +58,7 @@ class Measured:
     wall_s: float  # what the measurement took, the target's load included
 
     def record(self) -> dict[str, Any]:
-        return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        return _rounded(self, 4)
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,7 @@ class RoundPlan:
     traffic_s_per_request: float
 
     def record(self) -> dict[str, Any]:
-        return {k: round(v, 2) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        return _rounded(self, 2)
 
 
 def plan_round(
@@ -194,7 +199,7 @@ class DiskPlan:
     free_bytes: int
 
     def record(self) -> dict[str, Any]:
-        return {k: round(v, 1) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        return _rounded(self, 1)
 
 
 def plan_disk(
