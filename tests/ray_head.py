@@ -4,6 +4,7 @@ it: the tests that start a job as users do (tests/test_closed_loop.py, tests/tes
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 class RayHead:
     """A real `ray start --head` on loopback, as users run it, and `ray job` against it."""
 
-    def __init__(self, tmp: Path, repo: Path = REPO):
+    def __init__(self, tmp: Path, repo: Path = REPO, num_cpus: int = 4):
         tmp.mkdir(parents=True, exist_ok=True)
         self.tmp, self.repo = tmp, repo  # the checkout jobs are submitted from
         # Token auth on, as Ray 2.60 defaults for local clusters: the head, `ray job submit` and
@@ -38,7 +39,7 @@ class RayHead:
         self.proc = subprocess.Popen(
             [str(self.bin / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
              "--port", str(gcs), "--ray-client-server-port", str(client),
-             "--dashboard-agent-listen-port", str(agent), "--num-cpus", "4",
+             "--dashboard-agent-listen-port", str(agent), "--num-cpus", str(num_cpus),
              "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
              "--disable-usage-stats", f"--temp-dir={tmp}"],
             env=dict(env, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0"), stdout=log.open("w"),
@@ -87,6 +88,18 @@ class RayHead:
                 break
             time.sleep(2)
         return done
+
+    def wait_job(self, job_id: str, timeout_s: float = 1500) -> str:
+        """The job's end status (SUCCEEDED, FAILED, STOPPED), or TIMEOUT."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            out = subprocess.run([str(self.bin / "ray"), "job", "status", "--address", self.address, job_id],
+                                 env=self.env, capture_output=True, text=True, timeout=120).stdout  # fmt: skip
+            m = re.search(r"Status for job '[^']+': (\w+)", out)
+            if m and m.group(1) in ("SUCCEEDED", "FAILED", "STOPPED"):
+                return m.group(1)
+            time.sleep(5)
+        return "TIMEOUT"
 
     def stop_job(self, job_id: str) -> None:
         subprocess.run([str(self.bin / "ray"), "job", "stop", "--address", self.address, job_id],
