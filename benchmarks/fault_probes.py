@@ -392,6 +392,7 @@ def probe_two_runs(repo: Path, tmp: Path) -> None:
     from conftest import build_tiny_llama
     from ray_head import RayHead
 
+    from actors.hf_backend import resolve_aux_layer_ids
     from eagle3.checkpoint import save_drafter
     from eagle3.target_weights import SMOLLM2_GGUF, smollm2_dir
     from serve.engine import random_drafter
@@ -401,7 +402,8 @@ def probe_two_runs(repo: Path, tmp: Path) -> None:
     AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF).save_pretrained(tok)
     target = build_tiny_llama(tmp / "target", tok)
     lm = AutoModelForCausalLM.from_pretrained(target)
-    d = random_drafter(lm, draft_vocab_size=512, seed=3, aux_layer_ids=[0, 1, 2]).model
+    aux = resolve_aux_layer_ids(None, lm.config.num_hidden_layers)  # what the runs capture
+    d = random_drafter(lm, draft_vocab_size=512, seed=3, aux_layer_ids=aux).model
     base = str(save_drafter(d.state_dict(), d.cfg, tmp / "base", dtype=torch.bfloat16))
     isolate = "route_prefix" in (repo / "serve" / "config.py").read_text()
     mport, sport = free_port(), free_port()
@@ -416,7 +418,7 @@ def probe_two_runs(repo: Path, tmp: Path) -> None:
                                   isolate and name == "b")  # fmt: skip
             (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
             job = head.submit(tmp / f"{name}.yaml", tmp / name, wait=False)
-            jobs[name] = next(w for w in job.stdout.split() if w.startswith("raysubmit_"))
+            jobs[name] = head.job_id(job)
         status = {n: head.wait_job(j, timeout_s=2400) for n, j in jobs.items()}
     finally:
         head.shutdown()

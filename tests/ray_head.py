@@ -95,15 +95,25 @@ class RayHead:
         while time.monotonic() < end:
             out = subprocess.run([str(self.bin / "ray"), "job", "status", "--address", self.address, job_id],
                                  env=self.env, capture_output=True, text=True, timeout=120).stdout  # fmt: skip
-            m = re.search(r"Status for job '[^']+': (\w+)", out)
-            if m and m.group(1) in ("SUCCEEDED", "FAILED", "STOPPED"):
-                return m.group(1)
+            m = re.search(r"Job '[^']+' (succeeded|failed|was stopped)", out)  # Ray's CLI words
+            if m:
+                return {"succeeded": "SUCCEEDED", "failed": "FAILED"}.get(m.group(1), "STOPPED")
             time.sleep(5)
         return "TIMEOUT"
 
+    @staticmethod
+    def job_id(submitted: subprocess.CompletedProcess) -> str:
+        """The submission id `ray job submit` printed. Its CLI colours its output even into a
+        pipe: the first word starting `raysubmit_` ends in an escape code, and `ray job stop`
+        of that word answers 404 (a closed-loop test stopped nothing that way)."""
+        ids = re.findall(r"raysubmit_[A-Za-z0-9]+", submitted.stdout + submitted.stderr)
+        assert ids, submitted.stdout[-2000:] + submitted.stderr[-2000:]
+        return ids[0]
+
     def stop_job(self, job_id: str) -> None:
+        """`ray job stop` (it waits for the job to stop); raises when Ray did not stop it."""
         subprocess.run([str(self.bin / "ray"), "job", "stop", "--address", self.address, job_id],
-                       env=self.env, capture_output=True, timeout=120)  # fmt: skip
+                       env=self.env, capture_output=True, timeout=300, check=True)  # fmt: skip
 
     def shutdown(self) -> None:
         self.proc.terminate()

@@ -89,7 +89,7 @@ def closed_run(tmp_path_factory, two_token_target) -> dict:
     try:
         job = head.submit(config, run_dir, wait=False)
         assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-4000:]
-        job_id = next(w for w in job.stdout.split() if w.startswith("raysubmit_"))
+        job_id = head.job_id(job)
         deadline = time.monotonic() + 1500
         while time.monotonic() < deadline:
             rounds = _state(run_dir).get("rounds", [])
@@ -103,6 +103,7 @@ def closed_run(tmp_path_factory, two_token_target) -> dict:
         else:
             pytest.fail("round 1's training never started")
         head.stop_job(job_id)
+        assert head.wait_job(job_id, timeout_s=120) == "STOPPED"  # stopped, not run to its end
         at_kill = _state(run_dir)
         shards_at_kill = _manifests(run_dir)
         again = head.submit(config, run_dir)
