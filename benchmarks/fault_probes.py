@@ -214,6 +214,22 @@ def probe_disk_full(repo: Path, tmp: Path) -> None:
     emit("disk_full", lost, recovery, **detail)
 
 
+def _tiny_target(tmp: Path) -> tuple[Path, Any]:
+    """The tests' tiny random Llama (tests/conftest.py) with SmolLM2's tokenizer, saved under
+    `tmp`, and loaded; tests/ goes on sys.path for the tests' helpers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, str(HERE / "tests"))
+    from conftest import build_tiny_llama
+
+    from eagle3.target_weights import SMOLLM2_GGUF, smollm2_dir
+
+    tok = tmp / "tok"
+    AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF).save_pretrained(tok)
+    target = build_tiny_llama(tmp / "target", tok)
+    return target, AutoModelForCausalLM.from_pretrained(target)
+
+
 # -- replica_kill_after_swap -------------------------------------------------------------------
 def probe_replica_kill(repo: Path, tmp: Path) -> None:
     import concurrent.futures as cf
@@ -221,20 +237,14 @@ def probe_replica_kill(repo: Path, tmp: Path) -> None:
     import httpx
     import ray
     from ray import serve
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    sys.path.insert(0, str(HERE / "tests"))
-    from conftest import build_tiny_llama, save_random_drafter
+    target, lm = _tiny_target(tmp)
+    from conftest import save_random_drafter
 
-    from eagle3.target_weights import SMOLLM2_GGUF, smollm2_dir
     from pipeline.config import ServeConfig, TargetConfig
     from serve.deployment import drafter_digest
     from serve.endpoint import deploy_endpoint
 
-    tok = tmp / "tok"
-    AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF).save_pretrained(tok)
-    target = build_tiny_llama(tmp / "target", tok)
-    lm = AutoModelForCausalLM.from_pretrained(target)
     a, b = (save_random_drafter(lm, tmp / n, s) for n, s in (("a", 1), ("b", 2)))
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(repo)}})  # fmt: skip
     try:
@@ -386,22 +396,15 @@ def probe_two_runs(repo: Path, tmp: Path) -> None:
     import torch
     import yaml
     from mlflow.tracking import MlflowClient
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    sys.path.insert(0, str(HERE / "tests"))
-    from conftest import build_tiny_llama
+    target, lm = _tiny_target(tmp)
     from ray_head import RayHead
 
     from actors.hf_backend import resolve_aux_layer_ids
     from eagle3.checkpoint import save_drafter
-    from eagle3.target_weights import SMOLLM2_GGUF, smollm2_dir
     from serve.engine import random_drafter
     from serve.traffic import read_traffic
 
-    tok = tmp / "tok"
-    AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF).save_pretrained(tok)
-    target = build_tiny_llama(tmp / "target", tok)
-    lm = AutoModelForCausalLM.from_pretrained(target)
     aux = resolve_aux_layer_ids(None, lm.config.num_hidden_layers)  # what the runs capture
     d = random_drafter(lm, draft_vocab_size=512, seed=3, aux_layer_ids=aux).model
     base = str(save_drafter(d.state_dict(), d.cfg, tmp / "base", dtype=torch.bfloat16))
