@@ -255,7 +255,8 @@ class Config(_Strict):
                 f"serve.topk: {self.serve.topk} -- serve.engine=vllm drafts chains; set "
                 "serve.topk=1 and serve.num_draft_tokens=null"
             )
-        if self.serve.engine != "embedded" and (self.serve.app, self.serve.route_prefix) != ("eagle3", "/"):  # fmt: skip
+        where = ("app", "route_prefix")  # a Serve app's, left at their defaults elsewhere
+        if self.serve.engine != "embedded" and any(getattr(self.serve, k) != ServeConfig.model_fields[k].default for k in where):  # fmt: skip
             errs.append(
                 f"serve.app/serve.route_prefix: a Ray Serve application's, the embedded engine's; "
                 f"{self.serve.engine}'s server answers on serve.port alone: remove them"

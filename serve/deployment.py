@@ -77,7 +77,7 @@ from serve.validation import (
 
 log = logging.getLogger("ray.serve")
 
-APP_NAME = "eagle3"
+APP_NAME = ServeConfig.model_fields["app"].default  # serve.app's default: one place
 
 app = FastAPI()
 

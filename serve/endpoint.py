@@ -127,12 +127,13 @@ def check_claim(app_name: str, route_prefix: str, owner: str) -> None:
     from ray.serve.context import _get_global_client
 
     apps = _get_global_client().get_serve_details().get("applications", {})
+    fix = (f"give this run its own serve.app and serve.route_prefix (e.g. serve.app={app_name}-2 "
+           f"serve.route_prefix=/{app_name}-2)")  # fmt: skip
     for name, app in apps.items():
         if name != app_name and app.get("route_prefix") == route_prefix:
             raise ServeClaimed(
                 f"serve.route_prefix: {route_prefix!r} is taken on this Ray cluster by the Serve "
-                f"application {name!r}; give this run its own serve.app and serve.route_prefix "
-                f"(e.g. serve.app={app_name}-2 serve.route_prefix=/{app_name}-2)"
+                f"application {name!r}; {fix}"
             )
     app = apps.get(app_name)
     if app is None or app.get("status") != "RUNNING":
@@ -142,10 +143,8 @@ def check_claim(app_name: str, route_prefix: str, owner: str) -> None:
         raise ServeClaimed(
             f"serve.app: the Serve application {app_name!r} on this Ray cluster belongs to "
             f"{'the run in ' + theirs if theirs else 'another server (serve.cli)'}; this run "
-            f"would replace its target and drafter under its clients. Give this run its own "
-            f"serve.app and serve.route_prefix (e.g. serve.app={app_name}-2 "
-            f"serve.route_prefix=/{app_name}-2), or delete that application if it is finished "
-            f"(`serve delete {app_name}`)"
+            f"would replace its target and drafter under its clients: {fix}, or delete that "
+            f"application if it is finished (`serve delete {app_name}`)"
         )
 
 
