@@ -36,6 +36,14 @@ FIRST_ROUND_WEIGHT = 2.0  # round 0 trains from scratch: twice a later round's s
 USER_TOKEN_SHARE = 0.85
 TRAIN_START_S = 25.0  # Ray Train's worker start-up and the export around the time box (2 cores)
 MIN_STAGE_S = 30.0  # below this a stage's start-up dominates: refuse the plan instead
+# The measuring work (benchmark tokens, shape probes, simulated users, the gate set) is sized to
+# the machine before round 0 (pipeline/round_plan.py `size_work`): as configured when that
+# leaves data and training WORK_SHARE of the budget, else cut down SCALES until it does; on the
+# slowest machines the smallest scale at which every training round still gets 2 * MIN_STAGE_S.
+# Data and training are what make a round gain: on a 2-core bf16 CPU the demo's measuring work
+# took about 60% of its budget, and a CPU without bf16 decodes 2-4x slower.
+WORK_SHARE = 0.45
+SCALES = (1.0, 0.75, 0.5, 0.35, 0.25)
 
 
 def _rounded(record: Any, digits: int) -> dict[str, Any]:
@@ -45,6 +53,21 @@ def _rounded(record: Any, digits: int) -> dict[str, Any]:
 
 class BudgetError(ValueError):
     """The budget left cannot hold a round; the message says how much it needs."""
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """The measuring work a run does on this machine (`size_work`), and what it leaves."""
+
+    scale: float  # of the configured work (1.0: as configured)
+    bench_tokens: int  # bench.max_tokens
+    shape_chains: list[int]  # bench.shape_chains
+    simulate_users: int  # serve.simulate_users
+    gate_prompts: int  # data.gate_prompts
+    work_share: float  # of the budget left for data and training at this size
+
+    def record(self) -> dict[str, Any]:
+        return _rounded(self, 3)
 
 
 @dataclass(frozen=True)
@@ -126,10 +149,7 @@ def plan_round(
     less than 2 * MIN_STAGE_S: so round 0 leaves round 1 a round, and the stop rule, which asks
     this same function about the next round (pipeline/round_plan.py), agrees with it."""
     n = max(1, rounds - r)
-    if len(bench_requests) < n:
-        raise ValueError(f"plan_round: {n} rounds to run, {len(bench_requests)} request counts")
-    bench = [rates.bench_s * bench_requests[i] for i in range(n)]
-    users = [rates.traffic_s * traffic_requests if r + i < rounds - 1 else 0.0 for i in range(n)]
+    bench, users = _measuring(r, rounds, rates, bench_requests, traffic_requests)
     weights = [_weight(r + i, first_round_trains) for i in range(n)]
     free = remaining_s - sum(bench) - sum(users)
     trained = [w for w in weights if w]
@@ -149,6 +169,41 @@ def plan_round(
         r, bench[0] + users[0] + work, DATA_SHARE * work, (1 - DATA_SHARE) * work, bench[0],
         users[0], rates.bench_s, rates.traffic_s,
     )  # fmt: skip
+
+
+def work_share(
+    r: int,
+    rounds: int,
+    remaining_s: float,
+    rates: Rates,
+    bench_requests: Sequence[int],
+    traffic_requests: int,
+) -> float:
+    """The share of `remaining_s` that rounds r.. leave to data and training (plan_round's
+    `free`), after their benchmarks and simulated users."""
+    bench, users = _measuring(r, rounds, rates, bench_requests, traffic_requests)
+    return max(0.0, remaining_s - sum(bench) - sum(users)) / max(remaining_s, 1e-9)
+
+
+def measuring_s(
+    r: int, rounds: int, rates: Rates, bench_requests: Sequence[int], traffic_requests: int
+) -> float:
+    """Seconds the benchmarks and simulated users of rounds r.. take at `rates`."""
+    bench, users = _measuring(r, rounds, rates, bench_requests, traffic_requests)
+    return sum(bench) + sum(users)
+
+
+def _measuring(
+    r: int, rounds: int, rates: Rates, bench_requests: Sequence[int], traffic_requests: int
+) -> tuple[list[float], list[float]]:
+    """Per round still to run: its benchmark's seconds and its simulated users' (none after the
+    last round)."""
+    n = max(1, rounds - r)
+    if len(bench_requests) < n:
+        raise ValueError(f"plan_round: {n} rounds to run, {len(bench_requests)} request counts")
+    bench = [rates.bench_s * bench_requests[i] for i in range(n)]
+    users = [rates.traffic_s * traffic_requests if r + i < rounds - 1 else 0.0 for i in range(n)]
+    return bench, users
 
 
 def _weight(r: int, first_round_trains: bool) -> float:

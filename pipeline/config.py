@@ -208,8 +208,12 @@ class StopConfig(_Strict):
     max_wall_minutes: float | None = Field(None, gt=0)
     """Budget: wall time of the loop, as a plan (pipeline/budget.py): each round's data stage
     and training are time-boxed to fit it, sized from what this machine measures at start-up
-    (pipeline/measure.py, the embedded engine: `serve.engine: embedded` only). A budget that
-    cannot hold the rounds is refused before round 0."""
+    (pipeline/measure.py, the embedded engine: `serve.engine: embedded` only). On a machine too
+    slow for the configured measuring work, `bench.max_tokens`, `bench.shape_chains`,
+    `serve.simulate_users` and `data.gate_prompts` are cut (at most to a quarter) so data and
+    training keep their share (pipeline/round_plan.py `size_work`, recorded in summary.json's
+    first plan); only a budget that even the smallest cannot fit is refused before round 0,
+    naming the minutes that would."""
 
 
 class TrackingConfig(_Strict):

@@ -225,10 +225,35 @@ def ray_logs_dir() -> str:
 # ---- what each stage's lines say ---------------------------------------------------------------
 
 
+def regime_line(cfg) -> str:
+    """Which precision the target decodes and the drafter trains in, and why: on a CPU the
+    speed of everything the run does, and so how much of it fits the budget."""
+    from eagle3.train_step import cpu_regime
+
+    if cfg.serve.num_gpus > 0 or cfg.train.use_gpu:
+        return "regime: GPU (bf16 where target.dtype and train.precision are auto)"
+    name, why = cpu_regime()
+    if cfg.target.dtype != "auto":
+        return f"regime: CPU, target.dtype {cfg.target.dtype} as configured (auto would be {name}: {why})"  # fmt: skip
+    return f"regime: CPU {name}: {why}"
+
+
 def measured_line(m: dict[str, Any]) -> str:
     return (
         f"plain decode {1 / m['plain_s_per_token']:.1f} tok/s, speculative "
         f"{1 / m['spec_s_per_token']:.1f} tok/s with {m['drafter']}"
+    )
+
+
+def sizing_line(z: dict[str, Any]) -> str:
+    """What the start-up measurement sized the run's measuring work to (pipeline/round_plan.py
+    `size_work`)."""
+    what = "as configured" if z["scale"] >= 1 else f"cut to {z['scale']:.0%} to fit this machine"
+    gate = f"gate set {z['gate_prompts']} a source" if z["gate_prompts"] else "no gate set"
+    return (
+        f"measuring work {what}: {z['bench_tokens']} benchmark tokens a request, shape chains "
+        f"{z['shape_chains'] or 'none'}, {z['simulate_users']} simulated users, {gate}; data "
+        f"and training get {z['work_share']:.0%} of the budget"
     )
 
 
@@ -331,9 +356,11 @@ def final_report(summary: dict[str, Any]) -> str:
     from pipeline.rules import format_table
 
     lines = []
-    m = (summary.get("plans") or [{}])[0].get("measured")
-    if m:  # what the budget plan was sized from (pipeline/measure.py)
+    first = (summary.get("plans") or [{}])[0]
+    if m := first.get("measured"):  # what the budget plan was sized from (pipeline/measure.py)
         lines.append(f"measured at start-up ({m['wall_s']:.0f} s): {measured_line(m)}")
+    if z := first.get("sizing"):
+        lines.append(sizing_line(z))
     lines += [format_table(summary["rounds"]), f"stopped because: {summary['stopped_because']}"]
     if c := summary.get("champion"):
         doms = ", ".join(f"{d} {v:.3f}" for d, v in (c.get("domains") or {}).items() if v)

@@ -26,6 +26,7 @@ from pipeline.console import (
     disk_line,
     measured_line,
     plan_line,
+    sizing_line,
     stage,
     train_line,
     train_note,
@@ -36,13 +37,14 @@ from pipeline.layout import RunDir, round_tag
 from pipeline.measure import machine
 from pipeline.preflight import preflight
 from pipeline.round_plan import (
-    check_budget,
     data_bytes,
     disk_plan,
     first_round_skips,
     measure_once,
     next_round_refusal,
     plan_record,
+    size_once,
+    sized_config,
     stage_seconds,
 )
 from pipeline.rules import (
@@ -98,7 +100,15 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 measure_once(cfg, state, evalset[0][0], tracker)
                 st.result = measured_line(state.round(0).done["measure"])
             _commit(state, clock, run_dir)
-            check_budget(cfg, state, clock)
+            size_once(cfg, state, clock)  # the measuring work this machine affords, or refused
+            log.info(sizing_line(state.round(0).done["sizing"]))
+            _commit(state, clock, run_dir)
+        if (
+            sized := sized_config(cfg, state)
+        ) is not cfg:  # a resumed run: the sizing it began with
+            if sized.data.gate_prompts != cfg.data.gate_prompts:
+                plan = _prompts(sized)  # the held-out and users' splits come first: unchanged
+            cfg = sized
         for r in range(cfg.stop.max_rounds):
             rs = state.round(r)
             if not rs.mlflow_run_id:

@@ -12,13 +12,18 @@ from pathlib import Path
 from pipeline.budget import (
     CHARS_PER_TOKEN,
     MIN_STAGE_S,
+    SCALES,
     TEMPLATE_TOKENS,
     TRAIN_START_S,
+    WORK_SHARE,
     BudgetError,
     Measured,
     Rates,
+    Sizing,
+    measuring_s,
     plan_disk,
     plan_round,
+    work_share,
 )
 from pipeline.config import Config
 from pipeline.console import detail
@@ -46,17 +51,99 @@ def measure_once(cfg: Config, state: RunState, messages: list, tracker: Tracker)
     tracker.log(state.parent_run_id, {f"measured/{k}": v for k, v in m.record().items() if k != "drafter"})  # fmt: skip
 
 
-def check_budget(cfg: Config, state: RunState, clock: Clock) -> None:
-    """Plan round 0 before it starts; a BudgetError carries the measured speeds it priced from."""
+# The smallest measuring work (`sized`): below these a figure stops meaning what it says.
+MIN_BENCH_TOKENS = 32  # a request's first tokens are a reply's opening, its easiest to draft
+MIN_USERS = 4  # one round of `serve.simulate_concurrency` (4) users
+MIN_GATE_PROMPTS = 8  # per source: 24 samples, still several eval batches for the paired SE
+
+
+def sized(cfg: Config, scale: float) -> Config:
+    """`cfg` with its measuring work at `scale` of what it configures, never below the minimums
+    above: benchmark tokens a request, the shape choice's chains (those of 2-3 drafted tokens
+    kept longest: they won every shape choice measured on a CPU), simulated users, gate set."""
+    if scale >= 1.0:
+        return cfg
+    b, s, d = cfg.bench, cfg.serve, cfg.data
+
+    def cut(n: int, least: int) -> int:
+        return min(n, max(least, round(n * scale)))
+
+    keep = max(1, round(len(b.shape_chains) * scale)) if b.shape_chains else 0
+    chains = sorted(sorted(b.shape_chains, key=lambda k: (abs(k - 2.5), k))[:keep])
+    return cfg.model_copy(update={
+        "bench": b.model_copy(update={"max_tokens": cut(b.max_tokens, MIN_BENCH_TOKENS),
+                                      "shape_chains": chains}),
+        "serve": s.model_copy(update={"simulate_users": cut(s.simulate_users, MIN_USERS)}),
+        "data": d.model_copy(update={"gate_prompts": cut(d.gate_prompts, MIN_GATE_PROMPTS)}),
+    })  # fmt: skip
+
+
+def size_work(cfg: Config, state: RunState, remaining_s: float) -> Sizing:
+    """The measuring work this machine can afford, from the start-up measurement: the largest
+    of SCALES at which round 0's plan leaves data and training WORK_SHARE of `remaining_s`, else
+    the one that leaves them most while still fitting. BudgetError when not even the smallest
+    fits, saying how many minutes would."""
+    fits: list[Sizing] = []
+    refusal = None
+    for scale in SCALES:
+        c = sized(cfg, scale)
+        try:
+            round_plan(c, state, 0, remaining_s)
+        except BudgetError as e:
+            refusal = e
+            continue
+        share = work_share(0, c.stop.max_rounds, remaining_s, rates(c, state, 0),
+                           _bench_counts(c, 0), c.serve.simulate_users)  # fmt: skip
+        b = c.bench
+        fits.append(Sizing(scale, b.max_tokens, list(b.shape_chains), c.serve.simulate_users,
+                           c.data.gate_prompts, share))  # fmt: skip
+        if share >= WORK_SHARE:
+            return fits[-1]
+    if fits:
+        return max(fits, key=lambda z: z.work_share)
+    small = sized(cfg, SCALES[-1])
+    need = measuring_s(0, small.stop.max_rounds, rates(small, state, 0),
+                       _bench_counts(small, 0), small.serve.simulate_users)  # fmt: skip
+    spent = small.stop.max_wall_minutes * 60 - remaining_s
+    minutes = -(
+        -(spent + need / (1 - WORK_SHARE)) // 60
+    )  # what leaves data and training their share
+    raise BudgetError(
+        f"{refusal}; even at the smallest measuring work ({SCALES[-1]:.0%}: "
+        f"{small.bench.max_tokens} benchmark tokens a request, shape chains "
+        f"{small.bench.shape_chains}, {small.serve.simulate_users} simulated users) they take "
+        f"{need:.0f} s: on this machine set stop.max_wall_minutes={minutes:.0f}"
+    )
+
+
+def size_once(cfg: Config, state: RunState, clock: Clock) -> None:
+    """Size the run's measuring work before round 0 (`size_work`), once: kept in round 0's
+    record, so a resumed run keeps the sizing it started with. A BudgetError carries the
+    measured speeds it priced from."""
+    rs = state.round(0)
+    if rs.is_done("sizing"):
+        return
     try:
-        round_plan(cfg, state, 0, cfg.stop.max_wall_minutes * 60 - clock.elapsed())
+        rs.done["sizing"] = size_work(
+            cfg, state, cfg.stop.max_wall_minutes * 60 - clock.elapsed()
+        ).record()
     except BudgetError as e:
-        m = state.rounds[0].done["measure"]
+        m = rs.done["measure"]
         raise BudgetError(
             f"{e}. Measured at start-up ({m['wall_s']:.0f} s): plain decoding "
             f"{1 / m['plain_s_per_token']:.1f} tok/s, speculative {1 / m['spec_s_per_token']:.1f} "
             f"tok/s with {m['drafter']}; no round was started"
         ) from None
+
+
+def sized_config(cfg: Config, state: RunState) -> Config:
+    """`cfg` as this run measures: its recorded sizing applied (as configured without one)."""
+    z = state.rounds[0].done.get("sizing") if state.rounds else None
+    return sized(cfg, z["scale"]) if z else cfg
+
+
+def _bench_counts(cfg: Config, r: int) -> list[int]:
+    return [bench_requests(cfg, i) for i in range(r, cfg.stop.max_rounds)]
 
 
 def plan_record(
@@ -68,6 +155,8 @@ def plan_record(
     rec = {**p.record(), "start_s": round(clock.elapsed(), 1)}
     if r == 0 and state.rounds[0].is_done("measure"):
         rec["measured"] = state.rounds[0].done["measure"]
+    if r == 0 and state.rounds[0].is_done("sizing"):
+        rec["sizing"] = state.rounds[0].done["sizing"]
     detail.info("round %d plan (s): %s", r, rec)
     tracker.log(child, {f"plan/{k}": v for k, v in rec.items() if k != "round"})
     return rec
@@ -81,7 +170,7 @@ def round_plan(cfg: Config, state: RunState, r: int, remaining_s: float):
         cfg.stop.max_rounds,
         remaining_s,
         rates(cfg, state, r),
-        [bench_requests(cfg, i) for i in range(r, cfg.stop.max_rounds)],
+        _bench_counts(cfg, r),
         cfg.serve.simulate_users,
         first_round_trains=not first_round_skips(cfg),
     )

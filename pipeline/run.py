@@ -99,6 +99,9 @@ def _run(cfg: Config, run_dir: Path) -> dict | None:
 
     # inside `ray job submit` the job's runtime_env (see job_runtime_env) applies; a local Ray
     # started here gets the secrets through this process's environment, which it inherits
+    from pipeline.console import regime_line
+
+    log.info(regime_line(cfg))  # first: what every speed below depends on
     runtime_env, secrets = split_secrets(cfg.runtime_env)
     if not os.environ.get("RAY_ADDRESS"):
         os.environ.update(secrets)

@@ -244,3 +244,58 @@ def test_the_loop_refuses_a_round_the_disk_cannot_hold_before_it_generates(tiny_
     state = json.loads((tmp_path / "run" / "state.json").read_text())
     assert set(state["rounds"][0]["done"]) == set()
     assert not (tmp_path / "run" / "data" / "round-000").exists()
+
+
+# ---- the measuring work sized to the machine (pipeline/round_plan.py size_work) ----------------
+
+
+def _demo_state(s_per_token: float):
+    """The demo's config and a run state holding a start-up measurement of `s_per_token` a
+    plain decode step (the drafter serving 1.25x it)."""
+    from pipeline.config import load_config
+    from pipeline.state import RunState
+
+    cfg = load_config("configs/smollm2-cpu.yaml")
+    state = RunState(config_digest=cfg.digest())
+    state.round(0).done["measure"] = _measured(s_per_token).record()
+    return cfg, state
+
+
+def test_a_slow_measurement_sizes_the_measuring_work_down_instead_of_refusing():
+    """On a CPU without bf16 (SmolLM2 at about 4 tok/s) the demo's benchmarks and users alone
+    took more than its budget, and it refused to start. Sized down, the same measurement plans
+    both rounds, and a fast machine keeps the work as configured."""
+    from pipeline.round_plan import round_plan, size_work, sized
+
+    cfg, slow = _demo_state(0.25)
+    budget = cfg.stop.max_wall_minutes * 60 - 20.0
+    with pytest.raises(BudgetError):  # as configured, it does not fit
+        round_plan(cfg, slow, 0, budget)
+    z = size_work(cfg, slow, budget)
+    assert z.scale < 1.0 and z.work_share > 0
+    small = sized(cfg, z.scale)
+    assert (small.bench.max_tokens, small.serve.simulate_users) == (
+        z.bench_tokens,
+        z.simulate_users,
+    )
+    assert small.bench.max_tokens < cfg.bench.max_tokens and small.bench.num_prompts == 12
+    assert 2 in small.bench.shape_chains and len(small.bench.shape_chains) < 5
+    p0 = round_plan(small, slow, 0, budget)  # both rounds plan
+    assert p0.bench_s + p0.traffic_s < budget
+    cfg, fast = _demo_state(0.06)  # bf16 on 2 cores: 16 tok/s
+    z = size_work(cfg, fast, budget)
+    assert z.scale == 1.0 and z.bench_tokens == cfg.bench.max_tokens and z.simulate_users == 12
+
+
+def test_a_machine_too_slow_for_the_smallest_work_is_refused_with_the_minutes_that_fit():
+    from pipeline.round_plan import size_work
+
+    cfg, crawl = _demo_state(2.0)
+    with pytest.raises(BudgetError) as e:
+        size_work(cfg, crawl, cfg.stop.max_wall_minutes * 60 - 20.0)
+    msg = str(e.value)
+    assert "stop.max_wall_minutes: " in msg and "even at the smallest measuring work" in msg
+    minutes = int(msg.rsplit("stop.max_wall_minutes=", 1)[1])
+    z = size_work(cfg.model_copy(update={"stop": cfg.stop.model_copy(
+        update={"max_wall_minutes": float(minutes)})}), crawl, minutes * 60 - 20.0)  # fmt: skip
+    assert z.work_share >= 0.4  # the minutes it names fit, with room to train

@@ -8,7 +8,19 @@ import json
 
 import pytest
 
-from pipeline.results_docs import BEGIN, END, PAGE, README, load, readme_table, render, with_table
+from pipeline.results_docs import (
+    BEGIN,
+    DEMO_BEGIN,
+    DEMO_END,
+    END,
+    PAGE,
+    README,
+    demo_block,
+    load,
+    readme_page,
+    render,
+    with_table,
+)
 
 pytestmark = pytest.mark.ray_free
 
@@ -19,12 +31,25 @@ def test_the_benchmarks_page_is_current():
     )
 
 
-def test_the_readme_results_table_is_current():
+def test_the_readme_results_table_and_demo_output_are_current():
     readme = README.read_text()
     assert readme.count(BEGIN) == 1 and readme.count(END) == 1
-    assert readme == with_table(readme, readme_table(load())), (
-        "README.md's results table is stale: run `python -m pipeline.results_docs` and commit it"
+    assert readme.count(DEMO_BEGIN) == 1 and readme.count(DEMO_END) == 1
+    assert readme == readme_page(readme, load()), (
+        "README.md's generated blocks are stale: run `python -m pipeline.results_docs` and commit it"
     )
+
+
+def test_the_readme_shows_the_demo_as_the_newest_record_printed_it():
+    """The demo's table in the README is a record's `console` (what the run printed), never a
+    table typed in: a record with other figures changes the README."""
+    records = load()
+    newest = next(r for r in records if r.get("console") and r["status"] == "current")
+    block = demo_block(records)
+    assert all(line in block for line in newest["console"]) and newest["commit"] in block
+    changed = [{**newest, "console": [*newest["console"][:-1], "round 9 was never run"]}]
+    assert "round 9 was never run" in demo_block(changed + records)
+    assert with_table(README.read_text(), block, DEMO_BEGIN, DEMO_END) == README.read_text()
 
 
 def test_every_record_says_where_when_what_and_how():

@@ -194,3 +194,22 @@ def test_the_curve_puts_each_rounds_accept_len_against_its_data_and_the_minutes_
     png = curve_plot(gpu, tmp_path / "c.png", {"scratch": {"train_tokens": 6000, "minutes": 9.0,
                                                            "accept_len": 2.5}})  # fmt: skip
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_off_policy_climb_stops_on_the_bases_own_held_out_figure():
+    """configs/smollm2-1gpu-climb-offpolicy.yaml starts from the drafter that does not fit and
+    stops when it accepts what the on-policy base does on the same benchmark (its record)."""
+    import json
+    from pathlib import Path
+
+    from pipeline.config import load_config
+
+    root = Path(__file__).resolve().parent.parent
+    cfg = load_config(root / "configs" / "smollm2-1gpu-climb-offpolicy.yaml")
+    base = json.loads((root / "benchmarks/results/2026-12-02-h200-base-rebuild.json").read_text())
+    assert cfg.drafter.init == "drafters/smollm2-135m-offpolicy"
+    assert cfg.stop.accept_len == base["rounds"][0]["accept_len"]
+    assert (cfg.bench.num_prompts, cfg.bench.max_tokens) == (48, 256)  # the base's benchmark
+    assert cfg.train.data_rounds is None and cfg.train.patience is None
+    assert stop_reason(cfg.stop, rows(2.167, 2.4), BENCH, 0) is None
+    assert stop_reason(cfg.stop, rows(2.167, 2.4, 2.66), BENCH, 0).startswith("target: accept_len")

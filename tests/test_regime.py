@@ -1,0 +1,41 @@
+"""The CPU regime (eagle3/train_step.py cpu_regime): bf16 where the CPU's flags say its matmuls
+are native, fp32 elsewhere, and the switch that runs a bf16 CPU as an fp32 one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3.train_step import CPU_BF16_ENV, compute_dtype, cpu_flags, cpu_regime, target_dtype
+
+pytestmark = pytest.mark.ray_free
+
+ZEN4 = frozenset({"avx2", "avx512f", "avx512_bf16"})
+SAPPHIRE_RAPIDS = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+SKYLAKE = frozenset({"avx2", "avx512f", "fma"})
+
+
+@pytest.mark.parametrize(
+    ("flags", "regime"), [(ZEN4, "bf16"), (SAPPHIRE_RAPIDS, "bf16"), (SKYLAKE, "fp32")]
+)
+def test_the_regime_follows_the_cpus_flags(flags, regime, monkeypatch):
+    monkeypatch.delenv(CPU_BF16_ENV, raising=False)
+    name, why = cpu_regime(flags)
+    assert name == regime
+    assert ("native bf16 matmuls" if regime == "bf16" else "bf16 would be emulated") in why
+
+
+def test_auto_dtypes_follow_this_machines_flags(monkeypatch):
+    monkeypatch.delenv(CPU_BF16_ENV, raising=False)
+    native = bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+    want = torch.bfloat16 if native else torch.float32
+    assert target_dtype("auto", "cpu") == want
+    assert compute_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if native else None)
+
+
+def test_the_switch_runs_a_bf16_cpu_in_the_fp32_regime(monkeypatch):
+    monkeypatch.setenv(CPU_BF16_ENV, "0")
+    assert cpu_regime(SAPPHIRE_RAPIDS)[0] == "fp32"
+    assert target_dtype("auto", "cpu") == torch.float32
+    assert compute_dtype("auto", torch.device("cpu")) is None
+    assert target_dtype("auto", "cuda") == torch.bfloat16  # a GPU is not a CPU regime
