@@ -107,6 +107,12 @@ def _engine(argv: list[str]) -> str | None:
     return ap.parse_known_args(argv)[0].engine
 
 
+def _pack(argv: list[str]) -> int:
+    from pipeline.pack import main
+
+    return main(argv, prog=f"{PROG} pack")
+
+
 def _ui(argv: list[str]) -> int:
     """The MLflow UI of a run directory (what `make ui` runs)."""
     ap = argparse.ArgumentParser(
@@ -149,6 +155,7 @@ COMMANDS: dict[str, Command] = {
     "runtime-env": Command("the runtime env to `ray job submit` a run with", _env("runtime-env")),
     "node-env": Command("shell exports of a config's secrets, for the nodes", _env("node-env")),
     "ui": Command("the MLflow UI of a run directory", _ui),
+    "pack": Command("what a run directory carries to another machine, as one tar", _pack),
 }
 
 

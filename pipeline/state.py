@@ -69,6 +69,7 @@ class RunState:
     stopped_because: str | None = None
     champion: dict[str, Any] | None = None
     tracking_uri: str | None = None  # the MLflow store the run ids below live in (saved masked)
+    run_dir: str | None = None  # where it was saved: a run directory copied elsewhere re-roots
 
     def run_ids(self) -> dict[str, str | None]:
         """Every MLflow run id this state names: "parent", "round-N"."""
@@ -89,6 +90,12 @@ class RunState:
                 f"{path}: this run directory was made with another config (digest "
                 f"{raw['config_digest']} != {digest}); use a new --run-dir or restore the config"
             )
+        here = str(Path(run_dir).resolve())
+        if (was := raw.get("run_dir")) and was != here:
+            # copied or moved (another machine, another mount): every path it names under its old
+            # folder is the same file under this one
+            raw = _rerooted(raw, was, here)
+            log.warning("%s: the run directory moved from %s; its paths now point here", path, was)
         rounds = [RoundState(**r) for r in raw.pop("rounds")]
         return cls(**raw, rounds=rounds)
 
@@ -96,6 +103,7 @@ class RunState:
         """state.json and its copy; a `user:password@` in the tracking URI is masked here, where
         the file is written, whoever set the field."""
         path = RunDir(run_dir).state
+        self.run_dir = str(Path(run_dir).resolve())
         data = {**asdict(self), "tracking_uri": redact(self.tracking_uri)}
         write_json_atomic(_backup(path), data)  # first: state.json is never the only copy
         write_json_atomic(path, data)
@@ -104,6 +112,18 @@ class RunState:
         while len(self.rounds) <= i:
             self.rounds.append(RoundState(index=len(self.rounds)))
         return self.rounds[i]
+
+
+def _rerooted(obj: Any, old: str, new: str) -> Any:
+    """`obj` (state.json's JSON) with every string naming a path under `old` naming it under
+    `new`: the records' paths, and a sqlite tracking URI inside the run directory."""
+    if isinstance(obj, dict):
+        return {k: _rerooted(v, old, new) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_rerooted(v, old, new) for v in obj]
+    if isinstance(obj, str) and (obj == old or old + "/" in obj):
+        return obj.replace(old + "/", new + "/") if obj != old else new
+    return obj
 
 
 def _backup(path: Path) -> Path:

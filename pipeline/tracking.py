@@ -8,6 +8,7 @@ what `mlflow.start_run(parent_run_id=...)` sets.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from pathlib import Path
@@ -18,6 +19,8 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.config import TrackingConfig
 from pipeline.redact import redact
+
+log = logging.getLogger("eagle_loop")
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -104,6 +107,31 @@ def _artifact_root(uri: str) -> str | None:
     return (Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts").as_uri()
 
 
+def rehome_artifacts(uri: str) -> str | None:
+    """A run directory's own sqlite store, copied with it to another folder, still names its
+    artifacts by absolute file URIs under the old folder (MLflow keeps them so): point them at
+    the `mlartifacts` beside the database, where the copy put them, so the runs of later rounds
+    log there too. Returns the old artifact root when it moved, else None."""
+    import sqlite3
+
+    new = _artifact_root(uri)
+    db = Path(uri.removeprefix("sqlite:///"))
+    if new is None or not db.is_file():
+        return None
+    with sqlite3.connect(db) as c:
+        if not c.execute("select 1 from sqlite_master where name = 'experiments'").fetchone():
+            return None  # a new store: MLflow creates its tables
+        locs = [x for (x,) in c.execute("select artifact_location from experiments") if x]
+        old = next((x for x in locs if x.endswith("/mlartifacts") and x != new), None)
+        if old is None:
+            return None
+        for table, column in (("experiments", "artifact_location"), ("runs", "artifact_uri"),
+                              ("model_versions", "source"), ("model_versions", "storage_location")):  # fmt: skip
+            if column in {r[1] for r in c.execute(f"pragma table_info({table})")}:
+                c.execute(f"update {table} set {column} = replace({column}, ?, ?)", (old, new))
+    return old
+
+
 # The experiment's kind: model training ("custom_model_development"), not GenAI, where this
 # project logs nothing. A kind someone set by hand is left alone. MLflow 3.17's UI still opens
 # every experiment in its GenAI view (traces, an assistant panel) unless the address asks for
@@ -124,6 +152,9 @@ class Tracker:
     def __init__(self, cfg: TrackingConfig, run_dir: str | Path | None = None):
         self.cfg = cfg
         self.uri = store_uri(cfg, run_dir)
+        if not cfg.tracking_uri and (old := rehome_artifacts(self.uri)):
+            log.warning("%s: its artifacts were under %s (the run directory moved); now beside it",
+                        self.uri, old)  # fmt: skip
         self.client = _Guarded(MlflowClient(tracking_uri=self.uri), self.uri)
         exp = self.client.get_experiment_by_name(cfg.experiment)
         self.experiment_id = (

@@ -5,6 +5,7 @@ says what to do, never a silent new parent (real MLflow on sqlite, the real driv
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +116,64 @@ def test_a_tracking_server_down_past_the_retries_stops_with_a_message(tmp_path, 
     # (a new run directory or state.json moved aside) would start duplicate MLflow runs
     with pytest.raises(TrackingUnavailable):
         tracker.check_known({"parent": run}, "state.json", None)
+
+
+def test_a_run_directory_copied_to_another_machine_keeps_its_paths_and_its_store(
+    tiny_target, tmp_path
+):
+    """A climb moves between machines as its run directory: packed (`eagle-loop pack`: without
+    a finished round's checkpoints), unpacked in another folder, the old one gone, state.json's
+    paths and the sqlite store's artifact folder follow the copy, and the next round's runs log
+    beside it (before: every path, and every artifact of a new run, still named the old
+    folder)."""
+    import shutil
+    import tarfile
+
+    from pipeline.pack import main as pack_main
+    from pipeline.pack import plan_pack
+    from pipeline.tracking import Tracker
+
+    cfg = parse_config({"name": "mv", "target": {"model": str(tiny_target)}})
+    old = (tmp_path / "gpu-a" / "run").resolve()
+    old.mkdir(parents=True)
+    tracker = Tracker(cfg.tracking, old)
+    parent = tracker.start_run("mv")
+    report = old / "bench" / "round-000" / "round-000.json"
+    report.parent.mkdir(parents=True)
+    report.write_text("{}")
+    tracker.log_artifact(parent, report)
+    state = RunState(config_digest=cfg.digest(), parent_run_id=parent, tracking_uri=tracker.uri)
+    state.round(0).done.update(
+        bench={"json": str(report)}, train={"drafter_dir": str(old / "train/round-000/drafter")}
+    )
+    state.save(old)
+    (old / "train/round-000/drafter").mkdir(parents=True)
+    (old / "train/round-000/drafter/model.safetensors").write_bytes(b"d" * 100)
+    (old / "train/round-000/ray/ckpt").mkdir(parents=True)  # a finished round's checkpoint
+    (old / "train/round-000/ray/ckpt/train_state.pt").write_bytes(b"c" * 5000)
+    carry, parts, left = plan_pack(old)
+    assert Path("train/round-000/drafter/model.safetensors") in carry
+    assert not any("ray" in p.parts for p in carry) and sum(left.values()) == 5000
+    assert {"state, summary, config", "mlflow.db", "mlartifacts", "bench", "train"} <= set(parts)
+    assert pack_main(["--run-dir", str(old), "--out", str(tmp_path / "run.tar")]) == 0
+    shutil.rmtree(tmp_path / "gpu-a")  # the first machine is gone
+    with tarfile.open(tmp_path / "run.tar") as tar:
+        tar.extractall(tmp_path / "gpu-b", filter="data")
+    new = (tmp_path / "gpu-b" / "run").resolve()
+
+    moved = RunState.load_or_new(new, cfg.digest())
+    assert moved.rounds[0].done["bench"]["json"] == str(new / "bench/round-000/round-000.json")
+    assert moved.rounds[0].drafter_dir == str(new / "train/round-000/drafter")
+    assert moved.tracking_uri == f"sqlite:///{new}/mlflow.db"
+    here = Tracker(cfg.tracking, new)
+    here.check_known(moved.run_ids(), "state.json", moved.tracking_uri)  # the copy has the runs
+    child = here.start_run("round-1", parent)
+    here.log_artifact(child, new / "bench" / "round-000" / "round-000.json")
+    client = MlflowClient(here.uri)
+    for run_id in (parent, child):
+        uri = client.get_run(run_id).info.artifact_uri
+        assert uri.startswith((new / "mlartifacts").as_uri()), uri
+    got = client.download_artifacts(parent, "round-000.json", str(tmp_path))
+    assert Path(got).read_text() == "{}" and not (tmp_path / "gpu-a").exists()
+    moved.save(new)
+    assert json.loads((new / "state.json").read_text())["run_dir"] == str(new)
