@@ -103,11 +103,9 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
             size_once(cfg, state, clock)  # the measuring work this machine affords, or refused
             log.info(sizing_line(state.round(0).done["sizing"]))
             _commit(state, clock, run_dir)
-        if (
-            sized := sized_config(cfg, state)
-        ) is not cfg:  # a resumed run: the sizing it began with
-            if sized.data.gate_prompts != cfg.data.gate_prompts:
-                plan = _prompts(sized)  # the held-out and users' splits come first: unchanged
+        if (sized := sized_config(cfg, state)) is not cfg:  # as measured (a resume: as it began)
+            # a gate set cut down is re-carved; the held-out and users' splits come first
+            plan = plan if sized.data.gate_prompts == cfg.data.gate_prompts else _prompts(sized)
             cfg = sized
         for r in range(cfg.stop.max_rounds):
             rs = state.round(r)

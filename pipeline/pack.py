@@ -50,7 +50,11 @@ def plan_pack(run_dir: Path) -> tuple[list[Path], dict[str, int], dict[str, int]
                 left["finished rounds' training checkpoints and copies"] += n
                 continue
         carry.append(rel)
-        parts[rel.parts[0] if len(rel.parts) > 1 else "state, summary, config"] += n
+        parts[
+            rel.parts[0]
+            if len(rel.parts) > 1
+            else "top level: state, summary, config, MLflow store"
+        ] += n
     return carry, dict(parts), dict(left)
 
 

@@ -97,11 +97,11 @@ def readme_table(records: list[dict]) -> str:
 
 
 def demo_block(records: list[dict]) -> str:
-    """What `make demo` printed in the newest current record that kept its console (a record
-    `scripts/demo_record.py` wrote from the runs): the README shows it as the run printed it."""
-    r = next((r for r in records if r.get("console") and r["status"] == "current"), None)
+    """What `make demo` printed, from the newest current record marked `readme_demo` (written
+    by `scripts/demo_record.py --readme` from the runs): the README shows it as it was printed."""
+    r = next((r for r in records if r.get("readme_demo") and r["status"] == "current"), None)
     if r is None:
-        raise ValueError("no current record with `console`: run scripts/demo_record.py")
+        raise ValueError("no current record with readme_demo: run scripts/demo_record.py --readme")
     head = (f"On {r['hardware']}, {r['date']}, commit `{r['commit']}`: `{r['command']}` took "
             f"{r['wall_s']} s and printed (first of {len(r.get('runs') or [r])} runs in "
             f"docs/benchmarks.md):")  # fmt: skip

@@ -71,6 +71,7 @@ def main() -> None:
     ap.add_argument("--command", default="make demo")
     ap.add_argument("--note", default=None, help="how the runs differ from a plain `make demo`")
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--readme", action="store_true", help="the record the README's demo shows")
     a = ap.parse_args()
     runs = [one_run(Path(d), Path(log)) for d, log in a.run]
     first = runs[0]
@@ -105,6 +106,8 @@ def main() -> None:
     }  # fmt: skip
     if a.note:
         rec["note"] = a.note
+    if a.readme:
+        rec["readme_demo"] = True
     a.out.write_text(json.dumps(rec, indent=2) + "\n")
     print(a.out)
 
