@@ -171,20 +171,6 @@ def plan_round(
     )  # fmt: skip
 
 
-def work_share(
-    r: int,
-    rounds: int,
-    remaining_s: float,
-    rates: Rates,
-    bench_requests: Sequence[int],
-    traffic_requests: int,
-) -> float:
-    """The share of `remaining_s` that rounds r.. leave to data and training (plan_round's
-    `free`), after their benchmarks and simulated users."""
-    bench, users = _measuring(r, rounds, rates, bench_requests, traffic_requests)
-    return max(0.0, remaining_s - sum(bench) - sum(users)) / max(remaining_s, 1e-9)
-
-
 def measuring_s(
     r: int, rounds: int, rates: Rates, bench_requests: Sequence[int], traffic_requests: int
 ) -> float:

@@ -23,7 +23,6 @@ from pipeline.budget import (
     measuring_s,
     plan_disk,
     plan_round,
-    work_share,
 )
 from pipeline.config import Config
 from pipeline.console import detail
@@ -92,8 +91,9 @@ def size_work(cfg: Config, state: RunState, remaining_s: float) -> Sizing:
         except BudgetError as e:
             refusal = e
             continue
-        share = work_share(0, c.stop.max_rounds, remaining_s, rates(c, state, 0),
-                           _bench_counts(c, 0), c.serve.simulate_users)  # fmt: skip
+        measuring = measuring_s(0, c.stop.max_rounds, rates(c, state, 0), _bench_counts(c, 0),
+                                c.serve.simulate_users)  # fmt: skip
+        share = max(0.0, remaining_s - measuring) / max(remaining_s, 1e-9)  # data and training's
         b = c.bench
         fits.append(Sizing(scale, b.max_tokens, list(b.shape_chains), c.serve.simulate_users,
                            c.data.gate_prompts, share))  # fmt: skip
