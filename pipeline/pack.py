@@ -23,8 +23,10 @@ from collections import defaultdict
 from pathlib import Path
 
 from pipeline.budget import size
+from pipeline.layout import RunDir
 
-FINISHED_TRAIN_LEAVES = ("ray", "init", "best")  # in train/round-NNN/ once its train is done
+# in train/round-NNN/ once its train is done: Ray Train's storage, the starting copy, the best state
+FINISHED_TRAIN_LEAVES = ("ray", "init", "best")
 
 
 def plan_pack(run_dir: Path) -> tuple[list[Path], dict[str, int], dict[str, int]]:
@@ -32,10 +34,11 @@ def plan_pack(run_dir: Path) -> tuple[list[Path], dict[str, int], dict[str, int]
     state = json.loads((run_dir / "state.json").read_text())
     trained = {f"round-{r['index']:03d}" for r in state["rounds"] if "train" in r["done"]}
     online = {m.parent for m in run_dir.glob("data/*/manifest.json") if _ids_only(m)}
+    lock = RunDir(run_dir).lock.relative_to(run_dir)
     carry, parts, left = [], defaultdict(int), defaultdict(int)
     for f in sorted(p for p in run_dir.rglob("*") if p.is_file()):
         rel, n = f.relative_to(run_dir), f.stat().st_size
-        if rel.name in ("driver.lock", "state.json.lock"):
+        if rel == lock:
             continue
         if (
             rel.parts[0] == "data"
@@ -45,16 +48,13 @@ def plan_pack(run_dir: Path) -> tuple[list[Path], dict[str, int], dict[str, int]
         ):
             left["captured states (remade when a later round trains on them)"] += n
             continue
-        if rel.parts[0] == "train" and len(rel.parts) > 2 and rel.parts[1] in trained:
-            if rel.parts[2] in FINISHED_TRAIN_LEAVES:
-                left["finished rounds' training checkpoints and copies"] += n
-                continue
+        train = rel.parts[0] == "train" and len(rel.parts) > 2 and rel.parts[1] in trained
+        if train and rel.parts[2] in FINISHED_TRAIN_LEAVES:
+            left["finished rounds' training checkpoints and copies"] += n
+            continue
         carry.append(rel)
-        parts[
-            rel.parts[0]
-            if len(rel.parts) > 1
-            else "top level: state, summary, config, MLflow store"
-        ] += n
+        part = rel.parts[0] if len(rel.parts) > 1 else "top level: state, summary, config, MLflow store"  # fmt: skip
+        parts[part] += n
     return carry, dict(parts), dict(left)
 
 

@@ -6,6 +6,7 @@ pipeline/measure.py's."""
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -101,18 +102,16 @@ def size_work(cfg: Config, state: RunState, remaining_s: float) -> Sizing:
             return fits[-1]
     if fits:
         return max(fits, key=lambda z: z.work_share)
-    small = sized(cfg, SCALES[-1])
-    need = measuring_s(0, small.stop.max_rounds, rates(small, state, 0),
-                       _bench_counts(small, 0), small.serve.simulate_users)  # fmt: skip
-    spent = small.stop.max_wall_minutes * 60 - remaining_s
-    minutes = -(
-        -(spent + need / (1 - WORK_SHARE)) // 60
-    )  # what leaves data and training their share
+    # c is the smallest size here: the minutes at which it leaves data and training their share
+    need = measuring_s(0, c.stop.max_rounds, rates(c, state, 0), _bench_counts(c, 0),
+                       c.serve.simulate_users)  # fmt: skip
+    spent = c.stop.max_wall_minutes * 60 - remaining_s
+    minutes = math.ceil((spent + need / (1 - WORK_SHARE)) / 60)
     raise BudgetError(
         f"{refusal}; even at the smallest measuring work ({SCALES[-1]:.0%}: "
-        f"{small.bench.max_tokens} benchmark tokens a request, shape chains "
-        f"{small.bench.shape_chains}, {small.serve.simulate_users} simulated users) they take "
-        f"{need:.0f} s: on this machine set stop.max_wall_minutes={minutes:.0f}"
+        f"{c.bench.max_tokens} benchmark tokens a request, shape chains "
+        f"{c.bench.shape_chains}, {c.serve.simulate_users} simulated users) they take "
+        f"{need:.0f} s: on this machine set stop.max_wall_minutes={minutes}"
     )
 
 
