@@ -545,7 +545,13 @@ def cpu_flags() -> frozenset[str]:
 def cpu_regime(flags: frozenset[str] | None = None) -> tuple[str, str]:
     """("bf16" or "fp32", why) for a CPU with `flags` (this one's by default): the regime the
     target decodes and the drafter trains in when `target.dtype` / `train.precision` are auto."""
-    if os.environ.get(CPU_BF16_ENV) == "0":
+    switch = os.environ.get(CPU_BF16_ENV, "")
+    if switch not in ("", "0", "1"):
+        raise ValueError(
+            f"{CPU_BF16_ENV}={switch!r}: set 0 to run this CPU in the fp32 regime, or 1 (or leave "
+            "it unset) to let its flags decide"
+        )
+    if switch == "0":
         return "fp32", f"{CPU_BF16_ENV}=0 turns this CPU's native bf16 off"
     if flags is None:
         flags = cpu_flags()

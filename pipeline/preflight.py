@@ -52,11 +52,23 @@ def path_problem(field: str, value: str) -> str | None:
 def preflight(cfg: Config) -> None:
     """Raise PreflightError naming every problem; return quietly when the run can start."""
     problems = _target_problems(cfg) + _drafter_problems(cfg) + _prompt_problems(cfg)
+    problems += _regime_problems()
     if problems:
         raise PreflightError(
             f"preflight: {len(problems)} problem(s), nothing was started:\n  "
             + "\n  ".join(problems)
         )
+
+
+def _regime_problems() -> list[str]:
+    """The CPU regime's switch (EAGLE_LOOP_CPU_BF16) holds a value it knows."""
+    from eagle3.train_step import cpu_regime
+
+    try:
+        cpu_regime()
+    except ValueError as e:
+        return [str(e)]
+    return []
 
 
 def _target_problems(cfg: Config) -> list[str]:

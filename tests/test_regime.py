@@ -39,3 +39,22 @@ def test_the_switch_runs_a_bf16_cpu_in_the_fp32_regime(monkeypatch):
     assert target_dtype("auto", "cpu") == torch.float32
     assert compute_dtype("auto", torch.device("cpu")) is None
     assert target_dtype("auto", "cuda") == torch.bfloat16  # a GPU is not a CPU regime
+
+
+@pytest.mark.parametrize("value", ["off", "false", "no"])
+def test_a_switch_value_it_does_not_know_is_refused_naming_the_variable(value, monkeypatch):
+    """`EAGLE_LOOP_CPU_BF16=off` once ran bf16 silently, as if unset."""
+    monkeypatch.setenv(CPU_BF16_ENV, value)
+    with pytest.raises(ValueError, match=f"{CPU_BF16_ENV}='{value}': set 0"):
+        cpu_regime(SAPPHIRE_RAPIDS)
+    monkeypatch.setenv(CPU_BF16_ENV, "1")
+    assert cpu_regime(SAPPHIRE_RAPIDS)[0] == "bf16"
+
+
+def test_preflight_names_a_bad_switch_before_anything_starts(monkeypatch, tiny_target):
+    from pipeline.config import parse_config
+    from pipeline.preflight import PreflightError, preflight
+
+    monkeypatch.setenv(CPU_BF16_ENV, "off")
+    with pytest.raises(PreflightError, match=f"{CPU_BF16_ENV}='off'"):
+        preflight(parse_config({"target": {"model": str(tiny_target)}}))
