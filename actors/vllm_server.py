@@ -107,7 +107,7 @@ def resolve_dtype(dtype: str, device_type: str = "cpu") -> str:
     """`auto` as the rest of the project reads it (bf16 on GPUs and bf16-capable CPUs)."""
     if dtype != "auto":
         return dtype
-    from eagle3.train_step import cpu_has_native_bf16
+    from eagle3.cpu import cpu_has_native_bf16
 
     return "bfloat16" if device_type == "cuda" or cpu_has_native_bf16() else "float32"
 

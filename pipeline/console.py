@@ -228,7 +228,7 @@ def ray_logs_dir() -> str:
 def regime_line(cfg) -> str:
     """Which precision the target decodes and the drafter trains in, and why: on a CPU the
     speed of everything the run does, and so how much of it fits the budget."""
-    from eagle3.train_step import cpu_regime
+    from eagle3.cpu import cpu_regime
 
     if cfg.serve.num_gpus > 0 or cfg.train.use_gpu:
         return "regime: GPU (bf16 where target.dtype and train.precision are auto)"

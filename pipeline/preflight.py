@@ -62,7 +62,7 @@ def preflight(cfg: Config) -> None:
 
 def _regime_problems() -> list[str]:
     """The CPU regime's switch (EAGLE_LOOP_CPU_BF16) holds a value it knows."""
-    from eagle3.train_step import cpu_regime
+    from eagle3.cpu import cpu_regime
 
     try:
         cpu_regime()

@@ -1,4 +1,4 @@
-"""The CPU regime (eagle3/train_step.py cpu_regime): bf16 where the CPU's flags say its matmuls
+"""The CPU regime (eagle3/cpu.py cpu_regime): bf16 where the CPU's flags say its matmuls
 are native, fp32 elsewhere, and the switch that runs a bf16 CPU as an fp32 one."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.train_step import CPU_BF16_ENV, compute_dtype, cpu_flags, cpu_regime, target_dtype
+from eagle3.cpu import CPU_BF16_ENV, cpu_flags, cpu_regime
+from eagle3.train_step import compute_dtype, target_dtype
 
 pytestmark = pytest.mark.ray_free
 

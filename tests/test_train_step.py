@@ -294,7 +294,8 @@ def test_training_state_round_trip_continues_exactly(tmp_path):
 
 
 def test_target_dtype_auto_follows_the_hardware():
-    from eagle3.train_step import cpu_has_native_bf16, target_dtype
+    from eagle3.cpu import cpu_has_native_bf16
+    from eagle3.train_step import target_dtype
 
     want = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     assert target_dtype("auto", "cpu") == want
