@@ -28,6 +28,7 @@ from transformers.cache_utils import DynamicLayer
 
 from actors.batch_decode import BatchDecoder, decoder_problem
 from actors.cluster import reserved_device
+from eagle3.cpu import top1
 from eagle3.fit import (  # noqa: F401  (resolve_aux_layer_ids re-exported: the drafter's rule)
     resolve_aux_layer_ids,
     resolve_capture_layers,
@@ -649,7 +650,7 @@ def _base_model(model: torch.nn.Module) -> torch.nn.Module | None:
 
 def _pick(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> torch.Tensor:
     if temperature <= 0:
-        return logits.argmax(-1)
+        return top1(logits)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 

@@ -33,6 +33,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 BUILT_WITH = ["data.gate_prompts=0"]
+# the demo's split when the off-policy drafter was built: the `real` mix and 256 users' prompts
+# (the demo draws by domain and keeps 24 since; its held-out prompts are the same either way)
+OFFPOLICY_SPLIT = [*BUILT_WITH, "data.source={real: 0.75, traffic: 0.25}", "data.user_prompts=256"]
 
 
 def base_prompts() -> list[Conversation]:
@@ -48,7 +51,7 @@ def base_prompts() -> list[Conversation]:
 def offpolicy_prompts() -> list[Conversation]:
     """The demo's training prompts that carry ShareGPT's reply, which the off-policy drafter
     was trained on."""
-    plan = plan_prompts(load_config(REPO / "configs" / "smollm2-cpu.yaml", BUILT_WITH).data)
+    plan = plan_prompts(load_config(REPO / "configs" / "smollm2-cpu.yaml", OFFPOLICY_SPLIT).data)
     return [c for convs in plan.train.values() for c in convs if prompt_key(c) in plan.replies]
 
 

@@ -57,3 +57,12 @@ def cpu_regime(flags: frozenset[str] | None = None) -> tuple[str, str]:
 def cpu_has_native_bf16() -> bool:
     """Whether the auto regime on this CPU is bf16 (`cpu_regime`)."""
     return cpu_regime()[0] == "bf16"
+
+
+def top1(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)`, computed by `max`: the same index (the first maximum, NaN counting as the
+    maximum), but torch's CPU argmax ran 2.2-3.7x slower than `max` over the rows this project
+    reduces (greedy picks over a 49,152-token vocab, the drafter's 8,192: 44 against 20 ms for
+    [350, 49152] fp32, torch 2.13, one thread), and the data stage, training and the verify
+    pass each reduce such rows every step."""
+    return x.max(-1).indices

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from eagle3.config import Eagle3Config
+from eagle3.cpu import top1
 
 # ----------------------------------------------------------------------------------------------
 # RoPE (plain, llama3, yarn), computed as inv_freq + an attention factor on cos/sin.
@@ -257,7 +258,7 @@ class Eagle3Drafter(nn.Module):
             loss_i = -((tgt * logp).sum(-1) * m).sum() / n.clamp(min=1.0)
             total = total + (step_decay**i) * loss_i
             step_losses.append(loss_i.detach())
-            correct.append(((logp.argmax(-1) == tgt.argmax(-1)).float() * m).sum().detach())
+            correct.append(((top1(logp) == top1(tgt)).float() * m).sum().detach())
             counted.append(n.detach())
         return TTTOutput(
             total, step_losses, torch.stack(correct), torch.stack(counted), all_logits or None

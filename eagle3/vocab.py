@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from eagle3.cpu import top1
+
 
 def build_vocab_map(token_counts: Tensor, draft_vocab_size: int) -> tuple[Tensor, Tensor]:
     """Top-N most frequent target tokens, sorted ascending -> (d2t int64 [N], t2d bool [V]).
@@ -54,6 +56,6 @@ def target_soft_labels(
     probs, inside = [], []
     for s in range(0, final_hidden.shape[0], chunk):
         logits = final_hidden[s : s + chunk].to(lm_head.dtype) @ lm_head.T
-        inside.append(t2d.to(logits.device)[logits.argmax(-1)])
+        inside.append(t2d.to(logits.device)[top1(logits)])
         probs.append(torch.softmax(logits[:, ids].float(), dim=-1))
     return torch.cat(probs), torch.cat(inside)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.cpu import CPU_BF16_ENV, cpu_flags, cpu_regime
+from eagle3.cpu import CPU_BF16_ENV, cpu_flags, cpu_regime, top1
 from eagle3.train_step import compute_dtype, target_dtype
 
 pytestmark = pytest.mark.ray_free
@@ -59,3 +59,19 @@ def test_preflight_names_a_bad_switch_before_anything_starts(monkeypatch, tiny_t
     monkeypatch.setenv(CPU_BF16_ENV, "off")
     with pytest.raises(PreflightError, match=f"{CPU_BF16_ENV}='off'"):
         preflight(parse_config({"target": {"model": str(tiny_target)}}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top1_is_argmax_with_its_ties_and_nans(dtype):
+    """`top1` (max's index, faster on a CPU) picks what argmax picks: the first of tied maxima,
+    and a NaN over any number; rows of the widths the loop reduces, and a batch of rows."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 8192, generator=g).to(dtype)
+    x[1, [7, 300, 8000]] = 50.0  # a three-way tie: the first wins
+    x[2, :] = 1.0  # every entry tied
+    x[3, 4000] = float("nan")
+    x[4, [10, 20]] = float("nan")  # two NaNs: the first
+    assert torch.equal(top1(x), x.argmax(-1))
+    assert top1(x)[1] == 7 and top1(x)[2] == 0 and top1(x)[4] == 10
+    y = torch.randn(2, 3, 49152, generator=g).to(dtype)
+    assert torch.equal(top1(y), y.argmax(-1))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from eagle3.cpu import top1
 from serve.engine.drafting import DraftTree
 
 # ----------------------------------------------------------------------------------------------
@@ -15,7 +16,7 @@ from serve.engine.drafting import DraftTree
 def greedy_accept(drafts: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
     """drafts [B, k], target logits [B, k+1, V] -> (accepted count a [B], bonus token [B]):
     the longest prefix of drafts equal to the target's argmax, then the target's own next token."""
-    top = logits.argmax(-1)  # [B, k+1]
+    top = top1(logits)  # [B, k+1]
     a = (drafts == top[:, :-1]).long().cumprod(1).sum(1)
     return a, top.gather(1, a[:, None]).squeeze(1)
 
@@ -48,7 +49,7 @@ def tree_greedy_accept(
     """Walk each row's tree from the root, always into the child carrying the target's argmax.
     logits [B, M+1, V] over [root, nodes...] -> (accepted count a [B], path node indices [B, steps]
     (1-based, 0-padded), bonus token [B])."""
-    top = logits.argmax(-1).cpu()  # the walk below reads it element by element
+    top = top1(logits).cpu()  # the walk below reads it element by element
     B = top.shape[0]
     a, path = torch.zeros(B, dtype=torch.long), torch.zeros(B, steps, dtype=torch.long)
     bonus = torch.empty(B, dtype=torch.long)
@@ -75,7 +76,7 @@ def tree_greedy_accept_on_device(
     first node (lowest index, as the host walk keeps) that hangs from the current one and
     carries the target's argmax. Same (a, path, bonus), as device tensors; parity:
     tests/test_engine_device_cycle.py."""
-    top = logits.argmax(-1)  # [B, M+1]
+    top = top1(logits)  # [B, M+1]
     B, M = tree.tokens.shape
     dev = top.device
     parent = tree.parents.to(dev) + 1  # node index (root = 0) of each node's parent
@@ -97,5 +98,5 @@ def tree_greedy_accept_on_device(
 def sample_token(logits: Tensor, temperature: float, gen: torch.Generator | None) -> Tensor:
     """[B, V] -> [B]: argmax at temperature 0, else a draw from softmax(logits / T)."""
     if temperature <= 0:
-        return logits.argmax(-1)
+        return top1(logits)
     return torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen).squeeze(-1)

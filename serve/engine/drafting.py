@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from eagle3.cpu import top1
 from eagle3.model import DrafterCache, Eagle3Drafter, rope_cos_sin
 
 # ----------------------------------------------------------------------------------------------
@@ -97,7 +98,7 @@ def pick_draft(
 ) -> tuple[Tensor, Tensor | None]:
     """Draft ids and (when sampling) the draft distribution they were drawn from."""
     if temperature <= 0:
-        return logits.argmax(-1), None
+        return top1(logits), None
     q = torch.softmax(logits.float().cpu() / temperature, -1)  # the generator is a CPU one
     return torch.multinomial(q, 1, generator=gen).squeeze(-1).to(logits.device), q
 
