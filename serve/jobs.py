@@ -7,7 +7,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from serve.engine import Generation, GenParams
@@ -35,16 +35,12 @@ class _Job:
 
     @property
     def key(self) -> tuple:
-        """Requests with equal keys share one engine call (max_tokens may differ)."""
+        """Requests with equal keys share one engine call: every GenParams field but max_tokens
+        (each request keeps its own), so a setting added there can never be batched away."""
         p = self.params
         return (
             self.speculative,
-            p.temperature,
-            p.steps,
-            p.seed,
-            p.ignore_eos,
-            p.topk,
-            p.num_draft_tokens,
+            *(getattr(p, f.name) for f in fields(p) if f.name != "max_tokens"),
         )
 
     seen: int = 0  # tokens the current attempt produced

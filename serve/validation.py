@@ -233,8 +233,16 @@ def check_request(
     elif temperature < MIN_TEMPERATURE:
         temperature = 0.0
     top_p = body.get("top_p")
-    if top_p is not None and (isinstance(top_p, bool) or top_p != 1):
-        problems.append(f"top_p: {top_p!r}; only 1.0 is supported, leave it out")
+    if top_p is None:
+        top_p = 1.0  # OpenAI's default: the whole distribution
+    elif (
+        isinstance(top_p, bool)
+        or not isinstance(top_p, int | float)
+        or not math.isfinite(top_p)
+        or not 0 < top_p <= 1
+    ):
+        problems.append(f"top_p: {top_p!r} must be a number in (0, 1]")
+        top_p = 1.0
     n = body.get("n")
     if n is not None and (not _is_int(n) or n != 1):
         problems.append(f"n: {n!r}; only 1 completion per request is supported")
@@ -278,6 +286,7 @@ def check_request(
     params = GenParams(
         max_tokens=max_tokens,
         temperature=float(temperature),
+        top_p=float(top_p),
         steps=steps,
         seed=seed,
         ignore_eos=ignore_eos,

@@ -445,16 +445,29 @@ def small_drafter(target: LlamaForCausalLM) -> EagleDraft:
     return EagleDraft(model)
 
 
-def exact_probs(target, prompt: list[int], n: int, temperature: float) -> torch.Tensor:
-    """P(t_1..t_n | prompt) for every continuation, shape [V]*n, by enumeration."""
+def exact_probs(
+    target, prompt: list[int], n: int, temperature: float, top_p: float = 1.0
+) -> torch.Tensor:
+    """P(t_1..t_n | prompt) for every continuation, shape [V]*n, by enumeration; with `top_p`,
+    each step's law cut to its nucleus, token by token in plain Python (not the engine's code)."""
     joint = torch.ones(())
     with torch.inference_mode():
         for i in range(n):
             conts = list(itertools.product(range(V), repeat=i))
             seqs = torch.tensor([prompt + list(c) for c in conts])
             logits = target(seqs).logits[:, -1].double()
-            step = torch.softmax(logits / temperature, -1).reshape(*([V] * i), V)
-            joint = joint[..., None] * step
+            step = torch.softmax(logits / temperature, -1)
+            for row in step:  # keep the likeliest tokens until their mass reaches top_p
+                kept, mass = [], 0.0
+                for tok in sorted(range(V), key=lambda t: -float(row[t])):
+                    if mass >= top_p:
+                        break
+                    kept.append(tok)
+                    mass += float(row[tok])
+                cut = torch.zeros_like(row)
+                cut[kept] = row[kept] / row[kept].sum()
+                row.copy_(cut)
+            joint = joint[..., None] * step.reshape(*([V] * i), V)
     return joint
 
 
@@ -511,6 +524,33 @@ def test_rejection_sampling_preserves_the_target_distribution():
     for t1, d1 in zip(samples[:, 0].tolist(), drafter.first[:, 0].tolist(), strict=True):
         counts[t1, d1] += 1
     assert chi2_pvalue(counts, probs.sum(dim=(2, 3, 4))) < 1e-6
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_rejection_sampling_with_top_p_gives_the_targets_nucleus_law(bias, monkeypatch):
+    """top_p < 1: the emitted tokens follow the target's nucleus law (exact, by enumeration),
+    with the drafter still drafting from its whole law (drafts outside the nucleus are always
+    rejected). Planted bias: a verify cycle that accepts against the uncut law fails it."""
+    import serve.engine.loop as loop
+
+    if bias:  # the cycle's acceptance ignores top_p; the prefill's draw still honours it
+        real = loop.rejection_accept
+        monkeypatch.setattr(loop, "rejection_accept", lambda d, q, lg, t, g, top_p=1.0: real(d, q, lg, t, g))  # fmt: skip
+    target = small_target()
+    engine = SpecEngine(target, small_drafter(target), steps=2, stop_ids=set())
+    prompt, T, P, n, rows = [1, 5, 2, 6], 0.8, 0.7, 3, 12000
+    out = engine.generate([prompt] * rows, GenParams(max_tokens=n, temperature=T, top_p=P, seed=5))
+    samples = torch.tensor([g.token_ids for g in out])
+    probs = exact_probs(target, prompt, n, T, P)
+    assert (probs == 0).any()  # the nucleus leaves tokens out: the cut is exercised
+    counts = torch.zeros(V, V, V)
+    for row in samples.tolist():
+        counts[tuple(row)] += 1
+    outside = int(counts[probs == 0].sum())  # continuations the nucleus never emits
+    if bias:
+        assert outside > 100, outside
+    else:
+        assert outside == 0 and chi2_pvalue(counts, probs) > 1e-3
 
 
 def test_sampling_is_reproducible_with_a_seed(target, prompts):

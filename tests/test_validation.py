@@ -4,6 +4,8 @@ alone, and the requests batched with it get exactly their sequential greedy outp
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 for _dep in ("fastapi", "ray"):  # bare GPU host (torch only): skip
@@ -55,6 +57,9 @@ def test_valid_requests_are_settled():
     roomy = Limits(1000, 4096, 3, 1, None)
     assert check({"prompt": "abc"}, limits=roomy).params.max_tokens == 256  # or the default
     assert check({"prompt": ["abc"]}).prompt == [1, 2, 3]  # a batch of one
+    assert check({"prompt": [1]}).params.top_p == 1.0  # absent: OpenAI's default
+    assert check({"prompt": [1], "top_p": 0.9, "temperature": 0.7}).params.top_p == 0.9
+    assert check({"prompt": [1], "top_p": 1}).params.top_p == 1.0
 
 
 @pytest.mark.parametrize(
@@ -76,7 +81,10 @@ def test_valid_requests_are_settled():
         ({"prompt": [1], "ignore_eos": 1}, "ignore_eos: 1"),
         ({"prompt": [1], "stream": "yes"}, "stream: 'yes'"),
         ({"prompt": [1], "stream_options": []}, "stream_options"),
-        ({"prompt": [1], "top_p": 0.5}, "top_p"),
+        ({"prompt": [1], "top_p": 0}, "top_p: 0 must be a number in (0, 1]"),
+        ({"prompt": [1], "top_p": 1.5}, "top_p: 1.5"),
+        ({"prompt": [1], "top_p": "0.9"}, "top_p: '0.9'"),
+        ({"prompt": [1], "top_p": True}, "top_p: True"),
         ({"prompt": [1], "n": 2}, "n: 2"),
         ({"prompt": [1], "stop": ["\n"]}, "stop"),
         ({"prompt": [1], "topk": 2, "num_draft_tokens": 40}, "num_draft_tokens=40"),
@@ -104,7 +112,7 @@ def test_chat_fields_and_all_problems_at_once():
     assert "messages[0].content" in problem({"messages": bad_utf8}, chat=True)
     extra = [{"role": "user", "content": "hi", "tool_calls": [{"x": "y" * 99}]}]
     assert "messages[0]: unsupported key(s) ['tool_calls']" in problem({"messages": extra}, chat=True)  # fmt: skip
-    msg = problem({"prompt": [1], "max_tokens": 0, "steps": 0, "top_p": 0.3})
+    msg = problem({"prompt": [1], "max_tokens": 0, "steps": 0, "top_p": -0.3})
     assert all(f in msg for f in ("max_tokens", "steps", "top_p"))
 
 
@@ -381,3 +389,16 @@ def test_a_request_nobody_waits_for_is_never_started(tiny_target):
     assert [g.stats.finish_reason for g in out] == ["cancelled", "cancelled", "length"]
     assert out[0].token_ids == out[1].token_ids == [] and len(out[2].token_ids) == 30
     assert srv.counts == {"cancelled": 2, "completion_tokens": 30}
+
+
+def test_requests_share_an_engine_call_only_when_every_setting_but_max_tokens_agrees():
+    """A batch runs one GenParams: requests that differ in any sampling setting (top_p
+    included) are separate engine calls; max_tokens alone may differ."""
+    base = check({"prompt": [1], "temperature": 0.7, "top_p": 0.9, "max_tokens": 5})
+    job = _Job(base.prompt, base.params, base.speculative)
+    for field, value in (("max_tokens", 9),):
+        other = dataclasses.replace(base.params, **{field: value})
+        assert _Job(base.prompt, other, True).key == job.key
+    for field, value in (("top_p", 0.5), ("temperature", 0.8), ("seed", 3), ("steps", 2)):
+        other = dataclasses.replace(base.params, **{field: value})
+        assert _Job(base.prompt, other, True).key != job.key, field

@@ -22,14 +22,21 @@ def greedy_accept(drafts: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def rejection_accept(
-    drafts: Tensor, q: Tensor, logits: Tensor, temperature: float, gen: torch.Generator | None
+    drafts: Tensor,
+    q: Tensor,
+    logits: Tensor,
+    temperature: float,
+    gen: torch.Generator | None,
+    top_p: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     """Speculative rejection sampling. Draft d_j (drawn from q_j) is accepted with probability
     min(1, p_j(d)/q_j(d)) while all earlier ones were; at the first rejection the token is drawn
     from norm(max(p_j - q_j, 0)); after k acceptances the bonus is drawn from p_k. The emitted
-    tokens are distributed exactly as the target samples them."""
+    tokens are distributed exactly as the target samples them: p is the target's law at
+    `temperature` and `top_p` (`sampling_probs`), whatever q is, so a draft outside the target's
+    nucleus is always rejected."""
     B, k = drafts.shape
-    p = torch.softmax(logits / temperature, -1)  # [B, k+1, V]
+    p = sampling_probs(logits, temperature, top_p)  # [B, k+1, V]
     pd = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)
     qd = q.gather(-1, drafts[..., None]).squeeze(-1)
     u = torch.rand(B, k, generator=gen)
@@ -95,8 +102,25 @@ def tree_greedy_accept_on_device(
     return (path_t > 0).sum(1), path_t, top.gather(1, cur[:, None]).squeeze(1)
 
 
-def sample_token(logits: Tensor, temperature: float, gen: torch.Generator | None) -> Tensor:
-    """[B, V] -> [B]: argmax at temperature 0, else a draw from softmax(logits / T)."""
+def sampling_probs(logits: Tensor, temperature: float, top_p: float = 1.0) -> Tensor:
+    """The law a request samples from: softmax(logits / T) over the last dim, cut to its nucleus
+    when `top_p` < 1 (the most probable tokens, in decreasing order, up to and including the
+    first whose running sum reaches `top_p`; the top token always stays) and renormalised, as
+    OpenAI, vLLM and SGLang define `top_p`."""
+    p = torch.softmax(logits.float() / temperature, -1)
+    if top_p >= 1:
+        return p
+    sp, idx = p.sort(-1, descending=True)
+    before = sp.cumsum(-1) - sp  # mass of the tokens ranked above each one
+    sp = sp.masked_fill(before >= top_p, 0.0)
+    return torch.zeros_like(p).scatter(-1, idx, sp / sp.sum(-1, keepdim=True))
+
+
+def sample_token(
+    logits: Tensor, temperature: float, gen: torch.Generator | None, top_p: float = 1.0
+) -> Tensor:
+    """[B, V] -> [B]: argmax at temperature 0, else a draw from `sampling_probs`."""
     if temperature <= 0:
         return top1(logits)
-    return torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen).squeeze(-1)
+    probs = sampling_probs(logits, temperature, top_p)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)

@@ -303,7 +303,7 @@ class SpecEngine:
 
         t = time.perf_counter()
         logits, aux, ids, valid = runner.prefill(prompts, aux=True)
-        x_next = _host_sample(logits, params.temperature, gen)
+        x_next = _host_sample(logits, params, gen)
         rows.charge("prefill_ms", _ms(t))
         t = time.perf_counter()
         drafter.start(len(prompts), max(map(len, prompts)) + max(rows.limits) + k + 2)
@@ -470,7 +470,9 @@ class SpecEngine:
             a, bonus = greedy_accept(drafts.to(logits.device), logits)
             a, bonus = a.cpu(), bonus.cpu()
         else:
-            a, bonus = rejection_accept(drafts, q, logits.cpu(), params.temperature, gen)
+            a, bonus = rejection_accept(
+                drafts, q, logits.cpu(), params.temperature, gen, params.top_p
+            )
         self._runner.commit(torch.arange(k + 1)[None] <= a[:, None])
         return _Cycle(a, drafts, bonus, aux, draft_ms, _ms(t))
 
@@ -525,7 +527,7 @@ class SpecEngine:
         t0 = time.perf_counter()
         t = time.perf_counter()
         logits, _, _, valid = runner.prefill(prompts, aux=False)
-        x = _host_sample(logits, params.temperature, gen)
+        x = _host_sample(logits, params, gen)
         rows.charge("prefill_ms", _ms(t))
         pos = valid.sum(1)
         done = [rows.append(r, [int(x[r])]) for r in range(len(prompts))]
@@ -538,7 +540,7 @@ class SpecEngine:
             ones = torch.ones(len(rows.active), 1, dtype=torch.bool)
             logits, _ = runner.forward(x[:, None], pos[:, None], ones)
             runner.commit(ones)
-            x = _host_sample(logits[:, -1], params.temperature, gen)
+            x = _host_sample(logits[:, -1], params, gen)
             pos = pos + 1
             rows.charge("verify_ms", _ms(t))
             done = [rows.append(r, [int(x[r])]) for r in range(len(rows.active))]
@@ -631,12 +633,12 @@ def _marks_ms(marks: list[tuple[Any, ...]], cuda: bool) -> tuple[float, float, f
     return draft, sum(span(m[1], m[2]) for m in marks), sum(span(m[2], m[3]) for m in marks)
 
 
-def _host_sample(logits: Tensor, temperature: float, gen: torch.Generator | None) -> Tensor:
-    """`sample_token` whose result is on the host: argmax on the logits' device, sampling on the
-    CPU (the engine's generator is a CPU one)."""
-    if temperature > 0:
+def _host_sample(logits: Tensor, params: GenParams, gen: torch.Generator | None) -> Tensor:
+    """`sample_token` at the request's temperature and top_p, its result on the host: argmax on
+    the logits' device, sampling on the CPU (the engine's generator is a CPU one)."""
+    if params.temperature > 0:
         logits = logits.cpu()
-    return sample_token(logits, temperature, gen).cpu()
+    return sample_token(logits, params.temperature, gen, params.top_p).cpu()
 
 
 def _to_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -19,6 +19,7 @@ TokenCallback = Callable[[int, list[int]], bool | None]
 class GenParams:
     max_tokens: int = 128
     temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus of the target's law when sampling (acceptance.sampling_probs)
     steps: int | None = None  # draft steps per cycle; None = the engine's default
     seed: int | None = None
     ignore_eos: bool = False  # benchmarks: always produce max_tokens
