@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -128,23 +129,25 @@ def train_worker(config: dict[str, Any]) -> None:
     stale = 0  # evaluations since the last new best (a resumed attempt starts counting afresh)
     eval_s = 0.0  # what one evaluation takes: the time box holds the evaluations too
     if job.init == "drafter" and step == 0 and plan.eval_refs:
-        t0 = time.perf_counter()
+        batch_s: list[float] = []
         # The drafter given is the first candidate: a round exports it unchanged unless a
         # trained state beats it on the same held-out batches by the gate's margin.
-        sums = _evaluate(module, plan, soft, tc, autocast, device)
+        sums = _evaluate(module, plan, soft, tc, autocast, device, batch_s)
         m = mlog.eval(0, 0, sums, None)
         best.offer(0, m["sim_accept_len"], mlog.batch_sims(sums), None, module, drafter)
-        eval_s = time.perf_counter() - t0
+        eval_s = warm_s(batch_s) * len(batch_s)
         if rank == 0:
             _say(f"[train] step 0 (the drafter given): sim_accept {m['sim_accept_len']:.3f} "
                  f"over {len(plan.eval_bins)} eval batches")  # fmt: skip
     # After the step-0 evaluation: the time box's probe times training steps only.
     start, first = time.perf_counter(), step
+    step_s: list[float] = []  # wall time of each step since `first`: load, step, metrics
     while step < plan.total:
         if tc.max_seconds and not boxed and step - first == PROBE_STEPS:
-            secs = time.perf_counter() - start
-            boxed = _fix_total(plan, step, secs, eval_s, tc, device, Path(job.out_dir))
+            spent = time.perf_counter() - start
+            boxed = _fix_total(plan, step, step_s, spent, eval_s, tc, device, Path(job.out_dir))
             sched = _rescheduled(opt, sched, plan.total, tc.warmup_ratio)
+        t_step = time.perf_counter()
         epoch, i = divmod(step, plan.steps_per_epoch)
         batch = plan.batch(i, epoch).to(device)
         t0 = time.perf_counter()
@@ -164,6 +167,7 @@ def train_worker(config: dict[str, Any]) -> None:
             if anchor is None
             else {"anchor_loss": res.anchor_loss, "drift_rms": anchor.drift_rms()},
         )
+        step_s.append(time.perf_counter() - t_step)
         if plan.eval_refs and _eval_due(step, i, plan, tc):
             sums = _evaluate(module, plan, soft, tc, autocast, device)
             sims = mlog.batch_sims(sums)
@@ -281,25 +285,49 @@ def _boxed_total(out: Path, device) -> int:
     return int(_allreduce(torch.tensor([n], dtype=torch.float64), device)[0])
 
 
-def _fix_total(
-    plan: Plan, step: int, secs: float, eval_s: float, tc: TrainConfig, device, out: Path
+def warm_s(times: list[float]) -> float:
+    """The time a step (or an evaluation batch) takes once warm: the median of those timed. A
+    first step that compiles the fast path (46.5 s on an H100, against 0.07 s for the next)
+    would otherwise price every step of the box: the off-policy GPU climb was cut to 22 of
+    1,740 steps (2026-12-05)."""
+    return statistics.median(times) if times else 0.0
+
+
+def box_total(
+    total: int, step: int, per_step: float, spent: float, eval_s: float, tc: TrainConfig
 ) -> int:
-    """Fix the step count a `train.max_seconds` box holds, from the slowest rank's time for the
-    steps so far (at most the epochs' count), and keep it for a resumed attempt. The box holds
-    the evaluations too, at step 0's time (`eval_s`, 0 when there was none): the one done, the
-    last one and one per `train.eval_every` steps (a gate set makes them cost steps on a CPU)."""
-    t = torch.tensor([secs, eval_s], dtype=torch.float64)
+    """The step count a `train.max_seconds` box holds (at most `total`, at least one more step):
+    what is left after the `spent` seconds, less the last evaluation and the one done (each
+    `eval_s`), at `per_step` seconds a step plus its share of the evaluations every
+    `train.eval_every` steps (a gate set makes them cost steps on a CPU)."""
+    per_eval = eval_s / tc.eval_every if tc.eval_every else 0.0
+    left = tc.max_seconds - spent - 2 * eval_s
+    return max(step + 1, min(total, step + int(max(0.0, left) / (per_step + per_eval))))
+
+
+def _fix_total(
+    plan: Plan,
+    step: int,
+    step_s: list[float],
+    spent: float,
+    eval_s: float,
+    tc: TrainConfig,
+    device,
+    out: Path,
+) -> int:
+    """Fix the step count the box holds, from the slowest rank's warm step time (`warm_s` of
+    the probe's steps) and the seconds spent so far (the cold first step's included), and keep
+    it for a resumed attempt. `eval_s` is step 0's evaluation at its warm batch time (0 when
+    there was none)."""
+    t = torch.tensor([warm_s(step_s), spent, eval_s], dtype=torch.float64)
     if torch.distributed.is_initialized():
         t = t.to(device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    worst, eval_s = t.cpu().tolist()
-    per_step = worst / PROBE_STEPS
-    per_eval = eval_s / tc.eval_every if tc.eval_every else 0.0  # each step's share
-    left = tc.max_seconds - worst - 2 * eval_s
-    fits = step + int(max(0.0, left) / (per_step + per_eval))
-    plan.total = max(step + 1, min(plan.total, fits))
+    per_step, spent, eval_s = t.cpu().tolist()
+    plan.total = box_total(plan.total, step, per_step, spent, eval_s, tc)
     if torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True:
-        atomic_write(out / BOXED, json.dumps({"total": plan.total, "s_per_step": per_step}))
+        rec = {"total": plan.total, "s_per_step": per_step, "spent_s": spent}
+        atomic_write(out / BOXED, json.dumps(rec))
         _say(
             f"[train] time box {tc.max_seconds:.0f}s at {per_step:.2f}s/step and "
             f"{eval_s:.1f}s/evaluation: {plan.total} steps "
@@ -368,15 +396,21 @@ def _build(job: TrainJob, tc: TrainConfig, tensors: dict, device: torch.device):
     return module, drafter, autocast, dt
 
 
-def _evaluate(module, plan: Plan, soft, tc: TrainConfig, autocast, device) -> torch.Tensor:
+def _evaluate(
+    module, plan: Plan, soft, tc: TrainConfig, autocast, device, batch_s: list | None = None
+) -> torch.Tensor:
     """Eval sums per eval batch, [n_batches, 3k]: each rank fills its batches' rows, then the
     all-reduce gives every rank all of them (every rank calls, even with none). Kept per batch:
-    the gate's margin is the spread of batch-wise differences (`paired_gain`)."""
+    the gate's margin is the spread of batch-wise differences (`paired_gain`). `batch_s`
+    collects this rank's time per batch (the time box prices an evaluation by them)."""
     k = tc.ttt_length
     sums = torch.zeros(len(plan.eval_bins), 3 * k, dtype=torch.float64)
     module.eval()
     for i, b in plan.eval_batches():
+        t0 = time.perf_counter()
         sums[i] = eval_step(module, b.to(device), soft, k, autocast)
+        if batch_s is not None:
+            batch_s.append(time.perf_counter() - t0)
     module.train()
     return _allreduce(sums, device)
 

@@ -299,3 +299,25 @@ def test_a_machine_too_slow_for_the_smallest_work_is_refused_with_the_minutes_th
     z = size_work(cfg.model_copy(update={"stop": cfg.stop.model_copy(
         update={"max_wall_minutes": float(minutes)})}), crawl, minutes * 60 - 20.0)  # fmt: skip
     assert z.work_share >= 0.4  # the minutes it names fit, with room to train
+
+
+# ---- the training time box (pipeline/train_worker.py) ----------------------------------------
+
+
+def test_a_compiling_first_step_does_not_price_the_time_box():
+    """The box prices a step at its warm time: on an H100 the first step of the fast path took
+    46.5 s (compiling) and the next ones 0.07 s; priced at the probe's mean (5.9 s) the
+    off-policy climb's round 0 was cut to 22 of its 1,740 steps. The cold step's seconds are
+    still spent: they come out of the box."""
+    from pipeline.config import TrainConfig
+    from pipeline.train_worker import PROBE_STEPS, box_total, warm_s
+
+    step_s = [46.5] + [0.07] * (PROBE_STEPS - 1)
+    tc = TrainConfig(max_seconds=300.0, eval_every=100)
+    total = box_total(1740, PROBE_STEPS, warm_s(step_s), sum(step_s), 1.0, tc)
+    assert total == 1740  # (300 - 47 - 2) s at 0.07 s a step and 0.01 s of evaluation: all fit
+    tc = TrainConfig(max_seconds=60.0, eval_every=100)
+    left = 60.0 - sum(step_s) - 2 * 1.0
+    assert box_total(1740, PROBE_STEPS, warm_s(step_s), sum(step_s), 1.0, tc) == PROBE_STEPS + int(
+        left / (0.07 + 1.0 / 100)
+    )

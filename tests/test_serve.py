@@ -106,10 +106,12 @@ def test_concurrent_requests_each_get_their_own_length(endpoint):
 
 def test_bad_requests_get_400(endpoint):
     with httpx.Client(base_url=endpoint.url, timeout=60) as c:
-        r = c.post("/v1/chat/completions", json=dict(CHAT, steps=0, top_p=0.5))
+        r = c.post("/v1/chat/completions", json=dict(CHAT, steps=0, top_p=1.5))
         assert r.status_code == 400
         msg = r.json()["error"]["message"]
         assert "steps" in msg and "top_p" in msg
+        r = c.post("/v1/chat/completions", json=dict(CHAT, temperature=0.7, top_p=0.9, seed=1))
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0  # served
         assert c.post("/v1/completions", json={"max_tokens": 3}).status_code == 400
         r = c.post("/v1/chat/completions", json=dict(CHAT, topk=2, num_draft_tokens=40))
         assert r.status_code == 400 and "num_draft_tokens=40" in r.json()["error"]["message"]
@@ -422,7 +424,7 @@ def _malformed_requests(rng) -> list[tuple[str, bytes]]:
         ("speculative", "yes"), ("stream", 1), ("stream_options", "x"), ("seed", 1.5),
         ("ignore_eos", "no"), ("prompt", []), ("prompt", [10**9]), ("prompt", [-1]),
         ("prompt", [1.5]), ("prompt", {"a": 1}), ("prompt", None), ("prompt", [[1, 2], [3]]),
-        ("prompt", "\ud800"), ("top_p", 0.1), ("n", 3), ("stop", ["x"]),
+        ("prompt", "\ud800"), ("top_p", 0), ("n", 3), ("stop", ["x"]),
         ("num_draft_tokens", 10**6),
     ]  # fmt: skip
     out = []
