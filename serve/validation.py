@@ -200,6 +200,23 @@ def check_request(
             return None
         return v
 
+    def opt_number(name: str, default: float, lo: float, hi: float, lo_open: bool = False):
+        """A finite number in [lo, hi] ((lo, hi] with `lo_open`); `default` when absent, None
+        when bad (reported)."""
+        v = body.get(name)
+        if v is None:
+            return default
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, int | float)
+            or not math.isfinite(v)
+            or not (lo < v if lo_open else lo <= v)
+            or v > hi
+        ):
+            problems.append(f"{name}: {v!r} must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]")  # fmt: skip
+            return None
+        return float(v)
+
     def opt_bool(name: str, default: bool) -> bool:
         v = body.get(name)
         if v is None:
@@ -219,29 +236,11 @@ def check_request(
         room = limits.max_context - len(prompt) if limits.max_context else DEFAULT_MAX_TOKENS
         max_tokens = max(1, min(DEFAULT_MAX_TOKENS, room))  # absent: the default, within context
     max_tokens = max_tokens or 1  # a bad value, already reported
-    temperature = body.get("temperature")
-    if temperature is None:
-        temperature = 1.0  # OpenAI's default
-    elif (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, int | float)
-        or not math.isfinite(temperature)
-        or not 0 <= temperature <= 2
-    ):
-        problems.append(f"temperature: {temperature!r} must be a number in [0, 2]")
+    temperature = opt_number("temperature", 1.0, 0, 2)  # absent: OpenAI's default
+    if temperature is None or temperature < MIN_TEMPERATURE:  # bad (reported), or served greedy
         temperature = 0.0
-    elif temperature < MIN_TEMPERATURE:
-        temperature = 0.0
-    top_p = body.get("top_p")
-    if top_p is None:
-        top_p = 1.0  # OpenAI's default: the whole distribution
-    elif (
-        isinstance(top_p, bool)
-        or not isinstance(top_p, int | float)
-        or not math.isfinite(top_p)
-        or not 0 < top_p <= 1
-    ):
-        problems.append(f"top_p: {top_p!r} must be a number in (0, 1]")
+    top_p = opt_number("top_p", 1.0, 0, 1, lo_open=True)  # absent: the whole distribution
+    if top_p is None:  # bad, reported
         top_p = 1.0
     n = body.get("n")
     if n is not None and (not _is_int(n) or n != 1):
@@ -285,8 +284,8 @@ def check_request(
         raise BadRequest("; ".join(problems))
     params = GenParams(
         max_tokens=max_tokens,
-        temperature=float(temperature),
-        top_p=float(top_p),
+        temperature=temperature,
+        top_p=top_p,
         steps=steps,
         seed=seed,
         ignore_eos=ignore_eos,
