@@ -298,7 +298,7 @@ def test_fine_tuning_in_a_time_box_keeps_the_vocab_map_and_decays_over_the_steps
     """Fine-tuning an existing drafter (`init`) keeps its vocab map (d2t/t2d), copies it as it
     was and trains its weights. `train.max_seconds` on the same run (one Ray Train start for
     both): after its first steps the workers fix the step count that fits the box (far fewer
-    than 60 epochs), keep it for a resumed attempt, and the LR reaches its floor at that step,
+    than the 1,000 epochs asked: the box binds on any machine slower than 2 ms a step), keep it for a resumed attempt, and the LR reaches its floor at that step,
     as it would at the end of the epochs. What is checked is what the code enforces (the step
     count, from the probe's measured speed), never how long the run took."""
     from pipeline.train_worker import PROBE_STEPS
@@ -307,7 +307,7 @@ def test_fine_tuning_in_a_time_box_keeps_the_vocab_map_and_decays_over_the_steps
     init, _, before = existing_drafter(tmp_path / "existing", seed=7)
     out = tmp_path / "boxed"
     res = run_train(
-        config(target, epochs=60, max_seconds=8.0, eval_fraction=0.0), [data], out, init=str(init)
+        config(target, epochs=1000, max_seconds=8.0, eval_fraction=0.0), [data], out, init=str(init)
     )
 
     _, after = load_drafter(res.drafter_dir)
@@ -320,7 +320,7 @@ def test_fine_tuning_in_a_time_box_keeps_the_vocab_map_and_decays_over_the_steps
     assert res.eval_metrics == {}
 
     boxed = json.loads((out / "boxed_total.json").read_text())
-    assert res.steps == boxed["total"] < 60 * 4
+    assert res.steps == boxed["total"] < 1000 * 4
     lines = [m for m in read_jsonl(Path(res.metrics_file)) if "loss" in m]
     assert [m["step"] for m in lines] == list(range(1, res.steps + 1))
     assert lines[-1]["lr"] < 0.2 * max(m["lr"] for m in lines)  # decayed over the box
