@@ -34,6 +34,11 @@ FIRST_ROUND_WEIGHT = 2.0  # round 0 trains from scratch: twice a later round's s
 # benchmark requests of 96 tokens 183 s: 0.82 per token; 0.85 leaves a margin). A ratio of one
 # machine's two figures, not a speed: the speed is what this machine measures.
 USER_TOKEN_SHARE = 0.85
+# A request of the benchmark's acceptance pass (`bench.accept_concurrency`, batched on the
+# server) costs this share of one sent alone: in process on one bf16 CPU thread (2026-12-05),
+# the 48 held-out prompts of 64 tokens took 36-46 s in batches of 16-48 against about 170 s one
+# at a time. Later rounds plan from what the last one took.
+BATCHED_REQUEST_SHARE = 0.3
 TRAIN_START_S = 25.0  # Ray Train's worker start-up and the export around the time box (2 cores)
 MIN_STAGE_S = 30.0  # below this a stage's start-up dominates: refuse the plan instead
 # The measuring work (benchmark tokens, shape probes, simulated users, the gate set) is sized to

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 from pipeline.budget import (
+    BATCHED_REQUEST_SHARE,
     CHARS_PER_TOKEN,
     MIN_STAGE_S,
     SCALES,
@@ -212,18 +213,22 @@ def bench_requests(cfg: Config, r: int) -> int:
 
 
 def bench_mix(cfg: Config, r: int) -> tuple[int, int]:
-    """(the drafter's requests, the no-drafter baseline's) of round r's benchmark."""
+    """(the drafter's requests, the no-drafter baseline's) of round r's benchmark, the
+    acceptance pass's (`bench.accept_concurrency`) counted at BATCHED_REQUEST_SHARE each."""
+    from serve.bench import timed_prompts
+
     b = cfg.bench
     plain = 0
     if not (r and b.reuse_baseline):
         plain = b.warmup + (b.baseline_prompts or b.num_prompts)
-    spec = b.warmup + b.num_prompts
+    spec = b.warmup + timed_prompts(b, b.num_prompts)
     if b.shape_chains and cfg.serve.engine == "embedded":  # the shape choice measures every
         # chain but the configured shape on the baseline's prompts (serve/shape_sweep.py)
         s = cfg.serve
         chains = {k for k in b.shape_chains if (k, 1) != (s.steps, s.topk) or s.num_draft_tokens not in (None, k + 1)}  # fmt: skip
         spec += len(chains) * (b.baseline_prompts or b.num_prompts)
-    return spec * len(b.concurrency), plain * len(b.concurrency)
+    batched = math.ceil(b.num_prompts * BATCHED_REQUEST_SHARE) if b.accept_concurrency else 0
+    return spec * len(b.concurrency) + batched, plain * len(b.concurrency)
 
 
 def stage_seconds(rs, stage: str, clock: Clock) -> float | None:

@@ -10,7 +10,12 @@ reads, where a drafter trained on real responses accepts less; see docs/serving.
   1. warm-up requests (excluded);
   2. optional steps sweep at the first concurrency level: the best steps by output tok/s is kept
      (skipped when the server's steps are fixed at launch: `fixed_steps`, SGLang);
-  3. each concurrency level with speculation (best steps) and right after it without
+  3. with `accept_concurrency`, the acceptance pass: every prompt, that many in flight (the
+     server batches them); accept_len and its per-domain figures come from it, and the speed
+     levels below time the baseline's prompts only (`baseline_prompts`). Acceptance belongs to
+     the drafter and varies most between prompts, so it wants many of them; speed wants
+     requests alone on the server, and a few give it;
+  4. each concurrency level with speculation (best steps) and right after it without
      (`speculative: false`: the baseline on the same target and server).
 SGLang ignores `speculative` and `steps` in a request, so its baseline comes from a server
 without a drafter: `baseline_url`, or figures measured once (`measure_baseline_levels`) and
@@ -161,6 +166,8 @@ def run_bench(
     prompts = prompts[:n]
     domains = list(domains[:n]) if domains else ["all"] * n
     n_base = min(n, _get(bench_cfg, "baseline_prompts", None) or n)  # the baseline's prompts
+    accept_c = _get(bench_cfg, "accept_concurrency", None)
+    n_timed = timed_prompts(bench_cfg, n)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     source = "same server, speculative: false"
@@ -171,7 +178,7 @@ def run_bench(
         source = baseline_url
     elif baseline is not None:
         source = "given (cached) figures"
-    limits = httpx.Limits(max_connections=max(levels_c) + 2)
+    limits = httpx.Limits(max_connections=max(levels_c + [accept_c or 1]) + 2)
     with httpx.Client(base_url=url, timeout=timeout_s, limits=limits) as client:
         for spec in (True, False) if baseline is None else (True,):
             if warmup:
@@ -182,10 +189,11 @@ def run_bench(
             stats, wall = _run_requests(client, prompts, build, max_tokens, True, s, c0)
             sweep.append(_level(stats, c0, True, s, wall))
         best = fixed_steps or (max(sweep, key=lambda lv: lv.tok_per_s).steps if sweep else None)
-        levels, first, counted = [], None, []
-        for c in levels_c:  # speculative and baseline back to back: drifting load hits both
+        levels, first, counted, accepted = [], None, [], None
+
+        def measured(c: int, batch: list[Prompt]) -> tuple[LevelResult, list[RequestStats]]:
             before = counters() if counters else None  # None: the engine keeps no counters
-            stats, wall = _run_requests(client, prompts, build, max_tokens, True, best, c)
+            stats, wall = _run_requests(client, batch, build, max_tokens, True, best, c)
             level = _level(stats, c, True, best, wall)
             if counters and before is not None:
                 delta = counters() - before
@@ -198,6 +206,12 @@ def run_bench(
                         "acceptance_per_position": list(delta.acceptance_per_position),
                     }
                 )
+            return level, stats
+
+        if accept_c:
+            accepted = measured(accept_c, prompts)
+        for c in levels_c:  # speculative and baseline back to back: drifting load hits both
+            level, stats = measured(c, prompts[:n_timed])
             levels.append(level)
             if baseline is not None:
                 levels.append(_baseline_level(baseline, c))
@@ -205,7 +219,7 @@ def run_bench(
             else:
                 base_stats, wall = _run_requests(client, prompts[:n_base], build, max_tokens, False, None, c)  # fmt: skip
                 levels.append(_level(base_stats, c, False, None, wall))
-                if n_base < n:
+                if n_base < n_timed:
                     base_stats = stats  # per-domain speedups need every prompt's baseline
             first = first or (stats, base_stats)
         chosen = {}
@@ -225,12 +239,27 @@ def run_bench(
         "fixed_steps": fixed_steps,
         "baseline": source,
         "baseline_prompts": n_base,
+        "accept_concurrency": accept_c,
     }
-    per_domain = domain_figures(first[0], first[1], domains)
+    if accepted is not None:  # per-domain acceptance over every prompt; speed stays overall
+        per_domain = domain_figures(accepted[1], accepted[1], domains)
+        for d in per_domain.values():
+            d["tok_per_s"] = None  # batched requests: no speed of their own
+    else:
+        per_domain = domain_figures(first[0], first[1], domains)
     if baseline is not None or n_base < n:
         for d in per_domain.values():
             d["baseline_tok_per_s"] = d["speedup"] = None
-    return _summarize(levels, sweep, out, tag, settings, counted, per_domain, chosen)
+    acc_level = accepted[0] if accepted is not None else None
+    return _summarize(levels, sweep, out, tag, settings, counted, per_domain, chosen, acc_level)
+
+
+def timed_prompts(bench_cfg: Any, n: int) -> int:
+    """How many of the `n` prompts the speed levels time: the baseline's (`baseline_prompts`)
+    when an acceptance pass scores every prompt (`accept_concurrency`), else all."""
+    if not _get(bench_cfg, "accept_concurrency", None):
+        return n
+    return min(n, _get(bench_cfg, "baseline_prompts", None) or n)
 
 
 def measure_baseline_levels(
@@ -247,7 +276,7 @@ def measure_baseline_levels(
     n, max_tokens = _get(bench_cfg, "num_prompts"), _get(bench_cfg, "max_tokens")
     levels_c, warmup = list(_get(bench_cfg, "concurrency")), _get(bench_cfg, "warmup")
     build = _builder(bench_cfg, build)
-    prompts = prompts[:n]
+    prompts = prompts[: timed_prompts(bench_cfg, n or len(prompts))]
     limits = httpx.Limits(max_connections=max(levels_c) + 2)
     levels = []
     with httpx.Client(base_url=url, timeout=timeout_s, limits=limits) as client:
@@ -344,16 +373,20 @@ def _summarize(
     counters: list[dict[str, Any]] | None = None,
     domains: dict[str, dict[str, Any]] | None = None,
     shape: dict[str, Any] | None = None,
+    accepted: LevelResult | None = None,
 ) -> BenchResult:
+    """The result: speed from the first concurrency level, acceptance from `accepted` (the
+    acceptance pass over every prompt) when there is one, else from that level too."""
     c0 = levels[0].concurrency
     spec = next(lv for lv in levels if lv.speculative and lv.concurrency == c0)
     base = next(lv for lv in levels if not lv.speculative and lv.concurrency == c0)
+    acc = accepted or spec
     costs: dict[str, Any] = {
         "baseline_tps": base.tok_per_s,
         "verify_ms": spec.verify_ms,
         "draft_ms": spec.draft_ms_per_step or 0.0,
         "steps": spec.steps,
-        "accept_len": spec.accept_len,
+        "accept_len": acc.accept_len,
     }
     break_even = None
     if spec.verify_ms is not None and spec.steps:
@@ -362,13 +395,13 @@ def _summarize(
             * base.tok_per_s
             / 1000.0
         )
-    edges, counts = _histogram(spec.accept_lens, spec.steps)
+    edges, counts = _histogram(acc.accept_lens, acc.steps)
     result = BenchResult(
-        accept_len=spec.accept_len,
+        accept_len=acc.accept_len,
         tok_per_s=spec.tok_per_s,
         baseline_tok_per_s=base.tok_per_s,
         speedup=spec.tok_per_s / base.tok_per_s,
-        acceptance_per_position=acceptance_per_position(spec.accept_hist),
+        acceptance_per_position=acceptance_per_position(acc.accept_hist),
         steps=spec.steps,
         verify_ms=spec.verify_ms,
         draft_ms=spec.draft_ms_per_step,
@@ -380,7 +413,8 @@ def _summarize(
         json_path=str(out / f"{tag}.json"),
         plot_path=str(out / f"{tag}.png"),
         extra={"settings": settings, "baseline_verify_ms": base.verify_ms}
-        | ({"server_counters": counters} if counters else {}),
+        | ({"server_counters": counters} if counters else {})
+        | ({"acceptance_level": asdict(accepted)} if accepted else {}),
         domains=domains or {},
         shape=shape or {},
     )

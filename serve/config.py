@@ -137,6 +137,14 @@ class BenchConfig(Strict):
     """Embedded engine: time the no-drafter baseline on the first N prompts only (None = all).
     The baseline is a speed figure, and a target's decode speed barely depends on the prompt,
     so a few prompts give it at a fraction of the cost; per-domain speedups are then left out."""
+    accept_concurrency: int | None = Field(None, ge=1)
+    """Score acceptance on every prompt with this many requests in flight (the server batches
+    them; the embedded engine's batches hold `max_batch_size`, 8), and time speed, the shape
+    choice included, on the first `baseline_prompts` only. accept_len varies most between
+    prompts, so the gate wants many, and batched they cost a fraction of their one-at-a-time
+    time (48 prompts of 64 tokens on one CPU thread: about 40 s against 170 s); speed wants
+    requests alone on the server, and a few give it. None = both from the same requests, one
+    concurrency level at a time."""
     reuse_baseline: bool = False
     """Embedded engine: measure the no-drafter baseline in the first round only and reuse it for
     later rounds on the same prompts and settings (saves a baseline pass per round; the figures

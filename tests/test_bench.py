@@ -204,6 +204,27 @@ def test_baseline_on_the_first_prompts_only(endpoint, tmp_path):
     assert all(d["speedup"] is None and d["accept_len"] for d in r.domains.values())
 
 
+def test_acceptance_on_every_prompt_batched_and_speed_on_the_first_few(endpoint, tmp_path):
+    """`bench.accept_concurrency`: accept_len, its histogram and the per-domain figures come
+    from one pass over every prompt, that many requests in flight (the server batches them); the
+    speed levels, speculative and baseline, time the baseline's prompts only."""
+    prompts = [[{"role": "user", "content": f"Count to {i} in words."}] for i in range(6)]
+    cfg = dict(SMALL, num_prompts=6, concurrency=[1], steps_sweep=[], baseline_prompts=2,
+               accept_concurrency=3)  # fmt: skip
+    doms = ["a", "b", "a", "b", "a", "a"]
+    r = run_bench(endpoint.url, prompts, cfg, tmp_path, tag="acc", domains=doms)
+    spec, base = r.levels
+    assert (spec.speculative, spec.requests, base.requests) == (True, 2, 2)
+    acc = r.extra["acceptance_level"]
+    assert (acc["requests"], acc["concurrency"], acc["speculative"]) == (6, 3, True)
+    assert r.accept_len == pytest.approx(statistics.fmean(acc["accept_lens"]))
+    assert sum(r.accept_len_hist["counts"]) == 6 and r.costs["accept_len"] == r.accept_len
+    assert {d: v["requests"] for d, v in r.domains.items()} == {"a": 4, "b": 2}
+    assert all(v["tok_per_s"] is None and v["speedup"] is None for v in r.domains.values())
+    assert r.tok_per_s == spec.tok_per_s and r.extra["settings"]["accept_concurrency"] == 3
+    assert measure_baseline_levels(endpoint.url, prompts, cfg)["levels"][0]["requests"] == 2
+
+
 def test_cli_benchmarks_a_whole_small_file_by_domain(endpoint, tmp_path, capsys):
     """A user's 10-prompt file is benchmarked whole (no held-out split to leave it short), one
     domain per file or per record, figures per domain in the printed JSON and the result file."""

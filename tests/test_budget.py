@@ -278,7 +278,8 @@ def test_a_slow_measurement_sizes_the_measuring_work_down_instead_of_refusing():
         z.bench_tokens,
         z.simulate_users,
     )
-    assert small.bench.max_tokens < cfg.bench.max_tokens and small.bench.num_prompts == 12
+    assert small.bench.max_tokens < cfg.bench.max_tokens
+    assert small.bench.num_prompts == cfg.bench.num_prompts  # every prompt still judged
     assert 2 in small.bench.shape_chains and len(small.bench.shape_chains) < 5
     p0 = round_plan(small, slow, 0, budget)  # both rounds plan
     assert p0.bench_s + p0.traffic_s < budget
