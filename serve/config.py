@@ -139,7 +139,8 @@ class BenchConfig(Strict):
     so a few prompts give it at a fraction of the cost; per-domain speedups are then left out."""
     accept_concurrency: int | None = Field(None, ge=1)
     """Score acceptance on every prompt with this many requests in flight (the server batches
-    them; the embedded engine's batches hold `max_batch_size`, 8), and time speed, the shape
+    them; the embedded engine's batches hold `max_batch_size`, 8, and a batch forms from the
+    requests waiting when it starts, so keep 2-3 batches' worth in flight), and time speed, the shape
     choice included, on the first `baseline_prompts` only. accept_len varies most between
     prompts, so the gate wants many, and batched they cost a fraction of their one-at-a-time
     time (48 prompts of 64 tokens on one CPU thread: about 40 s against 170 s); speed wants
