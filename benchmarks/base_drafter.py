@@ -18,6 +18,8 @@ The draft vocabulary is the smallest that covers `--coverage` of the reply token
 samples give the simulated chain-3 acceptance after `--curve` samples seen and after every
 epoch; the best state is exported in bf16 (no embedding: SGLang and vLLM take the target's).
 Each curve point's drafter is exported too (`curve-N/`), for the served-acceptance curve.
+`Trainee`, `drafter_trainee` and `epoch_order` are also what benchmarks/finetune_sweep.py
+fine-tunes with.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ import json
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -162,8 +166,86 @@ def _batch(dec: BatchDecoder, aux: list[int], seqs: list[dict]):
     )
 
 
+@dataclass
+class Trainee:
+    """A drafter as the loop trains it, wrapped for training on `device`, with its soft-label
+    teacher: a scratch one (`scratch_trainee`, what `train` builds) or an existing one
+    (`drafter_trainee`, what benchmarks/finetune_sweep.py fine-tunes)."""
+
+    drafter: Any
+    module: Any
+    autocast: torch.dtype | None
+    soft: Any  # eagle3.train_step.SoftTargets
+    device: torch.device
+
+    def evaluate(self, batches, ttt: int) -> dict[str, float]:
+        """Held-out TTT metrics (sim_accept_len, acc_i, ...) over `batches`."""
+        from eagle3.train_step import eval_metrics, eval_step
+
+        self.module.eval()
+        sums = torch.zeros(3 * ttt, dtype=torch.float64)
+        for b in batches:
+            sums += eval_step(self.module, b.to(self.device), self.soft, ttt, self.autocast).cpu()
+        self.module.train()
+        return eval_metrics(sums, ttt, 3)
+
+    def export(self, where: Path) -> float:
+        """Save the drafter as the loop exports it; returns its size in MiB."""
+        from eagle3.checkpoint import save_drafter
+
+        sd = self.module.state_dict().items()
+        state = {k.removeprefix("drafter."): v.detach().cpu() for k, v in sd}
+        save_drafter(state, self.drafter.cfg, where)
+        return round((where / "model.safetensors").stat().st_size / 2**20, 2)
+
+
+def scratch_trainee(
+    target: str, info, aux: list[int], vocab: int, counts: torch.Tensor, device
+) -> Trainee:
+    """The loop's scratch drafter (pipeline.train's config for this target, aux ids and draft
+    vocab of `vocab` from token `counts`)."""
+    from eagle3.config import Eagle3Config
+    from eagle3.target_weights import load_target_tensors
+    from eagle3.train_step import SoftTargets, parallelize, scratch_drafter
+    from eagle3.vocab import build_vocab_map
+    from pipeline.config import DrafterConfig  # pydantic: `train` needs it, `gen` does not
+    from pipeline.train import _scratch_config
+
+    cfg = Eagle3Config(**_scratch_config(DrafterConfig(draft_vocab_size=vocab), info, aux))
+    tens = load_target_tensors(target)
+    d2t, t2d = build_vocab_map(counts, vocab)
+    drafter = scratch_drafter(cfg, tens["embed"], tens["lm_head"], tens["norm"], d2t, t2d, 0)
+    drafter = drafter.to(device)
+    module, autocast, dt = parallelize(drafter, device, "auto")
+    soft = SoftTargets(tens["lm_head"], drafter.d2t, drafter.t2d, dt or torch.float32, device)
+    return Trainee(drafter, module, autocast, soft, torch.device(device))
+
+
+def drafter_trainee(target: str, init: str | Path, device) -> Trainee:
+    """An existing drafter (SGLang folder) as the loop fine-tunes it: its own vocab map and
+    weights, the target's embedding and lm_head for the soft labels."""
+    from eagle3.checkpoint import load_drafter
+    from eagle3.model import drafter_from_state
+    from eagle3.target_weights import load_target_tensors
+    from eagle3.train_step import SoftTargets, parallelize
+
+    tens = load_target_tensors(target)
+    cfg, state = load_drafter(init)
+    drafter = drafter_from_state(cfg, state, tens["embed"].float()).to(device)
+    module, autocast, dt = parallelize(drafter, device, "auto")
+    soft = SoftTargets(tens["lm_head"], drafter.d2t, drafter.t2d, dt or torch.float32, device)
+    return Trainee(drafter, module, autocast, soft, torch.device(device))
+
+
+def epoch_order(bins: int, epoch: int) -> list[int]:
+    """The bins of one epoch, shuffled with the epoch as seed: the order these scripts have
+    always used (drafters/smollm2-135m-base was trained in it, so its build reproduces)."""
+    order = list(range(bins))
+    random.Random(epoch).shuffle(order)
+    return order
+
+
 def train(a: argparse.Namespace) -> None:
-    from benchmarks.recipe import epoch_order, scratch_trainee  # pipeline.config: pydantic
     from eagle3.train_step import make_optimizer, make_scheduler, pack, train_step
 
     blob = torch.load(a.out / "samples.pt")

@@ -33,9 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.base_drafter import _batch, load_target  # noqa: E402
+from benchmarks.base_drafter import _batch, drafter_trainee, epoch_order, load_target  # noqa: E402
 from benchmarks.harness import Results, parser  # noqa: E402
-from benchmarks.recipe import drafter_trainee, epoch_order  # noqa: E402
 from eagle3.train_step import Anchor, make_optimizer, make_scheduler, pack, train_step  # noqa: E402
 
 KEYS = {"n": int, "lr": float, "anchor": float, "ttt": int, "warmup": float, "bs": int, "epochs": int}  # fmt: skip

@@ -2,7 +2,9 @@
 
 The reference path in eagle3/model.py stays the definition; this file computes the same loss (within
 bf16 rounding) with fewer bytes moved and fewer kernels. tests/test_fast_paths.py holds the parity
-tests, benchmarks/gpu_train.py the speed figures, docs/performance.md what each piece buys.
+tests, benchmarks/train_step.py the speed of a step (the study against the reference and
+SpecForge: benchmarks/reports/2026-11-29-h200-training-step.md), docs/performance.md what each
+piece buys.
 
 What differs from the reference, and why:
 - TTT attention. Step i's query sees step-0 keys (causal within its sample) plus its own diagonal

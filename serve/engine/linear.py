@@ -23,7 +23,7 @@ def small_rows_linear(mod: torch.nn.Linear, x: Tensor) -> Tensor:
     rows it picks a GEMM kernel that costs ~2x a single-row step. W @ x^T with x^T column-major
     streams W once and uses every thread. With 1 and 3 rows padded to 2 and 4: decoding one token
     is 1.2x (1 thread) to 2x (2 threads) faster, and a 4-token verify costs about one decode
-    step (benchmarks/engine_cpu.py). Plain decoding uses the same path, so the baseline is not
+    step (benchmarks/reports/2026-12-01-cpu-drafting-overhead.md). Plain decoding uses the same path, so the baseline is not
     handicapped. Results differ from F.linear only in float rounding; `SpecEngine(fast_linear=False)`
     keeps HF's kernels exactly."""
     rows = x.numel() // x.shape[-1] if x.dim() else 0
