@@ -308,6 +308,9 @@ def bench_line(rec: dict[str, Any]) -> str:
     acc = rec["accept_len"]
     text = f"accept_len {acc:.3f}" if acc is not None else "no drafter"
     text += f" ({doms})" if doms else ""
+    s = (rec.get("extra") or {}).get("settings") or {}
+    if s.get("temperature"):  # a sampled figure says so
+        text += f" at temperature {s['temperature']:g}, top_p {s.get('top_p', 1.0):g}"
     shape = rec.get("shape") or {}
     if shape:
         text += (

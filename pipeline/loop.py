@@ -537,6 +537,7 @@ def _bench(
     )
     rec = _record(res)
     tracker.log(child, {f"bench/{k}": v for k, v in rec.items()})
+    tracker.log(child, {f"bench/{k}": rec["extra"]["settings"][k] for k in ("temperature", "top_p")})  # fmt: skip
     for i, a in enumerate(rec.get("acceptance_per_position") or []):
         tracker.log(child, {"bench/acceptance_per_position": a}, step=i + 1)
     for dom, figs in (rec.get("domains") or {}).items():

@@ -17,6 +17,8 @@ def round_row(index: int, done: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {
         "round": index,
         "accept_len": bench["accept_len"],
+        # the settings it was measured at (0: greedy)
+        "temperature": ((bench.get("extra") or {}).get("settings") or {}).get("temperature", 0.0),
         "tok_per_s": bench["tok_per_s"],
         "baseline_tok_per_s": bench["baseline_tok_per_s"],
         "speedup": bench["speedup"],

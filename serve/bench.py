@@ -4,7 +4,8 @@ statistics (this project's engine in `usage`, SGLang in `meta_info`, vLLM in
 requests and their figures are serve/bench_stats.py's; the engines' formats are their adapters'
 (actors/engine_server.py's `ResponseSpec` and `SpecCounters`).
 
-One run, at temperature 0 on held-out prompts, each answered up to `max_tokens` or its end of
+One run, at `bench.temperature` (0: greedy, the default) on held-out prompts, each answered up
+to `max_tokens` or its end of
 sequence (`ignore_eos: true` forces exactly `max_tokens`: the tokens after EOS are text no user
 reads, where a drafter trained on real responses accepts less; see docs/serving.md):
   1. warm-up requests (excluded);
@@ -114,10 +115,25 @@ def domain_figures(
 
 
 def _builder(bench_cfg: Any, build: RequestBuilder | None) -> RequestBuilder:
-    """`build`, or chat requests with the config's `ignore_eos` (default false)."""
+    """`build`, or chat requests with the config's `ignore_eos` (default false) and sampling
+    settings (`temperature`, `top_p`, `seed`: every request the same seed, so requests that
+    arrive together still share a batch)."""
     if build is not None:
         return build
-    return partial(chat_request, ignore_eos=bool(_get(bench_cfg, "ignore_eos", False)))
+    return partial(
+        chat_request,
+        ignore_eos=bool(_get(bench_cfg, "ignore_eos", False)),
+        **sampling(bench_cfg),
+    )
+
+
+def sampling(bench_cfg: Any) -> dict[str, Any]:
+    """The benchmark's sampling settings: temperature (0 = greedy), top_p, seed."""
+    return {
+        "temperature": float(_get(bench_cfg, "temperature", 0.0)),
+        "top_p": float(_get(bench_cfg, "top_p", 1.0)),
+        "seed": _get(bench_cfg, "seed", 0),
+    }
 
 
 def run_bench(
@@ -240,6 +256,7 @@ def run_bench(
         "baseline": source,
         "baseline_prompts": n_base,
         "accept_concurrency": accept_c,
+        **sampling(bench_cfg),
     }
     if accepted is not None:  # per-domain acceptance over every prompt; speed stays overall
         per_domain = domain_figures(accepted[1], accepted[1], domains)
@@ -294,6 +311,7 @@ def bench_settings_key(prompts: list[Prompt], bench_cfg: Any) -> str:
     what = {k: _get(bench_cfg, k) for k in ("num_prompts", "max_tokens", "concurrency", "warmup")}
     what["baseline_prompts"] = _get(bench_cfg, "baseline_prompts", None)
     what["ignore_eos"] = bool(_get(bench_cfg, "ignore_eos", False))
+    what.update(sampling(bench_cfg))  # plain sampling's speed is its own baseline
     blob = json.dumps({**what, "prompts": prompts[:n]}, sort_keys=True, default=str)
     return "bench-" + hashlib.sha256(blob.encode()).hexdigest()[:16]
 

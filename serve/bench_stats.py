@@ -86,16 +86,24 @@ def extract_stats(body: dict[str, Any], latency_s: float) -> RequestStats:
 
 
 def chat_request(
-    prompt: Prompt, max_tokens: int, speculative: bool, steps: int | None, ignore_eos: bool = False
+    prompt: Prompt,
+    max_tokens: int,
+    speculative: bool,
+    steps: int | None,
+    ignore_eos: bool = False,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
 ) -> tuple[str, dict[str, Any]]:
-    """OpenAI chat completion at temperature 0. `speculative`/`steps` are this engine's fields
-    (SGLang ignores them); `return_meta_info` makes SGLang put its per-request speculative stats
-    under `choices[0].meta_info` (non-streaming only; ignored by this engine)."""
+    """OpenAI chat completion, greedy unless `temperature` > 0 (then with `top_p` and `seed`).
+    `speculative`/`steps` are this engine's fields (SGLang ignores them); `return_meta_info`
+    makes SGLang put its per-request speculative stats under `choices[0].meta_info`
+    (non-streaming only; ignored by this engine)."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     body: dict[str, Any] = {
         "messages": messages,
         "max_tokens": max_tokens,
-        "temperature": 0,
+        "temperature": temperature,
         "ignore_eos": ignore_eos,
         "speculative": speculative,
         "return_meta_info": True,
@@ -103,6 +111,10 @@ def chat_request(
     }
     if steps is not None:
         body["steps"] = steps
+    if temperature > 0:
+        body["top_p"] = top_p
+        if seed is not None:
+            body["seed"] = seed
     return "/v1/chat/completions", body
 
 

@@ -165,6 +165,7 @@ def bench_prompts(args: argparse.Namespace) -> tuple[list[Any], list[str]]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from serve.bench import run_bench
+    from serve.shapes import Shape
 
     prompts, domains = bench_prompts(args)
     cfg = {
@@ -174,10 +175,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "warmup": args.warmup,
         "steps_sweep": _ints(args.steps_sweep),
         "ignore_eos": args.ignore_eos,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "seed": args.sampling_seed,
+        "shape_chains": _ints(args.shape_chains),
+        "baseline_prompts": args.baseline_prompts,
+        "accept_concurrency": args.accept_concurrency,
     }
+    shape = None
+    if args.shape:
+        steps, topk, n = _ints(args.shape)
+        shape = Shape(steps, topk, n)
     r = run_bench(
-        args.url, prompts, cfg, args.out, tag=args.tag, timeout_s=args.timeout, domains=domains
-    )
+        args.url, prompts, cfg, args.out, tag=args.tag, timeout_s=args.timeout, domains=domains,
+        shape=shape,
+    )  # fmt: skip
     summary = {
         "accept_len": r.accept_len,
         "tok_per_s": r.tok_per_s,
@@ -189,6 +201,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "break_even_accept_len": r.break_even_accept_len,
         "acceptance_per_position": r.acceptance_per_position,
         "domains": r.domains,
+        "shape": r.shape,
         "json": r.json_path,
         "plot": r.plot_path,
     }
@@ -332,6 +345,24 @@ def main(argv: list[str] | None = None, prog: str = "python -m serve.cli") -> in
     b.add_argument("--concurrency", default="1", help="comma list, e.g. 1,4")
     b.add_argument("--warmup", type=int, default=2)
     b.add_argument("--steps-sweep", default="", help="comma list of steps to try, e.g. 1,2,3,4")
+    b.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)"
+    )
+    b.add_argument("--top-p", type=float, default=1.0, help="nucleus of sampled requests")
+    b.add_argument("--sampling-seed", type=int, default=0, help="seed of sampled requests")
+    b.add_argument(
+        "--shape",
+        default="",
+        help="the embedded server's drafting shape, steps,topk,num_draft_tokens (e.g. 5,4,12): "
+        "with --shape-chains, each shape's accept_len and speedup over plain decoding",
+    )
+    b.add_argument(
+        "--shape-chains", default="", help="chains to measure beside --shape, e.g. 1,2,3"
+    )
+    b.add_argument("--baseline-prompts", type=int, default=None,
+                   help="time speed on the first N prompts only (bench.baseline_prompts)")  # fmt: skip
+    b.add_argument("--accept-concurrency", type=int, default=None,
+                   help="score acceptance on every prompt, N in flight (bench.accept_concurrency)")  # fmt: skip
     b.add_argument("--out", default="bench", help="folder for <tag>.json and <tag>.png")
     b.add_argument("--tag", default="bench")
     b.add_argument("--timeout", type=float, default=900.0, help="seconds per request")

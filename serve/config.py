@@ -137,6 +137,15 @@ class BenchConfig(Strict):
     """Embedded engine: time the no-drafter baseline on the first N prompts only (None = all).
     The baseline is a speed figure, and a target's decode speed barely depends on the prompt,
     so a few prompts give it at a fraction of the cost; per-domain speedups are then left out."""
+    temperature: float = Field(0.0, ge=0, le=2)
+    """Sampling temperature of every benchmark request (0 = greedy): the promotion gate, the
+    shape choice and the speedup are then measured at the settings the server's users send.
+    Sampled figures vary with the draws: compare two drafters at the same settings."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus of the benchmark's sampled requests (with `temperature` > 0)."""
+    seed: int = 0
+    """Seed of the benchmark's sampled requests; one for all, so requests that arrive together
+    still share a batch (the engine batches requests with equal sampling settings)."""
     accept_concurrency: int | None = Field(None, ge=1)
     """Score acceptance on every prompt with this many requests in flight (the server batches
     them; the embedded engine's batches hold `max_batch_size`, 8, and a batch forms from the

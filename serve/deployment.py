@@ -65,6 +65,7 @@ from serve.engine import (
 )
 from serve.jobs import _Job, run_isolated
 from serve.shapes import Shape
+from serve.stops import StopWatch, find_stop, held_back
 from serve.validation import (
     BadRequest,
     BodyTimeout,
@@ -358,7 +359,17 @@ class SpecServer:
             )
         ran = {id(j) for j in live}  # by identity: equal requests are equal dataclasses
         skipped = lambda j: Generation([], RequestStats(len(j.prompt), finish_reason="cancelled"))  # noqa: E731
-        return [next(out) if id(j) in ran else skipped(j) for j in sub]
+        gens = [next(out) if id(j) in ran else skipped(j) for j in sub]
+        for j, g in zip(sub, gens, strict=True):
+            if id(j) in ran and j.stops is not None and self._text(j, g)[1]:
+                g.stats.finish_reason = "stop"  # the engine dropped it at its stop string
+        return gens
+
+    def _text(self, job: _Job, gen: Generation) -> tuple[str, bool]:
+        """The reply's text, cut where its first stop string begins; whether one did."""
+        text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        cut = find_stop(text, job.stops.stops) if job.stops is not None else None
+        return (text, False) if cut is None else (text[:cut], True)
 
     async def _job(
         self, body: dict[str, Any], chat: bool, stream: bool, deadline: float = float("inf")
@@ -385,6 +396,9 @@ class SpecServer:
         )
         speculative = req.speculative and not (self.plain and "speculative" not in body)
         job = _Job(req.prompt, req.params, speculative=speculative)
+        if req.stop:
+            decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+            job.stops = StopWatch(req.stop, decode)
         if self.traffic is not None and req.record:
             job.record = {"chat": chat, "messages": body.get("messages") if chat else None,
                           "prompt": None if chat else body.get("prompt")}  # fmt: skip
@@ -406,7 +420,7 @@ class SpecServer:
         if gen.stats.finish_reason == "cancelled":
             raise RequestTimeout(self._timeout_message())
         await self._log_traffic(job, gen)
-        return self._response(gen, chat, job.speculative)
+        return self._response(job, gen, chat)
 
     def _timeout_message(self) -> str:
         return (
@@ -434,8 +448,8 @@ class SpecServer:
         except Exception as e:  # noqa: BLE001
             log.error("traffic log: record dropped (%s)", e)
 
-    def _response(self, gen: Generation, chat: bool, speculative: bool) -> dict[str, Any]:
-        text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+    def _response(self, job: _Job, gen: Generation, chat: bool) -> dict[str, Any]:
+        text, _ = self._text(job, gen)
         choice: dict[str, Any] = {
             "index": 0,
             "finish_reason": gen.stats.finish_reason,
@@ -451,7 +465,7 @@ class SpecServer:
             "created": int(time.time()),
             "model": self.model_name,
             "choices": [choice],
-            "usage": self._usage(gen, speculative),
+            "usage": self._usage(gen, job.speculative),
         }
 
     def _usage(self, gen: Generation, speculative: bool) -> dict[str, Any]:
@@ -512,6 +526,10 @@ class SpecServer:
                     text = self.tokenizer.decode(tokens, skip_special_tokens=True)
                     if text.endswith("\ufffd"):
                         continue  # an incomplete UTF-8 sequence: wait for the next token
+                    if job.stops is not None:  # never send what a stop string may claim
+                        cut = find_stop(text, job.stops.stops)
+                        end = len(text) - held_back(text, job.stops.stops) if cut is None else cut
+                        text = text[:end]
                     if len(text) > len(sent):
                         yield chunk(text[len(sent) :])
                         sent = text
@@ -526,7 +544,7 @@ class SpecServer:
                 yield "data: [DONE]\n\n"
                 return
             await self._log_traffic(job, gen)
-            text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+            text, _ = self._text(job, gen)
             yield chunk(text[len(sent) :] or None, finish=gen.stats.finish_reason)
             if include_usage:
                 yield chunk(None, usage=self._usage(gen, job.speculative))

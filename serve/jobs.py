@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from serve.engine import Generation, GenParams
+from serve.stops import StopWatch
 
 log = logging.getLogger("ray.serve")
 
@@ -27,6 +28,7 @@ class _Job:
     # attribute store is atomic under the GIL). The client hung up, or its time is up.
     cancelled: bool = False
     deadline: float = math.inf  # time.monotonic() past which the engine drops the request
+    stops: StopWatch | None = None  # its stop strings: the engine drops it once one appears
 
     @property
     def stopped(self) -> bool:
@@ -48,7 +50,12 @@ class _Job:
 
     def push(self, item: list[int] | None) -> bool:
         """Hand new tokens (None: the end) to the stream; True when the engine should stop
-        this request (the engine's TokenCallback)."""
+        this request (the engine's TokenCallback): nobody waits for it, or it reached a stop
+        string."""
+        hit = item is not None and self.stops is not None and self.stops.feed(item)
+        return self._push(item) or hit
+
+    def _push(self, item: list[int] | None) -> bool:
         if item is not None:
             self.seen += len(item)
             fresh = self.seen - self.sent
@@ -62,6 +69,8 @@ class _Job:
     def restart(self) -> None:
         """Before a retry: the tokens it produces again up to `sent` are not streamed twice."""
         self.seen = 0
+        if self.stops is not None:
+            self.stops.reset()
 
 
 def run_isolated(

@@ -117,9 +117,16 @@ def choose_serving_shape(
         "served_speedup": measured.get(choice.shape.name, 1.0),
         "served_spread": spreads.get(choice.shape.name),  # None: plain serves (1.0 by definition)
         "spreads": spreads,
+        "accept_lens": {name: _mean_accept(st) for name, st in per_shape.items()},
         "chain_acceptance_per_position": list(acceptance),
         "prediction_scale": scale,
         "costs": {"plain_step_ms": plain.verify_ms, "draft_step_ms": draft_step_ms,
                   "verify_ms_by_width": {str(w): v for w, v in sorted(verify.items())}},
         "prompts": len(prompts),
     }  # fmt: skip
+
+
+def _mean_accept(stats: list[RequestStats]) -> float | None:
+    """A shape's accept_len: the mean over its requests (None: nothing drafted)."""
+    lens = [r.accept_len for r in stats if r.accept_len is not None]
+    return sum(lens) / len(lens) if lens else None

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve.engine import GenParams, tree_problem
+from serve.stops import stop_problem, stop_strings
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STEPS = 16
@@ -105,6 +106,7 @@ class CheckedRequest:
     stream: bool
     include_usage: bool
     record: bool = True
+    stop: tuple[str, ...] = ()  # stop strings (serve/stops.py)
 
 
 async def read_body(chunks: AsyncIterator[bytes], declared: str | None) -> bytes:
@@ -245,8 +247,8 @@ def check_request(
     n = body.get("n")
     if n is not None and (not _is_int(n) or n != 1):
         problems.append(f"n: {n!r}; only 1 completion per request is supported")
-    if body.get("stop"):
-        problems.append("stop: stop strings are not supported; leave it out")
+    if problem := stop_problem(body.get("stop")):
+        problems.append(problem)
     seed = opt_int("seed", -(2**63), 2**63 - 1)
     steps = opt_int("steps", 1, MAX_STEPS)
     topk = opt_int("topk", 1, MAX_TOPK)
@@ -273,7 +275,7 @@ def check_request(
             f"context of {limits.max_context}; shorten the prompt or lower max_tokens"
         )
     if prompt and limits.static_capacity:
-        need = _kv_need(len(prompt), max_tokens, speculative, temperature, steps, topk, n_tokens, limits)  # fmt: skip
+        need = _kv_need(len(prompt), max_tokens, speculative, steps, topk, n_tokens, limits)
         if need > limits.static_capacity:
             problems.append(
                 f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) + one "
@@ -292,14 +294,14 @@ def check_request(
         topk=topk,
         num_draft_tokens=n_tokens,
     )
-    return CheckedRequest(prompt, params, speculative, stream, include_usage, record)
+    stops = stop_strings(body.get("stop"))
+    return CheckedRequest(prompt, params, speculative, stream, include_usage, record, stops)
 
 
 def _kv_need(
     n_prompt: int,
     max_tokens: int,
     speculative: bool,
-    temperature: float,
     steps: int | None,
     topk: int | None,
     n_tokens: int | None,
@@ -308,7 +310,7 @@ def _kv_need(
     """KV slots the static runner needs for this request, as its `_check_fits` counts them:
     prompt + completion + one verify pass (a tree's tokens, a chain's steps + 1, plain: 1) + 1."""
     k, tk = steps or limits.steps, topk or limits.topk
-    tree = tk > 1 and temperature <= 0  # sampling always drafts chains
+    tree = tk > 1
     width = (n_tokens or limits.num_draft_tokens or k + 1) if tree else k + 1
     return n_prompt + max_tokens + (width if speculative else 1) + 1
 

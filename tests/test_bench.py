@@ -225,6 +225,44 @@ def test_acceptance_on_every_prompt_batched_and_speed_on_the_first_few(endpoint,
     assert measure_baseline_levels(endpoint.url, prompts, cfg)["levels"][0]["requests"] == 2
 
 
+def test_the_benchmark_samples_at_its_temperature(endpoint, tmp_path):
+    """`bench.temperature`, `top_p`, `seed`: every request the benchmark sends (drafted and
+    plain) samples at them, and the result says which settings its figures are at."""
+    from serve.bench import _builder
+
+    cfg = dict(SMALL, concurrency=[1], steps_sweep=[], temperature=0.9, top_p=0.8, seed=5)
+    sent = []
+
+    def build(prompt, max_tokens, speculative, steps):
+        path, body = _builder(cfg, None)(prompt, max_tokens, speculative, steps)
+        sent.append(body)
+        return path, body
+
+    r = run_bench(endpoint.url, PROMPTS, cfg, tmp_path, tag="sampled", build=build)
+    assert {(b["temperature"], b["top_p"], b["seed"]) for b in sent} == {(0.9, 0.8, 5)}
+    assert {b["speculative"] for b in sent} == {True, False} and r.accept_len >= 1.0
+    s = r.extra["settings"]
+    assert (s["temperature"], s["top_p"], s["seed"]) == (0.9, 0.8, 5)
+
+
+def test_cli_measures_each_shape_sampled(endpoint, tmp_path, capsys):
+    """`serve.cli bench --temperature --top-p --shape --shape-chains`: every shape (the tree at
+    temperature > 0 included) gets its accept_len and speedup over plain sampling."""
+    from serve.cli import main
+
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"Tell a story about {w}."}) + "\n" for w in ("owls", "rain", "maps")))  # fmt: skip
+    rc = main(["bench", "--url", endpoint.url, "--prompts-jsonl", str(f), "--max-tokens", "8",
+               "--warmup", "0", "--temperature", "0.8", "--top-p", "0.9", "--shape", "2,2,4",
+               "--shape-chains", "1,2", "--out", str(tmp_path), "--tag", "sampled"])  # fmt: skip
+    assert rc == 0
+    shape = json.loads(capsys.readouterr().out)["shape"]
+    assert set(shape["accept_lens"]) == set(shape["measured_speedups"]) == {"tree-2x2x4", "chain-1", "chain-2"}  # fmt: skip
+    assert all(a >= 1.0 for a in shape["accept_lens"].values())
+    saved = json.loads((tmp_path / "sampled.json").read_text())["extra"]["settings"]
+    assert (saved["temperature"], saved["top_p"]) == (0.8, 0.9)
+
+
 def test_cli_benchmarks_a_whole_small_file_by_domain(endpoint, tmp_path, capsys):
     """A user's 10-prompt file is benchmarked whole (no held-out split to leave it short), one
     domain per file or per record, figures per domain in the printed JSON and the result file."""

@@ -553,6 +553,56 @@ def test_rejection_sampling_with_top_p_gives_the_targets_nucleus_law(bias, monke
         assert outside == 0 and chi2_pvalue(counts, probs) > 1e-3
 
 
+def _no_residual_walk(tree, logits, steps, temperature, gen, top_p=1.0):
+    """A planted bias: the tree walk of `tree_sample_accept` without taking a rejected child
+    out of the law (each child tried at its own p(c), the bonus drawn from the whole p)."""
+    from serve.engine.acceptance import sampling_probs
+
+    probs = sampling_probs(logits, temperature, top_p)
+    B = probs.shape[0]
+    a, path = torch.zeros(B, dtype=torch.long), torch.zeros(B, steps, dtype=torch.long)
+    bonus = torch.empty(B, dtype=torch.long)
+    for b in range(B):
+        kids: dict[int, list] = {}
+        for i, (par, t) in enumerate(
+            zip(tree.parents[b].tolist(), tree.tokens[b].tolist(), strict=True)
+        ):
+            kids.setdefault(par + 1, []).append((t, i + 1))
+        cur = 0
+        while True:
+            p = probs[b, cur]
+            nxt = next((n for t, n in kids.get(cur, []) if float(torch.rand(1, generator=gen)) < float(p[t])), None)  # fmt: skip
+            if nxt is None:
+                bonus[b] = torch.multinomial(p, 1, generator=gen)[0]
+                break
+            path[b, a[b]], a[b], cur = nxt, a[b] + 1, nxt
+    return a, path, bonus
+
+
+@pytest.mark.parametrize("top_p,bias", [(1.0, False), (0.7, False), (1.0, True)])
+def test_tree_sampling_gives_the_targets_law(top_p, bias, monkeypatch):
+    """A draft tree at temperature > 0 (2 levels, top-2, 4 tokens): the three first tokens
+    follow the target's law, nucleus included (exact, by enumeration). Planted bias: a walk
+    that leaves rejected children in the law fails it."""
+    import serve.engine.loop as loop
+
+    if bias:
+        monkeypatch.setattr(loop, "tree_sample_accept", _no_residual_walk)
+    target = small_target()
+    engine = SpecEngine(target, small_drafter(target), steps=2, topk=2, num_draft_tokens=4,
+                        stop_ids=set())  # fmt: skip
+    prompt, T, n, rows = [1, 5, 2, 6], 0.8, 3, 12000
+    out = engine.generate([prompt] * rows, GenParams(max_tokens=n, temperature=T, top_p=top_p, seed=11))  # fmt: skip
+    hist = torch.tensor([g.stats.accept_hist for g in out]).sum(0)
+    assert hist.tolist()[0] > 1000 and hist[1:].sum() > 1000, hist  # rejections and acceptances
+    samples = torch.tensor([g.token_ids for g in out])
+    counts = torch.zeros(V, V, V)
+    for row in samples.tolist():
+        counts[tuple(row)] += 1
+    p = chi2_pvalue(counts, exact_probs(target, prompt, n, T, top_p))
+    assert p < 1e-6 if bias else p > 1e-3, p
+
+
 def test_sampling_is_reproducible_with_a_seed(target, prompts):
     engine = SpecEngine(
         target, random_drafter(target, draft_vocab_size=500, aux_layer_ids=AUX), steps=K

@@ -92,6 +92,76 @@ def test_streaming_matches_non_streaming(endpoint):
     assert [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"]][-1] == "length"
 
 
+def _boundary_stop(tiny_target, max_tokens: int) -> tuple[str, str, int]:
+    """(the greedy reply to CHAT, a stop string spanning two of its tokens, the number of tokens
+    up to the one that completes it), from the same tiny target decoded in this process."""
+    from actors.chat import prompt_ids
+    from serve.engine import GenParams, SpecEngine, load_target
+
+    target, tok = load_target(str(tiny_target))  # as the server loads it (fp32)
+    ids = (
+        SpecEngine(target, None)
+        .generate(
+            [prompt_ids(tok, CHAT["messages"])], GenParams(max_tokens=max_tokens, ignore_eos=True)
+        )[0]
+        .token_ids
+    )
+    text = tok.decode(ids, skip_special_tokens=True)
+    for i in range(2, max_tokens // 2):
+        a, b = (len(tok.decode(ids[:j], skip_special_tokens=True)) for j in (i, i + 1))
+        stop = text[a - 1 : a + 1]  # the last character of token i-1 and the first of token i
+        if b > a and text.isprintable() and text.find(stop) == a - 1:
+            return text, stop, i + 1
+    raise AssertionError(f"no clean token boundary in {text!r}")
+
+
+def test_stop_strings_cut_the_reply_across_token_boundaries_streamed_or_not(endpoint, tiny_target):
+    """`stop` (OpenAI's field): the reply ends where the stop string begins, without it,
+    `finish_reason: "stop"`, the same text streamed; the engine stops within a cycle of it."""
+    text, stop, upto = _boundary_stop(tiny_target, 16)
+    body = dict(CHAT, ignore_eos=True, max_tokens=16)
+    with httpx.Client(base_url=endpoint.url, timeout=120) as c:
+        assert c.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"] == text  # fmt: skip
+        got = c.post("/v1/chat/completions", json=dict(body, stop=[stop, "never there"])).json()
+        events = []
+        with c.stream("POST", "/v1/chat/completions", json=dict(body, stop=stop, stream=True)) as r:
+            events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+        missing = c.post("/v1/chat/completions", json=dict(body, stop="never there")).json()
+    want = text[: text.find(stop)]
+    assert got["choices"][0]["message"]["content"] == want
+    assert got["choices"][0]["finish_reason"] == "stop"
+    assert upto <= got["usage"]["completion_tokens"] <= upto + SHARED_APP["steps"] + 1 < 16
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+    assert streamed == want and events[-1]["choices"][0]["finish_reason"] == "stop"
+    assert missing["choices"][0]["message"]["content"] == text
+    assert missing["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_openai_client_sends_stop_and_top_p_streamed_or_not(endpoint, tiny_target):
+    """The real `openai` package against the server: `stop` ends the reply at the stop string,
+    streamed or not; sampling with `top_p` and a seed gives one reply, streamed or not."""
+    import openai
+
+    text, stop, _ = _boundary_stop(tiny_target, 16)
+    client = openai.OpenAI(base_url=f"{endpoint.url}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    ask = dict(model=model, messages=CHAT["messages"], extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(**ask, max_tokens=16, temperature=0, stop=[stop])
+    assert r.choices[0].message.content == text[: text.find(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(**ask, max_tokens=16, temperature=0, stop=stop,
+                                                 stream=True))  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text[: text.find(stop)]  # fmt: skip
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+    sample = dict(ask, max_tokens=8, temperature=0.7, top_p=0.9, seed=3)
+    one, two = (client.chat.completions.create(**sample) for _ in range(2))
+    assert one.choices[0].message.content == two.choices[0].message.content  # seeded
+    assert one.usage.completion_tokens == 8 and one.choices[0].finish_reason == "length"
+    streamed = list(client.chat.completions.create(**sample, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == one.choices[0].message.content  # fmt: skip
+
+
 def test_concurrent_requests_each_get_their_own_length(endpoint):
     def ask(n: int) -> dict:
         with httpx.Client(base_url=endpoint.url, timeout=120) as c:
@@ -424,7 +494,7 @@ def _malformed_requests(rng) -> list[tuple[str, bytes]]:
         ("speculative", "yes"), ("stream", 1), ("stream_options", "x"), ("seed", 1.5),
         ("ignore_eos", "no"), ("prompt", []), ("prompt", [10**9]), ("prompt", [-1]),
         ("prompt", [1.5]), ("prompt", {"a": 1}), ("prompt", None), ("prompt", [[1, 2], [3]]),
-        ("prompt", "\ud800"), ("top_p", 0), ("n", 3), ("stop", ["x"]),
+        ("prompt", "\ud800"), ("top_p", 0), ("n", 3), ("stop", [""]),
         ("num_draft_tokens", 10**6),
     ]  # fmt: skip
     out = []

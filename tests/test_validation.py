@@ -86,7 +86,9 @@ def test_valid_requests_are_settled():
         ({"prompt": [1], "top_p": "0.9"}, "top_p: '0.9'"),
         ({"prompt": [1], "top_p": True}, "top_p: True"),
         ({"prompt": [1], "n": 2}, "n: 2"),
-        ({"prompt": [1], "stop": ["\n"]}, "stop"),
+        ({"prompt": [1], "stop": ["a", "b", "c", "d", "e"]}, "stop: "),
+        ({"prompt": [1], "stop": ["\n", ""]}, "a list of 1 to 4 non-empty strings"),
+        ({"prompt": [1], "stop": 7}, "stop: '7'"),
         ({"prompt": [1], "topk": 2, "num_draft_tokens": 40}, "num_draft_tokens=40"),
         ({"prompt": [1, 5000]}, "prompt: token id(s) [5000] outside the vocabulary [0, 1000)"),
         ({"prompt": [-1]}, "prompt: token id(s) [-1]"),
@@ -402,3 +404,17 @@ def test_requests_share_an_engine_call_only_when_every_setting_but_max_tokens_ag
     for field, value in (("top_p", 0.5), ("temperature", 0.8), ("seed", 3), ("steps", 2)):
         other = dataclasses.replace(base.params, **{field: value})
         assert _Job(base.prompt, other, True).key != job.key, field
+
+
+def test_stop_strings_end_where_they_begin_and_a_stream_holds_back_what_may_become_one():
+    """serve/stops.py, the rule the deployment applies: the earliest stop string cuts the text;
+    a stream never sends the tail that the next tokens could turn into a stop string."""
+    from serve.stops import find_stop, held_back, stop_problem, stop_strings
+
+    assert stop_strings("x") == ("x",) and stop_strings(None) == stop_strings([]) == ()
+    assert stop_strings(["a", "bc"]) == ("a", "bc") and stop_problem(["a", "bc"]) is None
+    assert find_stop("hello world", ["wor", "o"]) == 4  # the earliest wins, not the first listed
+    assert find_stop("hello", ["xyz"]) is None
+    assert held_back("the end", ["end.", "ZZ"]) == 3  # "end" may become "end."
+    assert held_back("the en", ["end."]) == 2 and held_back("abc", ["xyz"]) == 0
+    assert held_back("ab", ["b", "abc"]) == 2  # a whole stop string is find_stop's, not held

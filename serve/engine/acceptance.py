@@ -75,6 +75,54 @@ def tree_greedy_accept(
     return a, path, bonus
 
 
+def tree_sample_accept(
+    tree: DraftTree,
+    logits: Tensor,
+    steps: int,
+    temperature: float,
+    gen: torch.Generator | None,
+    top_p: float = 1.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Speculative sampling over a draft tree, lossless. A tree's children are fixed candidates
+    (the drafter's top-k), not draws, so each is a point-mass draft: at a node with the target's
+    law p (`sampling_probs`), its children are tried in order, child c accepted with probability
+    p(c); a rejection removes c from p (the residual of a point mass) and renormalises it. The
+    first child accepted becomes the node; when none is, the bonus is drawn from what is left of
+    p (all of p below a leaf). So every token emitted is drawn from p given the ones before it,
+    as the target samples it: P(c_i) = prod_{j<i}(1 - p_j(c_j)) p_i(c_i) = p(c_i). SGLang's
+    target-only tree sampling keeps the same law. Same (a, path, bonus) as tree_greedy_accept."""
+    logits = logits.cpu()
+    B = logits.shape[0]
+    a, path = torch.zeros(B, dtype=torch.long), torch.zeros(B, steps, dtype=torch.long)
+    bonus = torch.empty(B, dtype=torch.long)
+    for b in range(B):
+        children: dict[int, list[tuple[int, int]]] = {}
+        for i, (par, t) in enumerate(
+            zip(tree.parents[b].tolist(), tree.tokens[b].tolist(), strict=True)
+        ):
+            children.setdefault(par + 1, []).append((t, i + 1))
+        cur = 0
+        while True:
+            # the law of the nodes the walk reaches only: a nucleus sorts the whole vocabulary
+            p, nxt = sampling_probs(logits[b, cur], temperature, top_p), None
+            left = 1.0  # the mass of p not rejected yet: p / left is the law of what is left
+            for t, node in children.get(cur, []):
+                pt = float(p[t])
+                if float(torch.rand(1, generator=gen)) * left < pt:
+                    nxt = node
+                    break
+                p[t], left = 0.0, left - pt
+            if nxt is None:  # multinomial normalises what is left
+                if not float(p.sum()) > 0:  # rounding rejected all of it (p ~ 1e-7): all of p
+                    p = sampling_probs(logits[b, cur], temperature, top_p)
+                bonus[b] = torch.multinomial(p, 1, generator=gen)[0]
+                break
+            path[b, a[b]] = nxt
+            a[b] += 1
+            cur = nxt
+    return a, path, bonus
+
+
 def tree_greedy_accept_on_device(
     tree: DraftTree, logits: Tensor, steps: int
 ) -> tuple[Tensor, Tensor, Tensor]:

@@ -4,8 +4,9 @@ One cycle (chain drafting, `steps` = k, topk 1), for every row of the batch at o
   1. the drafter proposes d_1..d_k from its last verified slot (k drafter forwards per cycle: the
      extend of the previous cycle plus k-1 single-token steps);
   2. the target scores [x_n, d_1..d_k] in ONE forward over its KV cache; greedy keeps the longest
-     prefix of drafts equal to the target's argmax, sampling uses speculative rejection sampling;
-     both add one bonus token from the target, so a cycle emits a+1 tokens;
+     prefix of drafts equal to the target's argmax, sampling uses speculative rejection sampling
+     (a tree: `tree_sample_accept`); both add one bonus token from the target, so a cycle emits
+     a+1 tokens;
   3. the target cache keeps the a+1 accepted entries per row (rejected ones are masked or cropped)
      and the drafter extends its cache with the target's aux states of exactly those entries.
 Temperature 0 reproduces the target's own greedy decoding token for token; temperature > 0
@@ -42,6 +43,7 @@ from serve.engine.acceptance import (
     sample_token,
     tree_greedy_accept,
     tree_greedy_accept_on_device,
+    tree_sample_accept,
 )
 from serve.engine.drafting import (
     DraftSource,
@@ -289,7 +291,7 @@ class SpecEngine:
         drafter, runner = self.drafter, self._runner
         k = params.steps or self.steps
         topk = params.topk or self.topk
-        tree = topk > 1 and params.temperature <= 0  # sampling always drafts chains
+        tree = topk > 1
         n_tokens = params.num_draft_tokens or self.num_draft_tokens or k + 1
         if tree and (problem := tree_problem(k, topk, n_tokens)):
             raise ValueError(problem)
@@ -321,7 +323,7 @@ class SpecEngine:
         j = torch.arange(k + 1)
         while rows.active:
             if tree:
-                cyc = self._tree_cycle(x_next, pos_next, k, topk, n_tokens)
+                cyc = self._tree_cycle(x_next, pos_next, k, topk, n_tokens, params, gen)
             else:
                 cyc = self._chain_cycle(x_next, pos_next, k, params, gen)
             rows.charge("draft_ms", cyc.draft_ms)
@@ -477,10 +479,18 @@ class SpecEngine:
         return _Cycle(a, drafts, bonus, aux, draft_ms, _ms(t))
 
     def _tree_cycle(
-        self, x_next: Tensor, pos_next: Tensor, k: int, topk: int, n_tokens: int
+        self,
+        x_next: Tensor,
+        pos_next: Tensor,
+        k: int,
+        topk: int,
+        n_tokens: int,
+        params: GenParams,
+        gen: torch.Generator | None,
     ) -> _Cycle:
-        """Greedy tree cycle: all n_tokens (root + nodes) verified in one pass under an ancestor
-        mask; the accepted path's entries stay in the target cache, the rest are masked out."""
+        """Tree cycle: all n_tokens (root + nodes) verified in one pass under an ancestor mask;
+        greedy walks the target's argmax, sampling `tree_sample_accept`; the accepted path's
+        entries stay in the target cache, the rest are masked out."""
         t = time.perf_counter()
         tree = self.drafter.propose_tree(k, topk, n_tokens - 1)
         tree = DraftTree(tree.tokens.cpu(), tree.parents.cpu(), tree.depths.cpu())
@@ -495,7 +505,12 @@ class SpecEngine:
             aux=True,
             tree=tree_ancestors(tree.parents),
         )
-        a, path, bonus = tree_greedy_accept(tree, logits, k)
+        if params.temperature <= 0:
+            a, path, bonus = tree_greedy_accept(tree, logits, k)
+        else:
+            a, path, bonus = tree_sample_accept(
+                tree, logits, k, params.temperature, gen, params.top_p
+            )
         keep = torch.zeros_like(ids, dtype=torch.bool)
         keep.scatter_(1, path, torch.arange(k)[None] < a[:, None])
         keep[:, 0] = True  # scatter of padded (index 0) entries may have cleared the root
