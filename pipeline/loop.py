@@ -602,12 +602,10 @@ def _simulate(cfg: Config, plan, r: int, server, tracker: Tracker, child: str) -
     pool = plan.users
     start = (r * n) % max(1, len(pool))
     prompts = [pool[(start + i) % len(pool)].messages for i in range(min(n, len(pool)))]
-    res = simulate_users(
-        server.url,
-        prompts,
-        max_tokens=cfg.data.max_new_tokens,
-        concurrency=cfg.serve.simulate_concurrency,
-    )
+    b = cfg.bench  # the users sample as the deployment is judged
+    res = simulate_users(server.url, prompts, max_tokens=cfg.data.max_new_tokens,
+                         concurrency=cfg.serve.simulate_concurrency, temperature=b.temperature,
+                         top_p=b.top_p)  # fmt: skip
     rec = _record(res)
     detail.info("simulated users: %s", rec)
     tracker.log(child, {f"traffic/{k}": v for k, v in rec.items() if isinstance(v, int | float)})

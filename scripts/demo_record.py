@@ -55,6 +55,25 @@ def one_run(run_dir: Path, log: Path) -> dict:
             "summary": summary}  # fmt: skip
 
 
+def bench_line(run_dir: Path) -> str:
+    """What the run's benchmark measured, from its resolved config and its first round."""
+    import yaml
+
+    cfg = yaml.safe_load((run_dir / "config.resolved.yaml").read_text())
+    b, s = cfg["bench"], cfg["serve"]
+    first = json.loads((run_dir / "summary.json").read_text())["rounds"][0]
+    doms = list(first.get("domains") or {})
+    n = b["num_prompts"]
+    each = f" ({n // len(doms)} a domain: {', '.join(doms)})" if doms else ""
+    how = "greedy" if not b.get("temperature") else f"temperature {b['temperature']:g}, top_p {b['top_p']:g}"  # fmt: skip
+    shape = f"{s['steps']} levels, top-{s['topk']}, {s['num_draft_tokens']} tokens"
+    line = f"{n} held-out real prompts{each}, {b['max_tokens']} tokens, {how}; accept_len is the configured tree's ({shape})"  # fmt: skip
+    if b.get("accept_concurrency"):
+        line += f", scored {b['accept_concurrency']} in flight in the server's batches"
+    timed = b.get("baseline_prompts") if b.get("accept_concurrency") else None
+    return line + (f"; speed against plain decoding on {timed} of them alone" if timed else "; speed against plain decoding")  # fmt: skip
+
+
 def _round3(v):
     return round(v, 3) if isinstance(v, float) else v
 
@@ -93,8 +112,7 @@ def main() -> None:
         "hardware": a.hardware, "commit": a.commit, "command": a.command, "config": a.config,
         "target": "SmolLM2-135M-Instruct (GGUF Q4_1), embedded engine",
         "drafter_init": a.drafter_init,
-        "bench": "12 held-out real prompts (4 chat, 4 coding, 4 math), greedy; accept_len is the "
-                 "configured tree's (5 levels, top-4, 12 tokens); speed against plain decoding",
+        "bench": bench_line(Path(a.run[0][0])),
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__, "ray": ray.__version__},
         "rounds": [{k: r[k] for k in ROUND_KEYS} for r in first["rounds"]],

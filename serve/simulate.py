@@ -39,6 +39,7 @@ def simulate_users(
     concurrency: int = 4,
     max_seconds: float = 900.0,
     temperature: float = 0.0,
+    top_p: float = 1.0,
 ) -> SimulationResult:
     """Send every prompt once (chat completions, `concurrency` in flight); stops sending when
     `max_seconds` have passed. Failures are counted, not raised: a user's bad request is the
@@ -56,6 +57,7 @@ def simulate_users(
             "messages": messages,
             "max_tokens": max_tokens,
             "temperature": temperature,
+            **({"top_p": top_p} if temperature > 0 else {}),
         }
         try:
             r = client.post("/v1/chat/completions", json=body)

@@ -54,7 +54,8 @@ def base_run(tmp_path_factory, tiny_target) -> tuple[Path, Path]:
         # The random target's replies fall mostly outside the base's 512-token draft vocab, so
         # held-out accuracy (over in-vocab positions only) says nothing about serving here: the
         # collapse check (tests/test_closed_loop.py has its own) is off for this run.
-        "bench": {"num_prompts": 4, "max_tokens": 16, "warmup": 1, "collapse_predicted": 99},
+        "bench": {"num_prompts": 4, "max_tokens": 16, "warmup": 1, "collapse_predicted": 99,
+                  "temperature": 0.7, "top_p": 0.9},  # judged sampled, as users are served
         "stop": {"accept_len": None, "max_rounds": 2, "max_wall_minutes": 20},
         "tracking": {"tracking_uri": f"sqlite:///{tmp}/mlflow.db", "experiment": "first"},
     }  # fmt: skip
@@ -80,7 +81,13 @@ def test_round_0_serves_the_base_drafter_untrained_and_its_users_traffic_is_reco
     assert (served / "model.safetensors").read_bytes() == (base / "model.safetensors").read_bytes()
     assert r0["bench"]["accept_len"] >= 1.0 and r0["gate"]["promoted"]
     assert r0["traffic"]["requests"] == 4 and r0["traffic"]["failed"] == 0
-    assert len(list(read_traffic(run_dir / "traffic"))) == 4
+    records = list(read_traffic(run_dir / "traffic"))
+    assert len(records) == 4  # the users sample at the settings the rounds are judged at
+    assert {(x["temperature"], x["top_p"]) for x in records} == {(0.7, 0.9)}
+    settings = r0["bench"]["extra"]["settings"]
+    assert (settings["temperature"], settings["top_p"]) == (0.7, 0.9)
+    rows = json.loads((run_dir / "summary.json").read_text())["rounds"]
+    assert [r["temperature"] for r in rows] == [0.7, 0.7]
 
 
 def test_round_1_fine_tunes_the_base_drafter_on_the_traffic_keeping_its_vocab(base_run):
