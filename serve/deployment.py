@@ -65,7 +65,7 @@ from serve.engine import (
 )
 from serve.jobs import _Job, run_isolated
 from serve.shapes import Shape
-from serve.stops import StopWatch, find_stop, held_back
+from serve.stops import StopWatch
 from serve.validation import (
     BadRequest,
     BodyTimeout,
@@ -361,15 +361,14 @@ class SpecServer:
         skipped = lambda j: Generation([], RequestStats(len(j.prompt), finish_reason="cancelled"))  # noqa: E731
         gens = [next(out) if id(j) in ran else skipped(j) for j in sub]
         for j, g in zip(sub, gens, strict=True):
-            if id(j) in ran and j.stops is not None and self._text(j, g)[1]:
+            if j.stops is not None and j.stops.hit:  # fed every token the engine gave `j`
                 g.stats.finish_reason = "stop"  # the engine dropped it at its stop string
         return gens
 
-    def _text(self, job: _Job, gen: Generation) -> tuple[str, bool]:
-        """The reply's text, cut where its first stop string begins; whether one did."""
+    def _text(self, job: _Job, gen: Generation) -> str:
+        """The reply's text, cut where its first stop string begins."""
         text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-        cut = find_stop(text, job.stops.stops) if job.stops is not None else None
-        return (text, False) if cut is None else (text[:cut], True)
+        return text if job.stops is None else job.stops.reply(text)
 
     async def _job(
         self, body: dict[str, Any], chat: bool, stream: bool, deadline: float = float("inf")
@@ -449,7 +448,7 @@ class SpecServer:
             log.error("traffic log: record dropped (%s)", e)
 
     def _response(self, job: _Job, gen: Generation, chat: bool) -> dict[str, Any]:
-        text, _ = self._text(job, gen)
+        text = self._text(job, gen)
         choice: dict[str, Any] = {
             "index": 0,
             "finish_reason": gen.stats.finish_reason,
@@ -527,9 +526,7 @@ class SpecServer:
                     if text.endswith("\ufffd"):
                         continue  # an incomplete UTF-8 sequence: wait for the next token
                     if job.stops is not None:  # never send what a stop string may claim
-                        cut = find_stop(text, job.stops.stops)
-                        end = len(text) - held_back(text, job.stops.stops) if cut is None else cut
-                        text = text[:end]
+                        text = job.stops.streamable(text)
                     if len(text) > len(sent):
                         yield chunk(text[len(sent) :])
                         sent = text
@@ -544,7 +541,7 @@ class SpecServer:
                 yield "data: [DONE]\n\n"
                 return
             await self._log_traffic(job, gen)
-            text, _ = self._text(job, gen)
+            text = self._text(job, gen)
             yield chunk(text[len(sent) :] or None, finish=gen.stats.finish_reason)
             if include_usage:
                 yield chunk(None, usage=self._usage(gen, job.speculative))

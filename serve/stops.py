@@ -59,16 +59,30 @@ def held_back(text: str, stops: Sequence[str]) -> int:
 
 class StopWatch:
     """The stop strings of one request over its growing token list: `feed` (the engine's
-    thread, each cycle's new tokens) says when one has appeared, so the engine can drop the row.
-    `reset` before a retry, which produces the tokens again."""
+    thread, each cycle's new tokens) says when one has appeared (`hit`), so the engine can drop
+    the row; `reset` before a retry, which produces the tokens again. `reply` and `streamable`
+    cut a text as the response and a stream may show it."""
 
     def __init__(self, stops: Sequence[str], decode: Callable[[list[int]], str]):
         self.stops, self.decode = tuple(stops), decode
         self.tokens: list[int] = []
+        self.hit = False  # a stop string is in the text of every token fed so far
 
     def feed(self, tokens: list[int]) -> bool:
         self.tokens += tokens
-        return find_stop(self.decode(self.tokens), self.stops) is not None
+        self.hit = find_stop(self.decode(self.tokens), self.stops) is not None
+        return self.hit
 
     def reset(self) -> None:
-        self.tokens = []
+        self.tokens, self.hit = [], False
+
+    def reply(self, text: str) -> str:
+        """The whole reply: up to where its first stop string begins."""
+        cut = find_stop(text, self.stops)
+        return text if cut is None else text[:cut]
+
+    def streamable(self, text: str) -> str:
+        """What a stream may send of the text so far: the reply, less a tail that the next
+        tokens could still turn into a stop string."""
+        cut = find_stop(text, self.stops)
+        return text[: len(text) - held_back(text, self.stops)] if cut is None else text[:cut]

@@ -61,13 +61,13 @@ def tree_greedy_accept(
     a, path = torch.zeros(B, dtype=torch.long), torch.zeros(B, steps, dtype=torch.long)
     bonus = torch.empty(B, dtype=torch.long)
     for b in range(B):
-        children: dict[int, dict[int, int]] = {}
-        for i, (p, t) in enumerate(
-            zip(tree.parents[b].tolist(), tree.tokens[b].tolist(), strict=True)
-        ):
-            children.setdefault(p + 1, {}).setdefault(t, i + 1)
+        children = _children(tree, b)
         cur = 0
-        while (nxt := children.get(cur, {}).get(int(top[b, cur]))) is not None:
+        while True:  # into the first child (lowest node) carrying the target's argmax
+            want = int(top[b, cur])
+            nxt = next((n for t, n in children.get(cur, []) if t == want), None)
+            if nxt is None:
+                break
             path[b, a[b]] = nxt
             a[b] += 1
             cur = nxt
@@ -96,11 +96,7 @@ def tree_sample_accept(
     a, path = torch.zeros(B, dtype=torch.long), torch.zeros(B, steps, dtype=torch.long)
     bonus = torch.empty(B, dtype=torch.long)
     for b in range(B):
-        children: dict[int, list[tuple[int, int]]] = {}
-        for i, (par, t) in enumerate(
-            zip(tree.parents[b].tolist(), tree.tokens[b].tolist(), strict=True)
-        ):
-            children.setdefault(par + 1, []).append((t, i + 1))
+        children = _children(tree, b)
         cur = 0
         while True:
             # the law of the nodes the walk reaches only: a nucleus sorts the whole vocabulary
@@ -121,6 +117,15 @@ def tree_sample_accept(
             a[b] += 1
             cur = nxt
     return a, path, bonus
+
+
+def _children(tree: DraftTree, b: int) -> dict[int, list[tuple[int, int]]]:
+    """Row b's tree as node -> [(token, child node), ...] in node order (the root is node 0,
+    node i + 1 is tree entry i), the walks' view of it."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for i, (par, t) in enumerate(zip(tree.parents[b].tolist(), tree.tokens[b].tolist(), strict=True)):  # fmt: skip
+        children.setdefault(par + 1, []).append((t, i + 1))
+    return children
 
 
 def tree_greedy_accept_on_device(
