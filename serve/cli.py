@@ -165,7 +165,6 @@ def bench_prompts(args: argparse.Namespace) -> tuple[list[Any], list[str]]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from serve.bench import run_bench
-    from serve.shapes import Shape
 
     prompts, domains = bench_prompts(args)
     cfg = {
@@ -182,13 +181,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "baseline_prompts": args.baseline_prompts,
         "accept_concurrency": args.accept_concurrency,
     }
-    shape = None
-    if args.shape:
-        steps, topk, n = _ints(args.shape)
-        shape = Shape(steps, topk, n)
     r = run_bench(
         args.url, prompts, cfg, args.out, tag=args.tag, timeout_s=args.timeout, domains=domains,
-        shape=shape,
+        shape=args.shape,
     )  # fmt: skip
     summary = {
         "accept_len": r.accept_len,
@@ -207,6 +202,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     }
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def _shape(text: str):
+    """--shape `steps,topk,num_draft_tokens`, refused by argparse (exit 2, the flag named)."""
+    from serve.shapes import Shape
+
+    try:
+        steps, topk, n = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give steps,topk,num_draft_tokens, e.g. 5,4,12 (a chain of 3: 3,1,4)"
+        ) from None
+    if steps < 1 or topk < 1 or n < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: steps and topk >= 1, num_draft_tokens >= 2")
+    return Shape(steps, topk, n)
 
 
 def _batch_size(text: str) -> int:
@@ -352,7 +362,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m serve.cli") -> in
     b.add_argument("--sampling-seed", type=int, default=0, help="seed of sampled requests")
     b.add_argument(
         "--shape",
-        default="",
+        type=_shape,
+        default=None,
         help="the embedded server's drafting shape, steps,topk,num_draft_tokens (e.g. 5,4,12): "
         "with --shape-chains, each shape's accept_len and speedup over plain decoding",
     )

@@ -177,3 +177,17 @@ def test_bench_suite_says_what_it_needs_first(capsys):
     err = capsys.readouterr().err
     assert "needs the `datasets` package" in err and "network" in err
     assert main(["bench", "--url", "http://127.0.0.1:9", "--suite", "nope"]) == USAGE
+
+
+@pytest.mark.ray_free
+@pytest.mark.parametrize("shape", ["5,4", "5,x,12", "0,1,2", "5,4,1"])
+def test_bench_refuses_a_bad_shape_naming_the_flag(shape, capsys):
+    """`serve.cli bench --shape`: a malformed shape is a usage error naming the flag and the
+    form it takes, before any request is sent."""
+    from serve.cli import main as serve_main
+
+    with pytest.raises(SystemExit) as e:
+        serve_main(["bench", "--url", "http://127.0.0.1:1", "--shape", shape])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --shape" in err and "num_draft_tokens" in err
