@@ -19,6 +19,7 @@ import hashlib
 import inspect
 import json
 import queue
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -211,9 +212,15 @@ class HFTarget:
 
     @torch.inference_mode()
     def generate(
-        self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, seed: int = 0
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+        stop_at: float | None = None,
     ) -> list[list[int]]:
-        """New tokens for each prompt (one batch), ending with EOS unless ``max_new_tokens`` ran out.
+        """New tokens for each prompt (one batch), ending with EOS unless ``max_new_tokens`` ran out
+        or the wall clock (``time.time()``) passed ``stop_at`` (`cuts_decoding`: the HF loop only).
 
         On a GPU, a Llama-family target decodes with the batched decoder (actors/batch_decode.py:
         static cache, CUDA-graph step, rows refilled as others finish): 26x the HF loop's tok/s on
@@ -221,7 +228,13 @@ class HFTarget:
         dec = self._batch_decoder(prompts, max_new_tokens)
         if dec is not None:
             return dec.generate(prompts, max_new_tokens, temperature, seed)[0]
-        return [n for n, _ in self._decode(prompts, max_new_tokens, temperature, seed, None)]
+        outs = self._decode(prompts, max_new_tokens, temperature, seed, None, stop_at)
+        return [n for n, _ in outs]
+
+    def cuts_decoding(self) -> bool:
+        """Whether `generate` and `generate_and_capture` stop at ``stop_at`` (the HF loop does;
+        the batched decoder runs its batch out)."""
+        return not self.batch_decodes()
 
     def batch_decodes(self) -> bool:
         """Whether `generate` runs the batched decoder (a CUDA device, a Llama-family model)."""
@@ -250,6 +263,7 @@ class HFTarget:
         temperature: float,
         seed: int,
         layer_ids: list[int],
+        stop_at: float | None = None,
     ) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
         """`generate` that also keeps the hidden states the decode forwards compute anyway: per
         prompt (new tokens, aux [P+N, A*H], final [P+N, H]) in bf16 on CPU, the same layout as
@@ -267,7 +281,9 @@ class HFTarget:
                 f"data.capture=decode needs a Llama-like target (model.model.layers and .norm); "
                 f"{type(self.model).__name__} is not: use data.capture=forward"
             )
-        return self._decode(prompts, max_new_tokens, temperature, seed, _StateLog(base, ids))
+        return self._decode(
+            prompts, max_new_tokens, temperature, seed, _StateLog(base, ids), stop_at
+        )
 
     def _decode(
         self,
@@ -276,8 +292,11 @@ class HFTarget:
         temperature: float,
         seed: int,
         log: _StateLog | None,
+        stop_at: float | None = None,
     ) -> list[tuple[list[int], Any]]:
-        """The decode loop of `generate` / `generate_and_capture`: (new tokens, states or None)."""
+        """The decode loop of `generate` / `generate_and_capture`: (new tokens, states or None).
+        Past ``stop_at`` (wall clock) every live row ends at the token it has, as if its
+        max_new_tokens ran out there: a data stage's deadline keeps the replies so far."""
         if not prompts:
             return []
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # less left padding
@@ -323,6 +342,7 @@ class HFTarget:
                     new[rows[slot]].append(t)
                 live = ~torch.isin(tok, eos)
                 last = len(new[rows[0]]) == max_new_tokens or not bool(live.any())
+                last = last or (stop_at is not None and time.time() >= stop_at)
                 if log is not None:  # feed every row's new token first: its states are wanted
                     mask, logits, next_pos = feed(tok, mask, next_pos)
                     log.step(rows)

@@ -326,14 +326,15 @@ def mixed_round(
 ) -> tuple[list[Conversation], dict[str, int]]:
     """`n` fresh training prompts split across sources by weight (the pool's domains:
     `fresh_quotas`), each source continuing after the `drawn` prompts earlier rounds took from
-    it (wrapping, with a warning, when it runs out); returns the prompts and how many came from
-    each source."""
+    it (wrapping, with a warning, when it runs out), interleaved so that every prefix holds the
+    sources in the round's proportions (`interleaved`); returns the prompts and how many came
+    from each source."""
     if plan.fill:
         left = {s: max(0, len(plan.train[s]) - drawn.get(s, 0)) for s in plan.weights}
         counts = fresh_quotas(plan.weights, n, left)
     else:
         counts = source_quotas(plan.weights, n)
-    out: list[Conversation] = []
+    blocks: list[list[Conversation]] = []
     for src, k in counts.items():
         pool = plan.train[src]
         start = drawn.get(src, 0)
@@ -343,8 +344,17 @@ def mixed_round(
                 "reusing prompts (add prompts for fresh data)",
                 stacklevel=2,
             )
-        out += [pool[(start + i) % len(pool)] for i in range(k)]
-    return out, counts
+        blocks.append([pool[(start + i) % len(pool)] for i in range(k)])
+    return interleaved(blocks), counts
+
+
+def interleaved(blocks: list[list[Conversation]]) -> list[Conversation]:
+    """The blocks merged, each item placed at its fractional rank in its block ((i + 1/2) / len),
+    ties in block order: every prefix holds the blocks in their proportions. A data stage makes
+    its batches in this order and a deadline cuts the tail, so a cut round keeps its source mix
+    (in source order, the demo's cut rounds had left out the last source, math, whole)."""
+    ranked = [((i + 0.5) / len(b), j, i) for j, b in enumerate(blocks) for i in range(len(b))]
+    return [blocks[j][i] for _, j, i in sorted(ranked)]
 
 
 def round_slices(

@@ -126,6 +126,8 @@ class BatchResult:
     capture_seconds: float
     write_seconds: float
     switch_seconds: float = 0.0  # loading/switching the backend's phase (SGLang), not in the above
+    cut: bool = False  # decoding stopped at the stage's deadline: the replies so far are kept
+    left_out: bool = False  # not started: too little of the deadline was left (nothing written)
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,18 @@ class Generated:
     gen_tokens: int
     gen_seconds: float
     switch_seconds: float = 0.0
+    cut: bool = False  # decoding stopped at its stop_at
+
+
+def _not_started(batch_index: int, num_prompts: int) -> BatchResult:
+    """A batch its actor did not start: its stop_at left too little time (nothing written)."""
+    return BatchResult(batch_index, (), num_prompts, 0, 0, 0.0, 0, 0.0, 0.0, left_out=True)
+
+
+# A batch starts only with this share of the last decode's time left: its prefill (a third of a
+# long-prompt batch's time on 2 cores) runs before the first check of stop_at, and a batch begun
+# with a quarter left ran 18 s past the demo's deadline (2026-12-05).
+LATE_START_SHARE = 0.4
 
 
 _Counts = TypeVar("_Counts", "BatchResult", "Generated")
@@ -302,6 +316,14 @@ class TargetWorker:
         self.capture_in_decode = (
             not self.online and capture_mode(data.capture, target.backend, self.backend) == "decode"
         )
+        self._last_decode_s = 0.0  # how long this actor's last batch decoded
+
+    def _too_late(self, stop_at: float | None) -> bool:
+        """Whether a batch starting now would get under `LATE_START_SHARE` of the time the last
+        one decoded: its prefill and a few tokens would cost more than they teach."""
+        return (
+            stop_at is not None and stop_at - time.time() < LATE_START_SHARE * self._last_decode_s
+        )
 
     def info(self) -> dict[str, Any]:
         """Target identity for the manifest, plus the resolved aux layer ids."""
@@ -320,25 +342,49 @@ class TargetWorker:
         """Templated token counts (for the storage estimate)."""
         return [len(prompt_ids(self.tokenizer, c)) for c in prompts]
 
-    def process(self, batch: Batch, out_dir: str, batch_index: int, batch_key: str) -> BatchResult:
+    def cuts_decoding(self) -> bool:
+        """Whether `process` stops decoding at its ``stop_at`` (the HF decode loop), so a data
+        stage may hand out batches until its deadline rather than only those that end before it."""
+        cuts = getattr(self.backend, "cuts_decoding", None)
+        return bool(cuts and cuts())
+
+    def process(
+        self,
+        batch: Batch,
+        out_dir: str,
+        batch_index: int,
+        batch_key: str,
+        stop_at: float | None = None,
+    ) -> BatchResult:
         """Generate responses for one prompt batch, capture hidden states of prompt + response, and
         write the batch's shards and its sidecar into ``out_dir``.
 
         Loss mask: the response (EOS included) plus earlier assistant turns of the prompt.
-        With ``data.capture`` decode (HF's default) the states come out of the generation itself."""
+        With ``data.capture`` decode (HF's default) the states come out of the generation itself.
+        ``stop_at`` (wall clock, where `cuts_decoding`): decoding stops there and the replies so
+        far are written (`BatchResult.cut`); a batch that would get less than `LATE_START_SHARE` of
+        the time this actor's last decode took is not started (`BatchResult.left_out`)."""
         if isinstance(batch, Answered | Replied):  # answered already: capture only
             gen = self._answered(*self._as_answered(batch))
             return self._capture_and_write(gen, out_dir, batch_index, batch_key)
         convs, wrote = self._conversations(batch)
+        if not self.cuts_decoding():
+            stop_at = None
         if self.capture_in_decode:
-            return wrote.add_to(self._generate_captured(convs, out_dir, batch_index, batch_key))
-        gen = wrote.add_to(self._generate(convs, batch_index))
+            return wrote.add_to(
+                self._generate_captured(convs, out_dir, batch_index, batch_key, stop_at)
+            )
+        gen = self._generate(convs, batch_index, stop_at)
+        if gen is None:
+            return wrote.add_to(_not_started(batch_index, len(convs)))
+        gen = wrote.add_to(gen)
         c = self._capture_and_write(gen, out_dir, batch_index, batch_key)
         return replace(
             c,
             gen_tokens=gen.gen_tokens,
             gen_seconds=gen.gen_seconds,
             switch_seconds=c.switch_seconds + gen.switch_seconds,
+            cut=gen.cut,
         )
 
     def generate_batch(
@@ -431,16 +477,28 @@ class TargetWorker:
         convs = keep_written_turns(texts, [len(t) < d.self_prompt_max_tokens for t in turns])
         return convs, _Written(sum(map(len, turns)), seconds, batch.count - len(convs))
 
-    def _generate(self, batch: list[Conversation], batch_index: int) -> Generated:
+    def _generate(
+        self, batch: list[Conversation], batch_index: int, stop_at: float | None = None
+    ) -> Generated | None:
+        """The batch's sequences, or None where ``stop_at`` leaves too little time to start."""
         d = self.data
         with self._compute:
+            if self._too_late(stop_at):
+                return None
             encoded = self._encode_batch(batch)
             sw, t0 = self._switch_seconds(), time.perf_counter()
+            cut = {"stop_at": stop_at} if stop_at is not None else {}
             new = self.backend.generate(
-                [ids for ids, _ in encoded], d.max_new_tokens, d.temperature, d.seed + batch_index
+                [ids for ids, _ in encoded],
+                d.max_new_tokens,
+                d.temperature,
+                d.seed + batch_index,
+                **cut,
             )
             switch = self._switch_seconds() - sw
             seconds = time.perf_counter() - t0 - switch
+            self._last_decode_s = seconds
+            cut = stop_at is not None and time.time() >= stop_at
         seqs, masks = self._join(encoded, new)
         return Generated(
             input_ids=seqs,
@@ -450,15 +508,23 @@ class TargetWorker:
             gen_tokens=sum(len(n) for n in new),
             gen_seconds=seconds,
             switch_seconds=switch,
+            cut=cut,
         )
 
     def _generate_captured(
-        self, batch: list[Conversation], out_dir: str, batch_index: int, batch_key: str
+        self,
+        batch: list[Conversation],
+        out_dir: str,
+        batch_index: int,
+        batch_key: str,
+        stop_at: float | None = None,
     ) -> BatchResult:
         """Generate with the states of every token kept by the decode forwards (no capture
         pass), then write the batch's shards and sidecar outside the compute lock."""
         d = self.data
         with self._compute:
+            if self._too_late(stop_at):
+                return _not_started(batch_index, len(batch))
             encoded = self._encode_batch(batch)
             t0 = time.perf_counter()
             outs = self.backend.generate_and_capture(  # type: ignore[attr-defined]
@@ -467,8 +533,10 @@ class TargetWorker:
                 d.temperature,
                 d.seed + batch_index,
                 self.aux_layer_ids,
+                stop_at,
             )
-            seconds = time.perf_counter() - t0
+            seconds = self._last_decode_s = time.perf_counter() - t0
+            cut = stop_at is not None and time.time() >= stop_at
         t1 = time.perf_counter()
         seqs, masks = self._join(encoded, [new for new, _ in outs])
         samples = [
@@ -493,6 +561,7 @@ class TargetWorker:
             capture_tokens=sum(len(s.input_ids) for s in samples),
             capture_seconds=0.0,
             write_seconds=time.perf_counter() - t1,
+            cut=cut,
         )
 
     def _capture_and_write(

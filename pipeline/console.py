@@ -274,7 +274,8 @@ def data_line(rec: dict[str, Any]) -> str:
     given = f"{rec.get('traffic_records', 0)} served requests + {rec.get('fresh_prompts', 0)} fresh prompts"
     if drawn := {k: v for k, v in (rec.get("drawn") or {}).items() if v}:  # per source or domain
         given += ": " + ", ".join(f"{k} {v}" for k, v in drawn.items())
-    cut = f"; {rec['left_out']} batch(es) left out at the deadline" if rec.get("left_out") else ""
+    cut = f"; {rec['cut']} batch(es) stopped at the deadline" if rec.get("cut") else ""
+    cut += f"; {rec['left_out']} batch(es) left out at the deadline" if rec.get("left_out") else ""
     torn = (rec.get("traffic_skipped") or {}).get("torn")
     cut += f"; {torn} torn traffic line(s) skipped" if torn else ""
     disk = f"; peak disk {size(rec['disk_bytes'])} of data" if "disk_bytes" in rec else ""

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.chat import prompt_ids, user_turn_prefix
-from actors.generate import _check_storage, batch_key, run_generate
+from actors.generate import _check_storage, batch_key, prompt_batches, run_generate
 from actors.hf_backend import HFTarget, resolve_aux_layer_ids
 from actors.prompts import SelfWritten, builtin_prompts
 from actors.shards import (
@@ -146,7 +146,8 @@ def test_samples_are_prompt_plus_greedy_response_with_the_response_masked(stage,
     _, samples = _samples(out)
     tok = AutoTokenizer.from_pretrained(tiny_target)
     model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
-    for conv, s in list(zip(PROMPTS, samples, strict=True))[:3]:
+    drawn = [c for b in prompt_batches(PROMPTS, 4) for c in b]  # the order batches are made in
+    for conv, s in list(zip(drawn, samples, strict=True))[:3]:
         p = prompt_ids(tok, conv)
         ids, mask = s["input_ids"].tolist(), s["loss_mask"].tolist()
         assert ids[: len(p)] == p and tok.decode(p).endswith("<|im_start|>assistant\n")
@@ -569,12 +570,13 @@ def test_a_deadline_cuts_the_stage_at_a_batch_and_healing_makes_the_same_batches
     tok = AutoTokenizer.from_pretrained(tiny_target)
     served = Answered((tuple(prompt_ids(tok, prompts[0])),), ((5, 6, 7),))
     out = tmp_path / "cut"
-    # One actor, a deadline already passed: the two batches it is handed before any has been
-    # timed run, then nothing more fits. The served request (the last index) goes first.
+    # One actor, a deadline already passed: it is handed two batches before any has been timed.
+    # The served request (the last index) goes first and is captured; the actor does not start
+    # decoding the prompt batch past its deadline; then nothing more is handed out.
     res = run_generate(
         target, data, prompts[1:], out, "h", answered=[served], deadline=time.monotonic()
     )
-    assert res.made == (0, 11) and res.left_out == 10
+    assert res.made == (11,) and res.left_out == 11 and res.cut == 0
     m = verify_manifest(out)
     assert m.num_samples == len(res.made)
     before = {p.name: p.stat().st_mtime_ns for p in out.glob("*.safetensors")}
@@ -593,6 +595,58 @@ def test_a_deadline_cuts_the_stage_at_a_batch_and_healing_makes_the_same_batches
     whole = run_generate(target, data, prompts[1:4], tmp_path / "whole", "h",
                          deadline=time.monotonic() + 3600)  # fmt: skip
     assert whole.made == (0, 1, 2) and whole.left_out == 0
+
+
+def test_a_deadline_stops_decoding_and_keeps_the_replies_so_far(tiny_target, tmp_path):
+    """Past its stop_at the decode loop ends every row at the token it has, states included;
+    the worker writes those replies (cut) and starts no batch with too little time left."""
+    import time
+
+    t = HFTarget(TargetConfig(model=str(tiny_target)), num_threads=1)
+    prompts = [prompt_ids(t.tokenizer, c) for c in PROMPTS[:3]]
+    free = t.generate(prompts, 6)
+    got = t.generate_and_capture(prompts, 6, 0.0, 0, AUX, stop_at=time.time())
+    assert [g for g, _ in got] == [f[:1] for f in free]  # the token each had when it passed
+    for p, (new, (aux, final)) in zip(prompts, got, strict=True):
+        want_aux, want_final = _direct_states(t.model, torch.tensor(p + new))
+        assert aux.shape == want_aux.shape and final.shape == want_final.shape
+    assert t.generate(prompts, 6, stop_at=time.time()) == [f[:1] for f in free]
+
+    target, _ = _cfgs(tiny_target)
+    data = DataConfig(batch_size=3, max_new_tokens=20_000, max_length=30_000)
+    w = TargetWorker(target, data, num_threads=1)
+    res = w.process(PROMPTS[:3], str(tmp_path), 0, "k", stop_at=time.time() + 0.3)
+    assert res.cut and not res.left_out and len(res.shards) == 1
+    m = _batch_samples(tmp_path, res)
+    lengths = [int(s["loss_mask"].sum()) for s in m]
+    assert all(0 < n < data.max_new_tokens for n in lengths)  # cut, not run out
+    assert all(s["aux_hidden"].shape[0] == len(s["input_ids"]) for s in m)
+    late = w.process(PROMPTS[3:6], str(tmp_path), 1, "k", stop_at=time.time() + 0.01)
+    assert late.left_out and not late.shards  # 0.01 s is under 40% of the last decode
+    assert not list(tmp_path.glob("b00001*"))
+
+
+def _batch_samples(out: Path, res) -> list[dict]:
+    """The samples of one batch result's shards."""
+    return [s for sh in res.shards for s in iter_samples(read_shard(out / sh.file))]
+
+
+def test_prompt_batches_sort_each_window_by_length():
+    """Each run of 4 batches is sorted by length (less left padding), windows keep their
+    order, and every prompt is drawn once."""
+    from actors.generate import LENGTH_WINDOW
+
+    convs = [[{"role": "user", "content": "x" * ((i * 37) % 50 + 1)}] for i in range(21)]
+    got = prompt_batches(convs, 2)
+    assert [len(b) for b in got] == [2] * 10 + [1]
+    flat = [c for b in got for c in b]
+    assert sorted(map(id, flat)) == sorted(map(id, convs))
+    w = 2 * LENGTH_WINDOW
+    for i in range(0, len(flat), w):
+        window = flat[i : i + w]
+        assert [len(c[0]["content"]) for c in window] == sorted(
+            len(c[0]["content"]) for c in convs[i : i + w]
+        )
 
 
 def test_a_replied_batch_trains_on_the_sources_reply_without_generating(

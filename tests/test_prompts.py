@@ -286,6 +286,10 @@ def test_plan_splits_sources_disjointly_and_rounds_draw_by_weight(tmp_path):
     assert {p.domain for p in plan.heldout if p.source == "jsonl"} <= {"a", "b"}
     first, counts = mixed_round(plan, 20, {})
     assert counts == {"builtin": 15, "jsonl": 5} and len(first) == 20
+    # interleaved: any prefix (what a data stage cut at its deadline makes) keeps the mix
+    src = {prompt_key(c): s for s, pool in plan.train.items() for c in pool}
+    order = [src[prompt_key(c)] for c in first]
+    assert all(abs(order[:n].count("jsonl") - n / 4) <= 1 for n in range(1, 21)), order
     second, _ = mixed_round(plan, 20, counts)
     assert not {prompt_key(c) for c in first} & {prompt_key(c) for c in second}
     assert plan_prompts(data) == plan  # the seed alone decides
