@@ -439,7 +439,7 @@ class SpecServer:
                 "time": time.time(), "id": uuid.uuid4().hex, "replica": self.traffic.replica,
                 **job.record, "prompt_ids": list(job.prompt), "completion_ids": list(gen.token_ids),
                 "finish_reason": st.finish_reason, "temperature": p.temperature,
-                "top_p": p.top_p, "max_tokens": p.max_tokens, "seed": p.seed,
+                "top_p": p.top_p, "top_k": p.top_k, "max_tokens": p.max_tokens, "seed": p.seed,
                 "speculative": job.speculative and self.engine.drafter is not None,
                 "drafter": self.drafter_path, "accept_len": st.accept_len,
                 "verify_ct": st.spec_verify_ct, "completion_tokens": st.completion_tokens,

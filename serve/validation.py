@@ -47,7 +47,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "top_k": (None, -1, 0),
     "min_p": (None, 0),
     "min_tokens": (None, 0),
     "stop_token_ids": (None, []),
@@ -244,6 +243,8 @@ def check_request(
     top_p = opt_number("top_p", 1.0, 0, 1, lo_open=True)  # absent: the whole distribution
     if top_p is None:  # bad, reported
         top_p = 1.0
+    top_k = opt_int("top_k", -1)  # vLLM's and SGLang's extension: -1 or 0 = every token
+    top_k = max(0, top_k or 0)
     n = body.get("n")
     if n is not None and (not _is_int(n) or n != 1):
         problems.append(f"n: {n!r}; only 1 completion per request is supported")
@@ -288,6 +289,7 @@ def check_request(
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
+        top_k=top_k,
         steps=steps,
         seed=seed,
         ignore_eos=ignore_eos,

@@ -82,7 +82,7 @@ class OracleDraft:
         last = torch.where(write, torch.arange(write.shape[1]), -1).max(1).values
         self.pos = positions[torch.arange(len(last)), last]
 
-    def propose(self, steps, temperature, gen):
+    def propose(self, steps, temperature, gen, top_p=1.0, top_k=0):
         drafts = []
         for b, req in enumerate(self.rows):
             t = int(self.pos[b])  # slot t holds token x_{t+1}; draft j is the token at t+1+j
@@ -204,11 +204,11 @@ class RecordingEagle(EagleDraft):
         for b, req in enumerate(self.rows):
             self.log.append((req, int(self.pos[b]), self.logits[b].clone()))
 
-    def propose(self, steps, temperature, gen):
+    def propose(self, steps, temperature, gen, top_p=1.0, top_k=0):
         self._j = 0
-        return super().propose(steps, temperature, gen)
+        return super().propose(steps, temperature, gen, top_p, top_k)
 
-    def _pick(self, logits, temperature, gen):
+    def _pick(self, logits, temperature, gen, top_p=1.0, top_k=0):
         self._j += 1
         if self._j == 2:  # logits of draft step 2 (fed draft 1 and step 1's own state)
             self.log2 += [
@@ -446,10 +446,11 @@ def small_drafter(target: LlamaForCausalLM) -> EagleDraft:
 
 
 def exact_probs(
-    target, prompt: list[int], n: int, temperature: float, top_p: float = 1.0
+    target, prompt: list[int], n: int, temperature: float, top_p: float = 1.0, top_k: int = 0
 ) -> torch.Tensor:
-    """P(t_1..t_n | prompt) for every continuation, shape [V]*n, by enumeration; with `top_p`,
-    each step's law cut to its nucleus, token by token in plain Python (not the engine's code)."""
+    """P(t_1..t_n | prompt) for every continuation, shape [V]*n, by enumeration; with `top_k`,
+    each step's law cut to its k likeliest tokens, then with `top_p` to the nucleus of that,
+    token by token in plain Python (not the engine's code)."""
     joint = torch.ones(())
     with torch.inference_mode():
         for i in range(n):
@@ -458,12 +459,14 @@ def exact_probs(
             logits = target(seqs).logits[:, -1].double()
             step = torch.softmax(logits / temperature, -1)
             for row in step:  # keep the likeliest tokens until their mass reaches top_p
+                ranked = sorted(range(V), key=lambda t: -float(row[t]))[: top_k or V]
+                total = sum(float(row[t]) for t in ranked)
                 kept, mass = [], 0.0
-                for tok in sorted(range(V), key=lambda t: -float(row[t])):
+                for tok in ranked:
                     if mass >= top_p:
                         break
                     kept.append(tok)
-                    mass += float(row[tok])
+                    mass += float(row[tok]) / total
                 cut = torch.zeros_like(row)
                 cut[kept] = row[kept] / row[kept].sum()
                 row.copy_(cut)
@@ -487,8 +490,8 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 class FirstDrafts(EagleDraft):
     """Keeps the drafts of the first cycle: samples of the drafter's own law q."""
 
-    def propose(self, steps, temperature, gen):
-        drafts, q = super().propose(steps, temperature, gen)
+    def propose(self, steps, temperature, gen, top_p=1.0, top_k=0):
+        drafts, q = super().propose(steps, temperature, gen, top_p, top_k)
         if not hasattr(self, "first"):
             self.first = drafts.clone()
         return drafts, q
@@ -526,22 +529,23 @@ def test_rejection_sampling_preserves_the_target_distribution():
     assert chi2_pvalue(counts, probs.sum(dim=(2, 3, 4))) < 1e-6
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_rejection_sampling_with_top_p_gives_the_targets_nucleus_law(bias, monkeypatch):
-    """top_p < 1: the emitted tokens follow the target's nucleus law (exact, by enumeration),
-    with the drafter still drafting from its whole law (drafts outside the nucleus are always
-    rejected). Planted bias: a verify cycle that accepts against the uncut law fails it."""
+@pytest.mark.parametrize("top_p,top_k,bias", [(0.7, 0, False), (0.7, 0, True), (0.95, 3, False), (0.95, 3, True)])  # fmt: skip
+def test_rejection_sampling_with_top_p_gives_the_targets_nucleus_law(top_p, top_k, bias, monkeypatch):  # fmt: skip
+    """top_p < 1 (and top_k): the emitted tokens follow the target's cut law (exact, by
+    enumeration), the drafter drafting from its own law cut the same way. Planted bias: a
+    verify cycle that accepts against the uncut law fails it."""
     import serve.engine.loop as loop
 
     if bias:  # the cycle's acceptance ignores top_p; the prefill's draw still honours it
         real = loop.rejection_accept
-        monkeypatch.setattr(loop, "rejection_accept", lambda d, q, lg, t, g, top_p=1.0: real(d, q, lg, t, g))  # fmt: skip
+        monkeypatch.setattr(loop, "rejection_accept", lambda d, q, lg, t, g, top_p=1.0, top_k=0: real(d, q, lg, t, g))  # fmt: skip
     target = small_target()
     engine = SpecEngine(target, small_drafter(target), steps=2, stop_ids=set())
-    prompt, T, P, n, rows = [1, 5, 2, 6], 0.8, 0.7, 3, 12000
-    out = engine.generate([prompt] * rows, GenParams(max_tokens=n, temperature=T, top_p=P, seed=5))
+    prompt, T, n, rows = [1, 5, 2, 6], 0.8, 3, 12000
+    params = GenParams(max_tokens=n, temperature=T, top_p=top_p, top_k=top_k, seed=5)
+    out = engine.generate([prompt] * rows, params)
     samples = torch.tensor([g.token_ids for g in out])
-    probs = exact_probs(target, prompt, n, T, P)
+    probs = exact_probs(target, prompt, n, T, top_p, top_k)
     assert (probs == 0).any()  # the nucleus leaves tokens out: the cut is exercised
     counts = torch.zeros(V, V, V)
     for row in samples.tolist():
@@ -553,12 +557,29 @@ def test_rejection_sampling_with_top_p_gives_the_targets_nucleus_law(bias, monke
         assert outside == 0 and chi2_pvalue(counts, probs) > 1e-3
 
 
-def _no_residual_walk(tree, logits, steps, temperature, gen, top_p=1.0):
+def test_sampled_drafts_come_from_the_drafters_law_cut_as_the_request_cuts_the_targets():
+    """A chain drafts from the drafter's softmax cut by the request's top_k and top_p (q, which
+    the acceptance divides by, is that cut law): no draft is spent on a token the cut law of its
+    own drafter leaves out."""
+    from serve.engine.drafting import pick_draft
+    from serve.engine.law import sampling_probs
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(400, 50, generator=gen)
+    d, q = pick_draft(logits, 0.8, gen, 1.0, 3)
+    assert (d[:, None] == logits.topk(3).indices).any(1).all() and ((q > 0).sum(-1) == 3).all()
+    d, q = pick_draft(logits, 0.8, gen, 0.5, 0)
+    assert torch.equal(q, sampling_probs(logits, 0.8, 0.5)) and bool(
+        q.gather(1, d[:, None]).gt(0).all()
+    )
+
+
+def _no_residual_walk(tree, logits, steps, temperature, gen, top_p=1.0, top_k=0):
     """A planted bias: the tree walk of `tree_sample_accept` without taking a rejected child
     out of the law (each child tried at its own p(c), the bonus drawn from the whole p)."""
     from serve.engine.acceptance import sampling_probs
 
-    probs = sampling_probs(logits, temperature, top_p)
+    probs = sampling_probs(logits, temperature, top_p, top_k)
     B = probs.shape[0]
     a, path = torch.zeros(B, dtype=torch.long), torch.zeros(B, steps, dtype=torch.long)
     bonus = torch.empty(B, dtype=torch.long)
@@ -579,8 +600,8 @@ def _no_residual_walk(tree, logits, steps, temperature, gen, top_p=1.0):
     return a, path, bonus
 
 
-@pytest.mark.parametrize("top_p,bias", [(1.0, False), (0.7, False), (1.0, True)])
-def test_tree_sampling_gives_the_targets_law(top_p, bias, monkeypatch):
+@pytest.mark.parametrize("top_p,top_k,bias", [(1.0, 0, False), (0.7, 0, False), (0.95, 3, False), (1.0, 0, True)])  # fmt: skip
+def test_tree_sampling_gives_the_targets_law(top_p, top_k, bias, monkeypatch):
     """A draft tree at temperature > 0 (2 levels, top-2, 4 tokens): the three first tokens
     follow the target's law, nucleus included (exact, by enumeration). Planted bias: a walk
     that leaves rejected children in the law fails it."""
@@ -592,14 +613,14 @@ def test_tree_sampling_gives_the_targets_law(top_p, bias, monkeypatch):
     engine = SpecEngine(target, small_drafter(target), steps=2, topk=2, num_draft_tokens=4,
                         stop_ids=set())  # fmt: skip
     prompt, T, n, rows = [1, 5, 2, 6], 0.8, 3, 12000
-    out = engine.generate([prompt] * rows, GenParams(max_tokens=n, temperature=T, top_p=top_p, seed=11))  # fmt: skip
+    out = engine.generate([prompt] * rows, GenParams(max_tokens=n, temperature=T, top_p=top_p, top_k=top_k, seed=11))  # fmt: skip
     hist = torch.tensor([g.stats.accept_hist for g in out]).sum(0)
     assert hist.tolist()[0] > 1000 and hist[1:].sum() > 1000, hist  # rejections and acceptances
     samples = torch.tensor([g.token_ids for g in out])
     counts = torch.zeros(V, V, V)
     for row in samples.tolist():
         counts[tuple(row)] += 1
-    p = chi2_pvalue(counts, exact_probs(target, prompt, n, T, top_p))
+    p = chi2_pvalue(counts, exact_probs(target, prompt, n, T, top_p, top_k))
     assert p < 1e-6 if bias else p > 1e-3, p
 
 

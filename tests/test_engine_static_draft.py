@@ -50,8 +50,8 @@ def record(source) -> list[tuple[str, list]]:
     log: list[tuple[str, list]] = []
     propose, propose_tree = source.propose, source.propose_tree
 
-    def chain(steps, temperature, gen):
-        drafts, q = propose(steps, temperature, gen)
+    def chain(steps, temperature, gen, top_p=1.0, top_k=0):
+        drafts, q = propose(steps, temperature, gen, top_p, top_k)
         log.append(("chain", drafts.tolist()))
         return drafts, q
 

@@ -139,7 +139,8 @@ def test_stop_strings_cut_the_reply_across_token_boundaries_streamed_or_not(endp
 
 def test_the_openai_client_sends_stop_and_top_p_streamed_or_not(endpoint, tiny_target):
     """The real `openai` package against the server: `stop` ends the reply at the stop string,
-    streamed or not; sampling with `top_p` and a seed gives one reply, streamed or not."""
+    streamed or not; sampling with `top_p` and a seed gives one reply, streamed or not; `top_k`
+    cuts the law the server samples from."""
     import openai
 
     text, stop, _ = _boundary_stop(tiny_target, 16)
@@ -160,6 +161,12 @@ def test_the_openai_client_sends_stop_and_top_p_streamed_or_not(endpoint, tiny_t
     assert one.usage.completion_tokens == 8 and one.choices[0].finish_reason == "length"
     streamed = list(client.chat.completions.create(**sample, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == one.choices[0].message.content  # fmt: skip
+    # top_k (vLLM's and SGLang's extension, sent in extra_body): top_k 1 samples the greedy reply
+    greedy = client.chat.completions.create(**ask, max_tokens=8, temperature=0)
+    k1 = dict(ask, extra_body={"ignore_eos": True, "top_k": 1})
+    for seed in (1, 2):
+        r = client.chat.completions.create(**k1, max_tokens=8, temperature=1.0, seed=seed)
+        assert r.choices[0].message.content == greedy.choices[0].message.content
 
 
 def test_concurrent_requests_each_get_their_own_length(endpoint):

@@ -60,6 +60,9 @@ def test_valid_requests_are_settled():
     assert check({"prompt": [1]}).params.top_p == 1.0  # absent: OpenAI's default
     assert check({"prompt": [1], "top_p": 0.9, "temperature": 0.7}).params.top_p == 0.9
     assert check({"prompt": [1], "top_p": 1}).params.top_p == 1.0
+    # top_k, vLLM's and SGLang's extension (extra_body from the openai client): -1 and 0 = off
+    assert [check({"prompt": [1], "top_k": k}).params.top_k for k in (5, 1, -1, 0)] == [5, 1, 0, 0]
+    assert check({"prompt": [1]}).params.top_k == 0
 
 
 @pytest.mark.parametrize(
@@ -85,6 +88,9 @@ def test_valid_requests_are_settled():
         ({"prompt": [1], "top_p": 1.5}, "top_p: 1.5"),
         ({"prompt": [1], "top_p": "0.9"}, "top_p: '0.9'"),
         ({"prompt": [1], "top_p": True}, "top_p: True"),
+        ({"prompt": [1], "top_k": -2}, "top_k: -2 must be an integer >= -1"),
+        ({"prompt": [1], "top_k": 2.5}, "top_k: 2.5 must be an integer >= -1"),
+        ({"prompt": [1], "top_k": "5"}, "top_k: '5'"),
         ({"prompt": [1], "n": 2}, "n: 2"),
         ({"prompt": [1], "stop": ["a", "b", "c", "d", "e"]}, "stop: "),
         ({"prompt": [1], "stop": ["\n", ""]}, "a list of 1 to 4 non-empty strings"),
@@ -300,7 +306,7 @@ UNSUPPORTED_SENT = {
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
     "logit_bias": {"42": 5}, "presence_penalty": 0.5, "frequency_penalty": -1,
     "echo": True, "best_of": 2, "suffix": "end", "functions": [{"name": "f"}],
-    "function_call": "auto", "repetition_penalty": 1.2, "top_k": 5, "min_p": 0.1,
+    "function_call": "auto", "repetition_penalty": 1.2, "min_p": 0.1,
     "min_tokens": 3, "stop_token_ids": [2], "modalities": ["audio"], "audio": {"voice": "x"},
     "prediction": {"type": "content", "content": "x"},
 }  # fmt: skip
@@ -401,7 +407,7 @@ def test_requests_share_an_engine_call_only_when_every_setting_but_max_tokens_ag
     for field, value in (("max_tokens", 9),):
         other = dataclasses.replace(base.params, **{field: value})
         assert _Job(base.prompt, other, True).key == job.key
-    for field, value in (("top_p", 0.5), ("temperature", 0.8), ("seed", 3), ("steps", 2)):
+    for field, value in (("top_p", 0.5), ("top_k", 5), ("temperature", 0.8), ("seed", 3), ("steps", 2)):  # fmt: skip
         other = dataclasses.replace(base.params, **{field: value})
         assert _Job(base.prompt, other, True).key != job.key, field
 

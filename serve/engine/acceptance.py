@@ -8,6 +8,7 @@ from torch import Tensor
 
 from eagle3.cpu import top1
 from serve.engine.drafting import DraftTree
+from serve.engine.law import sampling_probs
 
 # ----------------------------------------------------------------------------------------------
 # Acceptance rules
@@ -28,15 +29,16 @@ def rejection_accept(
     temperature: float,
     gen: torch.Generator | None,
     top_p: float = 1.0,
+    top_k: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Speculative rejection sampling. Draft d_j (drawn from q_j) is accepted with probability
     min(1, p_j(d)/q_j(d)) while all earlier ones were; at the first rejection the token is drawn
     from norm(max(p_j - q_j, 0)); after k acceptances the bonus is drawn from p_k. The emitted
     tokens are distributed exactly as the target samples them: p is the target's law at
-    `temperature` and `top_p` (`sampling_probs`), whatever q is, so a draft outside the target's
-    nucleus is always rejected."""
+    `temperature`, `top_p` and `top_k` (`sampling_probs`), whatever q is, so a draft outside the
+    target's nucleus is always rejected."""
     B, k = drafts.shape
-    p = sampling_probs(logits, temperature, top_p)  # [B, k+1, V]
+    p = sampling_probs(logits, temperature, top_p, top_k)  # [B, k+1, V]
     pd = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)
     qd = q.gather(-1, drafts[..., None]).squeeze(-1)
     u = torch.rand(B, k, generator=gen)
@@ -82,6 +84,7 @@ def tree_sample_accept(
     temperature: float,
     gen: torch.Generator | None,
     top_p: float = 1.0,
+    top_k: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Speculative sampling over a draft tree, lossless. A tree's children are fixed candidates
     (the drafter's top-k), not draws, so each is a point-mass draft: at a node with the target's
@@ -100,7 +103,7 @@ def tree_sample_accept(
         cur = 0
         while True:
             # the law of the nodes the walk reaches only: a nucleus sorts the whole vocabulary
-            p, nxt = sampling_probs(logits[b, cur], temperature, top_p), None
+            p, nxt = sampling_probs(logits[b, cur], temperature, top_p, top_k), None
             left = 1.0  # the mass of p not rejected yet: p / left is the law of what is left
             for t, node in children.get(cur, []):
                 pt = float(p[t])
@@ -110,7 +113,7 @@ def tree_sample_accept(
                 p[t], left = 0.0, left - pt
             if nxt is None:  # multinomial normalises what is left
                 if not float(p.sum()) > 0:  # rounding rejected all of it (p ~ 1e-7): all of p
-                    p = sampling_probs(logits[b, cur], temperature, top_p)
+                    p = sampling_probs(logits[b, cur], temperature, top_p, top_k)
                 bonus[b] = torch.multinomial(p, 1, generator=gen)[0]
                 break
             path[b, a[b]] = nxt
@@ -155,25 +158,15 @@ def tree_greedy_accept_on_device(
     return (path_t > 0).sum(1), path_t, top.gather(1, cur[:, None]).squeeze(1)
 
 
-def sampling_probs(logits: Tensor, temperature: float, top_p: float = 1.0) -> Tensor:
-    """The law a request samples from: softmax(logits / T) over the last dim, cut to its nucleus
-    when `top_p` < 1 (the most probable tokens, in decreasing order, up to and including the
-    first whose running sum reaches `top_p`; the top token always stays) and renormalised, as
-    OpenAI, vLLM and SGLang define `top_p`."""
-    p = torch.softmax(logits.float() / temperature, -1)
-    if top_p >= 1:
-        return p
-    sp, idx = p.sort(-1, descending=True)
-    before = sp.cumsum(-1) - sp  # mass of the tokens ranked above each one
-    sp = sp.masked_fill(before >= top_p, 0.0)
-    return torch.zeros_like(p).scatter(-1, idx, sp / sp.sum(-1, keepdim=True))
-
-
 def sample_token(
-    logits: Tensor, temperature: float, gen: torch.Generator | None, top_p: float = 1.0
+    logits: Tensor,
+    temperature: float,
+    gen: torch.Generator | None,
+    top_p: float = 1.0,
+    top_k: int = 0,
 ) -> Tensor:
     """[B, V] -> [B]: argmax at temperature 0, else a draw from `sampling_probs`."""
     if temperature <= 0:
         return top1(logits)
-    probs = sampling_probs(logits, temperature, top_p)
+    probs = sampling_probs(logits, temperature, top_p, top_k)
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from eagle3.cpu import top1
 from eagle3.model import DrafterCache, Eagle3Drafter, rope_cos_sin
+from serve.engine.law import sampling_probs
 
 # ----------------------------------------------------------------------------------------------
 # Draft sources: the EAGLE-3 drafter, or (in tests) stubs with the same four methods
@@ -29,10 +30,16 @@ class DraftSource(Protocol):
         real entry."""
 
     def propose(
-        self, steps: int, temperature: float, gen: torch.Generator | None
+        self,
+        steps: int,
+        temperature: float,
+        gen: torch.Generator | None,
+        top_p: float = 1.0,
+        top_k: int = 0,
     ) -> tuple[Tensor, Tensor | None]:
         """Draft `steps` tokens per row: (target ids [B, steps], q [B, steps, V] over the target
-        vocab when temperature > 0, else None)."""
+        vocab when temperature > 0, else None). Sampled drafts are drawn from the drafter's law
+        cut as the request's (`pick_draft`)."""
 
     def select(self, rows: Tensor) -> None:
         """Keep only `rows` of the batch."""
@@ -94,12 +101,20 @@ def tree_ancestors_by_depth(parents: Tensor, depth: int) -> Tensor:
 
 
 def pick_draft(
-    logits: Tensor, temperature: float, gen: torch.Generator | None
+    logits: Tensor,
+    temperature: float,
+    gen: torch.Generator | None,
+    top_p: float = 1.0,
+    top_k: int = 0,
 ) -> tuple[Tensor, Tensor | None]:
-    """Draft ids and (when sampling) the draft distribution they were drawn from."""
+    """Draft ids and (when sampling) the draft distribution they were drawn from: the drafter's
+    softmax at the request's temperature, cut by its top_k and top_p as the target's law is
+    (`sampling_probs`). Any q keeps rejection sampling lossless; this one proposes no token the
+    target's cut law cannot emit from the drafter's top ranks, so fewer drafts are spent where
+    the target's nucleus is narrow."""
     if temperature <= 0:
         return top1(logits), None
-    q = torch.softmax(logits.float().cpu() / temperature, -1)  # the generator is a CPU one
+    q = sampling_probs(logits.cpu(), temperature, top_p, top_k)  # the generator is a CPU one
     return torch.multinomial(q, 1, generator=gen).squeeze(-1).to(logits.device), q
 
 
@@ -162,17 +177,27 @@ class EagleDraft:
         self.logits = self.model.logits(self.h)
 
     def _pick(
-        self, logits: Tensor, temperature: float, gen: torch.Generator | None
+        self,
+        logits: Tensor,
+        temperature: float,
+        gen: torch.Generator | None,
+        top_p: float = 1.0,
+        top_k: int = 0,
     ) -> tuple[Tensor, Tensor | None]:
-        return pick_draft(logits, temperature, gen)
+        return pick_draft(logits, temperature, gen, top_p, top_k)
 
     def propose(
-        self, steps: int, temperature: float, gen: torch.Generator | None
+        self,
+        steps: int,
+        temperature: float,
+        gen: torch.Generator | None,
+        top_p: float = 1.0,
+        top_k: int = 0,
     ) -> tuple[Tensor, Tensor | None]:
         assert self.cache is not None and self.logits is not None, "extend() first"
         h, logits, drafts, qs = self.h[:, None], self.logits, [], []
         for j in range(steps):
-            d, q = self._pick(logits, temperature, gen)
+            d, q = self._pick(logits, temperature, gen, top_p, top_k)
             tok = self.model.draft_to_target(d)
             drafts.append(tok)
             if q is not None:

@@ -460,7 +460,7 @@ class SpecEngine:
         gen: torch.Generator | None,
     ) -> _Cycle:
         t = time.perf_counter()
-        drafts, q = self.drafter.propose(k, params.temperature, gen)
+        drafts, q = self.drafter.propose(k, params.temperature, gen, params.top_p, params.top_k)
         drafts, q = drafts.cpu(), (q.cpu() if q is not None else None)  # bookkeeping on the host
         draft_ms, t = _ms(t), time.perf_counter()
         vpos = pos_next[:, None] + torch.arange(k + 1)
@@ -473,7 +473,7 @@ class SpecEngine:
             a, bonus = a.cpu(), bonus.cpu()
         else:
             a, bonus = rejection_accept(
-                drafts, q, logits.cpu(), params.temperature, gen, params.top_p
+                drafts, q, logits.cpu(), params.temperature, gen, params.top_p, top_k=params.top_k
             )
         self._runner.commit(torch.arange(k + 1)[None] <= a[:, None])
         return _Cycle(a, drafts, bonus, aux, draft_ms, _ms(t))
@@ -509,7 +509,7 @@ class SpecEngine:
             a, path, bonus = tree_greedy_accept(tree, logits, k)
         else:
             a, path, bonus = tree_sample_accept(
-                tree, logits, k, params.temperature, gen, params.top_p
+                tree, logits, k, params.temperature, gen, params.top_p, top_k=params.top_k
             )
         keep = torch.zeros_like(ids, dtype=torch.bool)
         keep.scatter_(1, path, torch.arange(k)[None] < a[:, None])
@@ -649,11 +649,11 @@ def _marks_ms(marks: list[tuple[Any, ...]], cuda: bool) -> tuple[float, float, f
 
 
 def _host_sample(logits: Tensor, params: GenParams, gen: torch.Generator | None) -> Tensor:
-    """`sample_token` at the request's temperature and top_p, its result on the host: argmax on
-    the logits' device, sampling on the CPU (the engine's generator is a CPU one)."""
+    """`sample_token` at the request's temperature, top_p and top_k, its result on the host:
+    argmax on the logits' device, sampling on the CPU (the engine's generator is a CPU one)."""
     if params.temperature > 0:
         logits = logits.cpu()
-    return sample_token(logits, params.temperature, gen, params.top_p).cpu()
+    return sample_token(logits, params.temperature, gen, params.top_p, params.top_k).cpu()
 
 
 def _to_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -19,7 +19,8 @@ TokenCallback = Callable[[int, list[int]], bool | None]
 class GenParams:
     max_tokens: int = 128
     temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0  # nucleus of the target's law when sampling (acceptance.sampling_probs)
+    top_p: float = 1.0  # nucleus of the target's law when sampling (law.sampling_probs)
+    top_k: int = 0  # sampling: only the k most probable tokens (0 = all); `topk` is the tree's
     steps: int | None = None  # draft steps per cycle; None = the engine's default
     seed: int | None = None
     ignore_eos: bool = False  # benchmarks: always produce max_tokens

@@ -275,7 +275,12 @@ class StaticEagleDraft:
         self._graphed(key, lambda *a: self._extend_core(*a, span), args)
 
     def propose(
-        self, steps: int, temperature: float, gen: torch.Generator | None
+        self,
+        steps: int,
+        temperature: float,
+        gen: torch.Generator | None,
+        top_p: float = 1.0,
+        top_k: int = 0,
     ) -> tuple[Tensor, Tensor | None]:
         assert self.top >= 0, "extend() first"
         self._check(self.top + steps - 1, f"a chain of {steps}")
@@ -283,7 +288,7 @@ class StaticEagleDraft:
         if temperature > 0:  # eager: the draws come from the engine's CPU generator
 
             def sample(logits: Tensor) -> tuple[Tensor, Tensor | None]:
-                return pick_draft(logits, temperature, gen)
+                return pick_draft(logits, temperature, gen, top_p, top_k)
 
             drafts, qs = self._chain_core(steps, span, sample)
             return drafts, torch.stack([target_q(self.model, q) for q in qs], 1)
