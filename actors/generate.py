@@ -42,8 +42,8 @@ from actors.prompts import (
 from actors.shards import MANIFEST, bytes_per_token, finished_batch, write_manifest
 
 if TYPE_CHECKING:
+    from actors.batch_records import BatchResult
     from actors.sglang_backend import SGLangOptions
-    from actors.target import BatchResult
 
 STORAGE_MARGIN = 1.1  # headroom over the estimate (headers, sidecars, temp files)
 
@@ -221,7 +221,7 @@ def _run_batches(
     info, seconds spent loading/switching backend phases, when the actors were ready)."""
     import ray
 
-    from actors.target import has_generated
+    from actors.batch_records import has_generated
 
     t0 = time.perf_counter()
     info = ray.get(actors[0].info.remote())

@@ -25,20 +25,26 @@ while one batch's shards are serialised, hashed and written, the next batch comp
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from actors.batch_records import (
+    BatchResult,
+    Generated,
+    Written,
+    not_started,
+    read_generated,
+    write_generated,
+)
 from actors.chat import Conversation, encode_conversation, prompt_ids, user_turn_prefix
 from actors.config import DataConfig, TargetConfig
-from actors.files import atomic_write
 from actors.hf_backend import HFTarget, PinnedPool, load_tokenizer, resolve_aux_layer_ids
 from actors.prompts import Answered, Batch, Replied, SelfWritten, keep_written_turns
 from actors.sglang_backend import token_bounded_batches
@@ -47,7 +53,6 @@ from actors.shards import (
     Sample,
     ShardInfo,
     ShardWriter,
-    batch_stem,
     pack_lengths,
     pack_parts,
     shard_name,
@@ -111,71 +116,10 @@ def make_backend(
     return HFTarget(target, num_threads=num_threads)
 
 
-@dataclass(frozen=True)
-class BatchResult:
-    """What one call on a prompt batch sends back to the driver (no tensors). A generate-phase
-    call has no shards and no capture figures; a capture-phase call no generate figures."""
-
-    batch_index: int
-    shards: tuple[ShardInfo, ...]
-    num_prompts: int
-    skipped_prompts: int  # prompts longer than data.max_length, self-written turns not kept
-    gen_tokens: int
-    gen_seconds: float
-    capture_tokens: int
-    capture_seconds: float
-    write_seconds: float
-    switch_seconds: float = 0.0  # loading/switching the backend's phase (SGLang), not in the above
-    cut: bool = False  # decoding stopped at the stage's deadline: the replies so far are kept
-    left_out: bool = False  # not started: too little of the deadline was left (nothing written)
-
-
-@dataclass(frozen=True)
-class Generated:
-    """The sequences of one batch after generation: prompt + response, truncated, with masks."""
-
-    input_ids: list[list[int]]
-    loss_mask: list[list[int]]
-    num_prompts: int
-    skipped_prompts: int
-    gen_tokens: int
-    gen_seconds: float
-    switch_seconds: float = 0.0
-    cut: bool = False  # decoding stopped at its stop_at
-
-
-def _not_started(batch_index: int, num_prompts: int) -> BatchResult:
-    """A batch its actor did not start: its stop_at left too little time (nothing written)."""
-    return BatchResult(batch_index, (), num_prompts, 0, 0, 0.0, 0, 0.0, 0.0, left_out=True)
-
-
 # A batch starts only with this share of the last decode's time left: its prefill (a third of a
 # long-prompt batch's time on 2 cores) runs before the first check of stop_at, and a batch begun
 # with a quarter left ran 18 s past the demo's deadline (2026-12-05).
 LATE_START_SHARE = 0.4
-
-
-_Counts = TypeVar("_Counts", "BatchResult", "Generated")
-
-
-@dataclass(frozen=True)
-class _Written:
-    """What writing a batch's own user turns cost, added to the batch's figures."""
-
-    tokens: int = 0
-    seconds: float = 0.0
-    dropped: int = 0
-
-    def add_to(self, r: _Counts) -> _Counts:
-        """`r` (a batch's Generated record, or its result when nothing else carries it) with
-        the turns' tokens, time and dropped turns added."""
-        return replace(
-            r,
-            num_prompts=r.num_prompts + self.dropped,
-            skipped_prompts=r.skipped_prompts + self.dropped,
-            gen_tokens=r.gen_tokens + self.tokens,
-            gen_seconds=r.gen_seconds + self.seconds,
-        )
 
 
 class _DeviceSpan:
@@ -225,59 +169,6 @@ def _captured(
         capture_seconds=capture_s,
         write_seconds=write_s,
         switch_seconds=switch_s,
-    )
-
-
-def generated_path(out_dir: str | Path, batch_index: int) -> Path:
-    return Path(out_dir) / f"{batch_stem(batch_index)}.gen.jsonl"
-
-
-def write_generated(out_dir: str | Path, batch_index: int, batch_key: str, g: Generated) -> Path:
-    """Line 1: batch key and counts; then one line per sample. Atomic (temp file + rename)."""
-    path = generated_path(out_dir, batch_index)
-    head = {
-        "batch_key": batch_key,
-        "num_samples": len(g.input_ids),
-        "num_prompts": g.num_prompts,
-        "skipped_prompts": g.skipped_prompts,
-        "gen_tokens": g.gen_tokens,
-        "gen_seconds": g.gen_seconds,
-    }
-    lines = [json.dumps(head)] + [
-        json.dumps({"input_ids": ids, "loss_mask": m})
-        for ids, m in zip(g.input_ids, g.loss_mask, strict=True)
-    ]
-    atomic_write(path, "\n".join(lines) + "\n", fsync=False)
-    return path
-
-
-def has_generated(out_dir: str | Path, batch_index: int, batch_key: str) -> bool:
-    """True when the batch's generated ids are on disk for these prompts and settings (reads
-    only the first line)."""
-    try:
-        with open(generated_path(out_dir, batch_index)) as fh:
-            return json.loads(fh.readline()).get("batch_key") == batch_key
-    except (OSError, ValueError):
-        return False
-
-
-def read_generated(out_dir: str | Path, batch_index: int, batch_key: str) -> Generated:
-    path = generated_path(out_dir, batch_index)
-    try:
-        head, *rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    except (OSError, ValueError) as e:
-        raise RuntimeError(f"{path}: unreadable ({e}); delete it to regenerate the batch") from None
-    if head.get("batch_key") != batch_key or head.get("num_samples") != len(rows):
-        raise RuntimeError(
-            f"{path}: made for other prompts or settings, or incomplete; delete it to regenerate"
-        )
-    return Generated(
-        input_ids=[r["input_ids"] for r in rows],
-        loss_mask=[r["loss_mask"] for r in rows],
-        num_prompts=head["num_prompts"],
-        skipped_prompts=head["skipped_prompts"],
-        gen_tokens=head["gen_tokens"],
-        gen_seconds=head["gen_seconds"],
     )
 
 
@@ -376,7 +267,7 @@ class TargetWorker:
             )
         gen = self._generate(convs, batch_index, stop_at)
         if gen is None:
-            return wrote.add_to(_not_started(batch_index, len(convs)))
+            return wrote.add_to(not_started(batch_index, len(convs)))
         gen = wrote.add_to(gen)
         c = self._capture_and_write(gen, out_dir, batch_index, batch_key)
         return replace(
@@ -457,11 +348,11 @@ class TargetWorker:
             gen_seconds=0.0,
         )
 
-    def _conversations(self, batch: Batch) -> tuple[list[Conversation], _Written]:
+    def _conversations(self, batch: Batch) -> tuple[list[Conversation], Written]:
         """The batch's conversations; a `SelfWritten` batch first samples its user turns by
         continuing the chat template's user header (tokens and time count as generation)."""
         if not isinstance(batch, SelfWritten):
-            return batch, _Written()
+            return batch, Written()
         d = self.data
         with self._compute:
             t0 = time.perf_counter()
@@ -475,7 +366,7 @@ class TargetWorker:
         texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in turns]
         # a turn shorter than the budget ended with EOS; one that used it all was cut off
         convs = keep_written_turns(texts, [len(t) < d.self_prompt_max_tokens for t in turns])
-        return convs, _Written(sum(map(len, turns)), seconds, batch.count - len(convs))
+        return convs, Written(sum(map(len, turns)), seconds, batch.count - len(convs))
 
     def _generate(
         self, batch: list[Conversation], batch_index: int, stop_at: float | None = None
@@ -524,7 +415,7 @@ class TargetWorker:
         d = self.data
         with self._compute:
             if self._too_late(stop_at):
-                return _not_started(batch_index, len(batch))
+                return not_started(batch_index, len(batch))
             encoded = self._encode_batch(batch)
             t0 = time.perf_counter()
             outs = self.backend.generate_and_capture(  # type: ignore[attr-defined]

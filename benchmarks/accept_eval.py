@@ -31,17 +31,20 @@ def _prompts(path: Path) -> list:
     return [parse_record(json.loads(x), f"{path}:{i + 1}") for i, x in enumerate(lines)]
 
 
-def score(engine, prompts: list[list[int]], params) -> dict:
+def score(engine, prompts: list[list[int]], params, per_request: bool = False) -> dict:
     gens = [engine.generate([p], params)[0] for p in prompts]
     per_req = [g.stats.accept_len for g in gens if g.stats.accept_len]
     tokens = sum(g.stats.completion_tokens for g in gens)
     verifies = sum(g.stats.spec_verify_ct for g in gens)
-    return {
+    out = {
         "accept_len": round(statistics.fmean(per_req), 3) if per_req else None,
         "pooled": round(tokens / verifies, 3) if verifies else None,
         "requests": len(gens),
         "tokens": tokens,
     }
+    if per_request:  # in prompt order: two drafters compared prompt by prompt
+        out["per_request"] = [round(g.stats.accept_len or 0.0, 3) for g in gens]
+    return out
 
 
 def main() -> None:
@@ -54,6 +57,7 @@ def main() -> None:
     ap.add_argument("--chain", type=int, default=3, help="chain steps (0 = skip)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--limit", type=int, default=0, help="first N prompts of each file (0 = all)")
+    ap.add_argument("--per-request", action="store_true", help="each request's accept_len too")
     ap.add_argument(
         "--device", default=None, help="cuda or cpu (default: cuda where torch sees one)"
     )
@@ -85,7 +89,9 @@ def main() -> None:
             convs = convs[: args.limit]
         ids = [prompt_ids(tok, c) for c in convs]
         engine.generate(ids[:1], GenParams(max_tokens=4))  # warm-up
-        out["files"][Path(f).stem] = {name: score(engine, ids, p) for name, p in settings.items()}
+        out["files"][Path(f).stem] = {
+            name: score(engine, ids, p, args.per_request) for name, p in settings.items()
+        }
     out["seconds"] = round(time.perf_counter() - t0, 1)
     Results("accept_eval", model.device).emit(out)
 

@@ -53,7 +53,8 @@ def split(ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
 
 
 def data_stages(cfg: Config, rec: dict, batches: list) -> list[dict]:
-    from actors.target import Generated, TargetWorker, write_generated
+    from actors.batch_records import Generated, write_generated
+    from actors.target import TargetWorker
 
     worker = TargetWorker(cfg.target, cfg.data)
     d, device = cfg.data, worker.backend.device

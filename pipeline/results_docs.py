@@ -102,9 +102,10 @@ def demo_block(records: list[dict]) -> str:
     r = next((r for r in records if r.get("readme_demo") and r["status"] == "current"), None)
     if r is None:
         raise ValueError("no current record with readme_demo: run scripts/demo_record.py --readme")
+    n = len(r.get("runs") or [r])
+    which = f"first of {n} runs" if n > 1 else "the run"
     head = (f"On {r['hardware']}, {r['date']}, commit `{r['commit']}`: `{r['command']}` took "
-            f"{r['wall_s']} s and printed (first of {len(r.get('runs') or [r])} runs in "
-            f"docs/benchmarks.md):")  # fmt: skip
+            f"{r['wall_s']} s and printed ({which} in docs/benchmarks.md):")  # fmt: skip
     return "\n".join([DEMO_BEGIN, head, "", "```", *r["console"], "```", DEMO_END])
 
 

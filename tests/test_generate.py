@@ -17,6 +17,7 @@ for _dep in ("pydantic", "ray"):  # bare GPU host (torch only): skip
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from actors.batch_records import Generated, write_generated
 from actors.chat import prompt_ids, user_turn_prefix
 from actors.generate import _check_storage, batch_key, prompt_batches, run_generate
 from actors.hf_backend import HFTarget, resolve_aux_layer_ids
@@ -33,7 +34,7 @@ from actors.shards import (
     verify_manifest,
     write_shard,
 )
-from actors.target import CAPTURE_SLOTS, Generated, TargetWorker, write_generated
+from actors.target import CAPTURE_SLOTS, TargetWorker
 from pipeline.config import DataConfig, TargetConfig
 
 AUX = [2, 0, 1]  # distinct and unsorted: pins id k <-> hidden_states[k+1] and the concat order
