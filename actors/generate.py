@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from actors.config import DataConfig, TargetConfig
+from actors.prompt_record import conversation_chars
 from actors.prompts import (
     Answered,
     Batch,
@@ -187,13 +188,9 @@ def prompt_batches(prompts: list[Conversation], batch_size: int) -> list[list[Co
     whole round, so a stage cut at its deadline keeps short and long prompts alike."""
     out: list[list[Conversation]] = []
     for i in range(0, len(prompts), batch_size * LENGTH_WINDOW):
-        window = sorted(prompts[i : i + batch_size * LENGTH_WINDOW], key=_chars)
+        window = sorted(prompts[i : i + batch_size * LENGTH_WINDOW], key=conversation_chars)
         out += [window[j : j + batch_size] for j in range(0, len(window), batch_size)]
     return out
-
-
-def _chars(conv: Conversation) -> int:
-    return sum(len(str(m.get("content") or "")) for m in conv)
 
 
 def remove_stale_temp_files(out_dir: Path) -> int:

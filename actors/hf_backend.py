@@ -115,6 +115,11 @@ class _PreallocLayer(DynamicLayer):
             )
 
 
+def passed(stop_at: float | None) -> bool:
+    """Whether the wall clock (`time.time()`) has reached a data stage's `stop_at` (None: never)."""
+    return stop_at is not None and time.time() >= stop_at
+
+
 class HFTarget:
     """A transformers causal LM as the target: load, generate, capture."""
 
@@ -342,7 +347,7 @@ class HFTarget:
                     new[rows[slot]].append(t)
                 live = ~torch.isin(tok, eos)
                 last = len(new[rows[0]]) == max_new_tokens or not bool(live.any())
-                last = last or (stop_at is not None and time.time() >= stop_at)
+                last = last or passed(stop_at)
                 if log is not None:  # feed every row's new token first: its states are wanted
                     mask, logits, next_pos = feed(tok, mask, next_pos)
                     log.step(rows)

@@ -19,6 +19,11 @@ class Prompt:
     reply: str | None = None  # the source's own answer to the last turn, where it has one
 
 
+def conversation_chars(conv: Conversation) -> int:
+    """A conversation's length in characters, its contents only (`data.max_prompt_chars`)."""
+    return sum(len(m["content"]) for m in conv)
+
+
 def prompt_key(conv: Conversation) -> str:
     """The text that makes two prompts the same (roles and contents)."""
     return "\n".join(f"{m['role']}: {m['content']}" for m in conv)

@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from actors.prompt_record import Prompt, prompt_key
+from actors.prompt_record import Prompt, conversation_chars, prompt_key
 
 MAX_CONTEXT_CHARS = 2000  # a turn's prompt with its earlier turns; longer ones are left out
 MIN_TURN_CHARS = 8
@@ -98,7 +98,7 @@ def turns_with_replies(
         if role != "user":
             continue
         text = conv[-1]["content"]
-        size = sum(len(m["content"]) for m in conv)
+        size = conversation_chars(conv)
         if len(text) >= MIN_TURN_CHARS and _english(text) and size <= max_chars:
             out.append((list(conv), None))
     return out

@@ -45,7 +45,7 @@ from actors.batch_records import (
 )
 from actors.chat import Conversation, encode_conversation, prompt_ids, user_turn_prefix
 from actors.config import DataConfig, TargetConfig
-from actors.hf_backend import HFTarget, PinnedPool, load_tokenizer, resolve_aux_layer_ids
+from actors.hf_backend import HFTarget, PinnedPool, load_tokenizer, passed, resolve_aux_layer_ids
 from actors.prompts import Answered, Batch, Replied, SelfWritten, keep_written_turns
 from actors.sglang_backend import token_bounded_batches
 from actors.shards import (
@@ -389,7 +389,7 @@ class TargetWorker:
             switch = self._switch_seconds() - sw
             seconds = time.perf_counter() - t0 - switch
             self._last_decode_s = seconds
-            cut = stop_at is not None and time.time() >= stop_at
+            cut = passed(stop_at)
         seqs, masks = self._join(encoded, new)
         return Generated(
             input_ids=seqs,
@@ -427,7 +427,7 @@ class TargetWorker:
                 stop_at,
             )
             seconds = self._last_decode_s = time.perf_counter() - t0
-            cut = stop_at is not None and time.time() >= stop_at
+            cut = passed(stop_at)
         t1 = time.perf_counter()
         seqs, masks = self._join(encoded, [new for new, _ in outs])
         samples = [

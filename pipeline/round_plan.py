@@ -10,6 +10,7 @@ import math
 import shutil
 from pathlib import Path
 
+from actors.prompt_record import conversation_chars
 from pipeline.budget import (
     BATCHED_REQUEST_SHARE,
     CHARS_PER_TOKEN,
@@ -261,7 +262,7 @@ def disk_plan(cfg: Config, state: RunState, r: int, run_dir: Path, prompts: list
         tokens, measured = made[-1]["num_tokens"] / made[-1]["num_samples"], True
     else:
         each = [
-            min(d.max_length, sum(len(m["content"]) for m in c) / CHARS_PER_TOKEN
+            min(d.max_length, conversation_chars(c) / CHARS_PER_TOKEN
                 + TEMPLATE_TOKENS + d.max_new_tokens)
             for c in prompts
         ]  # fmt: skip
