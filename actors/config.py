@@ -156,6 +156,13 @@ class DataConfig(Strict):
     """Prompts per generate call of one actor."""
     num_actors: int = Field(1, ge=1)
     """Target actors in parallel (data parallel over prompt batches)."""
+    early_start: bool = False
+    """Start the next round's fresh prompts while this round's server is benchmarked and talked
+    to, on the cores the server leaves free (one actor), until its users are done; the next
+    round's data stage keeps those batches and goes on from them. The next round's fresh count
+    is fixed then, before this round's traffic is known (its traffic comes on top). For a CPU
+    target and server on one machine, where the server holds one core of the few: on 2 cores it
+    gives the demo's round 1 about a third more data (docs/training.md)."""
     shard_max_bytes: int = Field(256 * 2**20, ge=2**16)
     """Upper bound of one shard file."""
     seed: int = 0

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -84,6 +85,8 @@ def run_generate(
     replied: list[Replied] | None = None,
     deadline: float | None = None,
     only: set[int] | None = None,
+    stop: threading.Event | None = None,
+    threads: int | None = None,
 ) -> DataResult:
     """Generate, capture and write shards for ``prompts`` into ``out_dir``, then for
     ``data.self_prompts_per_round`` conversations whose user turns the target writes (drawn fresh
@@ -100,7 +103,12 @@ def run_generate(
     batch starts that would end after it, by the time the batches so far took. ``DataResult.made``
     lists what was made; the rest is left out. Actors get it as a wall-clock time, taken once
     here (another host's monotonic clock counts from its own boot).
-    ``only``: make just these batch indices (what a cut stage made, when it is healed)."""
+    ``only``: make just these batch indices (what a cut stage made, when it is healed).
+    ``stop``: once set, the actors stop decoding at the token they have (the replies so far
+    written, as at a deadline) and no batch is handed out (pipeline/early_data.py); it takes
+    effect where they cut decoding at a ``deadline``.
+    ``threads``: torch threads (and Ray CPUs) per actor, where the node's cores are not all this
+    stage's (the default: its cores shared by ``data.num_actors``)."""
     start = time.perf_counter()
     two_phase = target.backend == "sglang" if two_phase is None else two_phase
     out_dir = Path(out_dir)
@@ -129,12 +137,12 @@ def run_generate(
     if todo:
         t0 = time.perf_counter()
         actors, reservations = _start_actors(
-            target, data, min(data.num_actors, len(todo)), sglang_options
+            target, data, min(data.num_actors, len(todo)), sglang_options, threads
         )
         n_actors = len(actors)
         try:
             done, generated, info, switch_s, ready_at = _run_batches(
-                actors, batches, keys, list(todo), out_dir, data, two_phase, deadline
+                actors, batches, keys, list(todo), out_dir, data, two_phase, deadline, stop
             )
             ready_s = ready_at - t0
         finally:
@@ -213,6 +221,7 @@ def _run_batches(
     data: DataConfig,
     two_phase: bool,
     deadline: float | None = None,
+    stop: threading.Event | None = None,
 ) -> tuple[list[BatchResult], list[BatchResult], dict[str, Any], float, float]:
     """Run the unfinished batches: (results with shards, results with generate figures, target
     info, seconds spent loading/switching backend phases, when the actors were ready)."""
@@ -246,7 +255,7 @@ def _run_batches(
         cuts = deadline is not None and ray.get(actors[0].cuts_decoding.remote())
         stop_at = (time.time() + deadline - time.monotonic(),) if cuts else ()
         jobs = {i: (batches[i], out, i, keys[i], *stop_at) for i in todo}
-        done = _dispatch(actors, "process", jobs, sizes, deadline, cuts)
+        done = _dispatch(actors, "process", jobs, sizes, deadline, cuts, stop if cuts else None)
         done = generated = [r for r in done if not r.left_out]
     else:
         gen_todo = [i for i in todo if not has_generated(out_dir, i, keys[i])]
@@ -313,7 +322,11 @@ def batch_key(batch: Batch, target: TargetConfig, data: DataConfig) -> str:
 
 
 def _start_actors(
-    target: TargetConfig, data: DataConfig, n: int, sglang_options: SGLangOptions | None
+    target: TargetConfig,
+    data: DataConfig,
+    n: int,
+    sglang_options: SGLangOptions | None,
+    threads: int | None = None,
 ) -> tuple[list[Any], list[Any]]:
     """`n` target actors and the GPU reservations they hold (SGLang: one STRICT_PACK placement
     group of `target.tp_size` GPUs per actor, released by `_stop_actors`)."""
@@ -343,11 +356,11 @@ def _start_actors(
     # batches left, so a resumed run computes with the same kernels and byte-identical shards).
     # On a small CPU, single-threaded actors beat one multi-threaded one.
     cores = min(int(ray.cluster_resources().get("CPU", 1)), os.cpu_count() or 1)
-    threads = max(1, cores // data.num_actors)
+    threads = threads or max(1, cores // data.num_actors)
     opts: dict[str, Any] = {
         "num_cpus": threads,
         "num_gpus": target.num_gpus_per_actor,
-        "max_concurrency": 2,
+        "max_concurrency": 3,  # two batches in flight (`_dispatch`), and `stop_now` beside them
     }
     if target.env:
         opts["runtime_env"] = {"env_vars": dict(target.env)}
@@ -375,12 +388,14 @@ def _dispatch(
     sizes: list[int],
     deadline: float | None = None,
     cuts: bool = False,
+    stop: threading.Event | None = None,
 ) -> list[BatchResult]:
     """Call `method(*jobs[i])` for every batch i (in the order of `jobs`), two in flight per
     actor (one computing, one writing), until all are done, or until `deadline`: where the
     actors `cuts` decoding there, batches are handed out until it passes; elsewhere until the
     next batch would end after it (by the mean wall time of an actor's batches so far). The rest
-    is left out."""
+    is left out. Once `stop` is set no batch is handed out and each actor is told to stop
+    decoding (`TargetWorker.stop_now`)."""
     import ray
 
     todo = deque(jobs)
@@ -389,6 +404,8 @@ def _dispatch(
     per_actor: list[float] = []  # seconds between an actor's finished batches
 
     def fits() -> bool:
+        if stop is not None and stop.is_set():
+            return False
         if deadline is None or not per_actor:
             return True
         if cuts:  # the actor stops decoding at the deadline, or does not start (too late)
@@ -400,7 +417,7 @@ def _dispatch(
         if todo and fits():
             i = todo.popleft()
             pending[getattr(actor, method).remote(*jobs[i])] = actor
-        elif todo and deadline is not None:
+        elif todo and (deadline is not None or stop is not None):
             print(f"[generate] deadline: {len(todo)} batch(es) left out", flush=True)
             todo.clear()
 
@@ -411,8 +428,16 @@ def _dispatch(
     last_done = {id(a): t0 for a in actors}
     total = sum(sizes[i] for i in jobs)
     with tqdm(total=total, unit="prompt", desc=method, file=sys.stdout, mininterval=2.0) as bar:
+        stopping = False
         while pending:
-            [ref], _ = ray.wait(list(pending), num_returns=1)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=None if stop is None else 1.0)
+            if not ready:
+                if stop is not None and stop.is_set() and not stopping:
+                    stopping = True
+                    for a in actors:  # a third call slot: two batches may hold the others
+                        a.stop_now.remote()
+                continue
+            [ref] = ready
             actor = pending.pop(ref)
             r = ray.get(ref)
             results.append(r)

@@ -20,6 +20,7 @@ import inspect
 import json
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -115,9 +116,21 @@ class _PreallocLayer(DynamicLayer):
             )
 
 
-def passed(stop_at: float | None) -> bool:
+# A data stage's stop time on the wall clock (`time.time()`): a number, None (never), or a
+# function giving the current one (a worker asked to stop early moves it to the moment it was
+# asked: pipeline/early_data.py stops the next round's data when the server's core comes back).
+StopAt = float | Callable[[], float | None] | None
+
+
+def stop_time(stop_at: StopAt) -> float | None:
+    """The wall-clock stop time `stop_at` names now."""
+    return stop_at() if callable(stop_at) else stop_at
+
+
+def passed(stop_at: StopAt) -> bool:
     """Whether the wall clock (`time.time()`) has reached a data stage's `stop_at` (None: never)."""
-    return stop_at is not None and time.time() >= stop_at
+    at = stop_time(stop_at)
+    return at is not None and time.time() >= at
 
 
 class HFTarget:
@@ -222,7 +235,7 @@ class HFTarget:
         max_new_tokens: int,
         temperature: float = 0.0,
         seed: int = 0,
-        stop_at: float | None = None,
+        stop_at: StopAt = None,
     ) -> list[list[int]]:
         """New tokens for each prompt (one batch), ending with EOS unless ``max_new_tokens`` ran out
         or the wall clock (``time.time()``) passed ``stop_at`` (`cuts_decoding`: the HF loop only).
@@ -268,7 +281,7 @@ class HFTarget:
         temperature: float,
         seed: int,
         layer_ids: list[int],
-        stop_at: float | None = None,
+        stop_at: StopAt = None,
     ) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
         """`generate` that also keeps the hidden states the decode forwards compute anyway: per
         prompt (new tokens, aux [P+N, A*H], final [P+N, H]) in bf16 on CPU, the same layout as
@@ -297,7 +310,7 @@ class HFTarget:
         temperature: float,
         seed: int,
         log: _StateLog | None,
-        stop_at: float | None = None,
+        stop_at: StopAt = None,
     ) -> list[tuple[list[int], Any]]:
         """The decode loop of `generate` / `generate_and_capture`: (new tokens, states or None).
         Past ``stop_at`` (wall clock) every live row ends at the token it has, as if its

@@ -19,8 +19,9 @@ The HF backend captures shard by shard into pinned buffers of one shard each (`C
 and streams each shard to its file while the GPU runs the next; SGLang captures token-bounded
 groups (`CAPTURE_TOKENS`) and writes shards as they fill.
 
-The actor runs two calls at a time (``max_concurrency=2``) but only one of them computes (a lock):
-while one batch's shards are serialised, hashed and written, the next batch computes.
+The actor runs two batches at a time but only one of them computes (a lock): while one batch's
+shards are serialised, hashed and written, the next batch computes. The HF actor has a third
+call slot (``max_concurrency=3``) for `TargetWorker.stop_now`, which must not wait behind them.
 """
 
 from __future__ import annotations
@@ -45,7 +46,15 @@ from actors.batch_records import (
 )
 from actors.chat import Conversation, encode_conversation, prompt_ids, user_turn_prefix
 from actors.config import DataConfig, TargetConfig
-from actors.hf_backend import HFTarget, PinnedPool, load_tokenizer, passed, resolve_aux_layer_ids
+from actors.hf_backend import (
+    HFTarget,
+    PinnedPool,
+    StopAt,
+    load_tokenizer,
+    passed,
+    resolve_aux_layer_ids,
+    stop_time,
+)
 from actors.prompts import Answered, Batch, Replied, SelfWritten, keep_written_turns
 from actors.sglang_backend import token_bounded_batches
 from actors.shards import (
@@ -208,13 +217,25 @@ class TargetWorker:
             not self.online and capture_mode(data.capture, target.backend, self.backend) == "decode"
         )
         self._last_decode_s = 0.0  # how long this actor's last batch decoded
+        self._stopped_at: float | None = None  # when `stop_now` was called
 
-    def _too_late(self, stop_at: float | None) -> bool:
+    def stop_now(self) -> None:
+        """Stop the batch decoding now at the token it has (its replies so far are written) and
+        start no other: the stage that made this actor needs its core back. Called beside a
+        running `process` (the actor runs two calls at once)."""
+        self._stopped_at = time.time()
+
+    def _stop_at(self, stop_at: float | None) -> StopAt:
+        """The decode loop's stop time: ``stop_at``, or the moment `stop_now` was called."""
+        if stop_at is None:
+            return None
+        return lambda: stop_at if self._stopped_at is None else min(stop_at, self._stopped_at)
+
+    def _too_late(self, stop_at: StopAt) -> bool:
         """Whether a batch starting now would get under `LATE_START_SHARE` of the time the last
         one decoded: its prefill and a few tokens would cost more than they teach."""
-        return (
-            stop_at is not None and stop_at - time.time() < LATE_START_SHARE * self._last_decode_s
-        )
+        at = stop_time(stop_at)
+        return at is not None and at - time.time() < LATE_START_SHARE * self._last_decode_s
 
     def info(self) -> dict[str, Any]:
         """Target identity for the manifest, plus the resolved aux layer ids."""
@@ -259,13 +280,12 @@ class TargetWorker:
             gen = self._answered(*self._as_answered(batch))
             return self._capture_and_write(gen, out_dir, batch_index, batch_key)
         convs, wrote = self._conversations(batch)
-        if not self.cuts_decoding():
-            stop_at = None
+        stop = self._stop_at(stop_at) if self.cuts_decoding() else None
         if self.capture_in_decode:
             return wrote.add_to(
-                self._generate_captured(convs, out_dir, batch_index, batch_key, stop_at)
+                self._generate_captured(convs, out_dir, batch_index, batch_key, stop)
             )
-        gen = self._generate(convs, batch_index, stop_at)
+        gen = self._generate(convs, batch_index, stop)
         if gen is None:
             return wrote.add_to(not_started(batch_index, len(convs)))
         gen = wrote.add_to(gen)
@@ -369,7 +389,7 @@ class TargetWorker:
         return convs, Written(sum(map(len, turns)), seconds, batch.count - len(convs))
 
     def _generate(
-        self, batch: list[Conversation], batch_index: int, stop_at: float | None = None
+        self, batch: list[Conversation], batch_index: int, stop_at: StopAt = None
     ) -> Generated | None:
         """The batch's sequences, or None where ``stop_at`` leaves too little time to start."""
         d = self.data
@@ -408,7 +428,7 @@ class TargetWorker:
         out_dir: str,
         batch_index: int,
         batch_key: str,
-        stop_at: float | None = None,
+        stop_at: StopAt = None,
     ) -> BatchResult:
         """Generate with the states of every token kept by the decode forwards (no capture
         pass), then write the batch's shards and sidecar outside the compute lock."""
@@ -628,7 +648,7 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     """`TargetActor`: `TargetWorker` as a Ray actor, made on first use, so that `TargetWorker`
     runs where Ray is not installed (the GPU benchmark host). HF backend:
-    ``TargetActor.options(num_cpus=..., num_gpus=target.num_gpus_per_actor, max_concurrency=2)``;
+    ``TargetActor.options(num_cpus=..., num_gpus=target.num_gpus_per_actor, max_concurrency=3)``;
     SGLang backend: ``TargetActor.options(**target_actor_options(target,
     reserve_target_gpus(target.tp_size)), max_concurrency=2)`` (see actors/generate.py
     `_start_actors`)."""

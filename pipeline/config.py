@@ -294,6 +294,13 @@ class Config(_Strict):
                 f"{self.drafter.init!r}; point drafter.init at a drafter folder or Hub id, or set "
                 "train.first_round: train"
             )
+        gpus = self.target.num_gpus_per_actor or self.serve.num_gpus
+        if self.data.early_start and (self.target.backend != "hf" or gpus):
+            errs.append(
+                "data.early_start: generates on the CPU cores a CPU server leaves free; this "
+                f"target ({self.target.backend}, {self.target.num_gpus_per_actor} GPU(s) an actor) "
+                f"and server ({self.serve.num_gpus} GPU(s)) share GPUs: set it false"
+            )
         if errs:
             raise ValueError("; ".join(errs))
         return self

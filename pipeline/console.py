@@ -274,6 +274,9 @@ def data_line(rec: dict[str, Any]) -> str:
     given = f"{rec.get('traffic_records', 0)} served requests + {rec.get('fresh_prompts', 0)} fresh prompts"
     if drawn := {k: v for k, v in (rec.get("drawn") or {}).items() if v}:  # per source or domain
         given += ": " + ", ".join(f"{k} {v}" for k, v in drawn.items())
+    if early := rec.get("early"):  # pipeline/round_data.py start_early
+        given += (f"; {early['samples']} samples of them made early, in {early['wall_s']:.0f} s "
+                  "beside the last round's server")  # fmt: skip
     cut = f"; {rec['cut']} batch(es) stopped at the deadline" if rec.get("cut") else ""
     cut += f"; {rec['left_out']} batch(es) left out at the deadline" if rec.get("left_out") else ""
     torn = (rec.get("traffic_skipped") or {}).get("torn")

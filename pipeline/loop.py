@@ -36,6 +36,7 @@ from pipeline.gate_set import gate_dirs, gate_due, make_gate_set
 from pipeline.layout import RunDir, round_tag
 from pipeline.measure import machine
 from pipeline.preflight import preflight
+from pipeline.round_data import fresh_prompts, replied_batches, start_early
 from pipeline.round_plan import (
     data_bytes,
     disk_plan,
@@ -90,7 +91,7 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
 
     plan = _prompts(cfg)
     evalset = _eval_set(cfg, plan)
-    clock, server = Clock(state), None
+    clock, server, early = Clock(state), None, None
     try:
         if cfg.stop.max_wall_minutes and not state.round(0).is_done("plan"):
             # measured once; a budget that cannot hold the rounds is refused before round 0
@@ -157,6 +158,8 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                     rs.done["train"]["wall_s"] = clock.elapsed() - t0
                     st.result = train_line(rs.done["train"])
                 _commit(state, clock, run_dir)
+            if early is None:  # the next round's fresh prompts, on the cores the server leaves
+                early = start_early(cfg, run_dir, state, r, plan, _early_seconds(rs))
             if not rs.is_done("bench"):
                 t0 = clock.elapsed()
                 what = f"{len(evalset[0])} held-out prompts"
@@ -191,6 +194,9 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                     rs.done["traffic"]["wall_s"] = clock.elapsed() - t0
                     st.result = users_line(rs.done["traffic"])
                 _commit(state, clock, run_dir)
+            if early is not None:  # the server's core is free again: round r+1's stage takes over
+                rs.done["early"], early = early.finish(), None
+                _commit(state, clock, run_dir)
             if rs.is_done("plan"):
                 tracker.log(child, plan_vs_actual(rs.done["plan"], rs.done))
             if cfg.serve.num_gpus > 0:  # the next round's stages need those GPUs
@@ -203,6 +209,8 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
         _mark_failed(tracker, state, e)
         raise
     finally:
+        if early is not None:
+            early.finish()
         _stop_serving(server)
     return _write_summary(state, run_dir)
 
@@ -272,6 +280,8 @@ def _generate(
     seconds: float | None = None,
 ) -> dict:
     rec = _generate_round(cfg, run_dir, state, r, plan, evalset, seconds)
+    if r and (early := state.rounds[r - 1].done.get("early")):  # its batches are among these
+        rec["early"] = early
     # the round's peak disk: its data has landed, and no round's is deleted before the next
     rec["disk_bytes"] = data_bytes(RunDir(run_dir).data(r).parent)
     tracker.log(child, {f"data/{k}": v for k, v in rec.items()})
@@ -295,20 +305,15 @@ def _generate_round(
     import time
 
     from actors.generate import run_generate
-    from actors.prompts import round_slices
 
     out = RunDir(run_dir).data(r)
     records = traffic_for_round(cfg, run_dir, state, r, out, evalset)
-    prompts, slices = round_slices(
-        plan, cfg.data.prompts_for_round(r) - len(records), drawn(state, r)
-    )
-    _keep_slice(out / "slice.json", r, slices)
+    prompts, replied, slices = fresh_prompts(cfg, state, r, plan, out, len(records))
     write_key_file(
         out / KEY_FILE,
-        [key_hash(c) for c in prompts + [x["messages"] for x in records if x.get("messages")]],
-    )
+        [key_hash(c) for c in prompts + replied + [x["messages"] for x in records if x.get("messages")]],
+    )  # fmt: skip
     counts = {s: b - a for s, (a, b) in slices.items()}
-    prompts, replied = _with_replies(prompts, plan.replies, cfg.data.dataset_replies)
     data = cfg.data.model_copy(update={"states": cfg.states()})  # auto resolved: ids or states
     res = run_generate(
         cfg.target,
@@ -318,7 +323,7 @@ def _generate_round(
         cfg.digest(),
         round_index=r,
         answered=answered_batches(records, cfg.data.batch_size),
-        replied=_replied_batches(replied, plan.replies, cfg.data.batch_size),
+        replied=replied_batches(replied, plan.replies, cfg.data.batch_size),
         deadline=None if seconds is None else time.monotonic() + seconds,  # in this process
         only=None if only is None else set(only),
     )
@@ -337,50 +342,6 @@ def _fresh(cfg: Config, state: RunState, r: int, plan) -> list:
     from actors.prompts import round_slices
 
     return round_slices(plan, cfg.data.prompts_for_round(r), drawn(state, r))[0]
-
-
-def _keep_slice(path: Path, r: int, slices: dict[str, list[int]]) -> None:
-    """Record which slice of each source's training order round r takes (`{source: [start,
-    end)}`, and `counts`, how many from each: for the pool its domains), or, when the round is
-    resumed, check it takes the one it began: a changed slice would train on prompts beside the
-    shards already made (a changed config or state)."""
-    from pipeline.state import write_json_atomic
-
-    if path.exists():
-        had = json.loads(path.read_text())["slices"]
-        if had != slices:
-            raise RuntimeError(
-                f"{path}: round {r} began on prompt slices {had}, its resume would take {slices} "
-                "(the config or state.json changed since); resume with the config it began "
-                "with, or start a new run directory"
-            )
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    counts = {s: b - a for s, (a, b) in slices.items()}
-    write_json_atomic(path, {"round": r, "slices": slices, "counts": counts})
-
-
-def _with_replies(prompts: list, replies: dict[str, str], share: float) -> tuple[list, list]:
-    """(prompts to regenerate, prompts trained on their source's reply): `share` of all of them,
-    spread evenly through the round's order, among those that have a reply."""
-    from actors.prompts import prompt_key
-
-    regen, replied = [], []
-    for i, p in enumerate(prompts):
-        if len(replied) < share * (i + 1) and prompt_key(p) in replies:
-            replied.append(p)
-        else:
-            regen.append(p)
-    return regen, replied
-
-
-def _replied_batches(prompts: list, replies: dict[str, str], batch_size: int) -> list:
-    from actors.prompts import Replied, prompt_key
-
-    return [
-        Replied(tuple(b), tuple(replies[prompt_key(p)] for p in b))
-        for b in (prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size))
-    ]
 
 
 def _heal_data(cfg: Config, run_dir: Path, state: RunState, r: int, plan, evalset) -> list[int]:
@@ -497,6 +458,13 @@ def _serve(cfg: Config, run_dir: Path, drafter: str | None, server, shape: dict 
         info = server.set_shape(Shape.parse(shape))
         detail.info("serving %s with shape %s: %s", drafter, info["shape"], shape.get("reason"))
     return server
+
+
+def _early_seconds(rs) -> float | None:
+    """How long round r+1's data may run beside round r's server: the rest of round r's plan
+    (its benchmark and users), or until its users are done where nothing is planned."""
+    left = [_planned(rs, k) for k in ("bench_s", "traffic_s") if not rs.is_done(k[:-2])]
+    return None if None in left else sum(left)  # type: ignore[arg-type]
 
 
 def _planned(rs, key: str) -> float | None:

@@ -627,6 +627,93 @@ def test_a_deadline_stops_decoding_and_keeps_the_replies_so_far(tiny_target, tmp
     assert not list(tmp_path.glob("b00001*"))
 
 
+def test_a_worker_asked_to_stop_cuts_its_decode_and_starts_no_other_batch(tiny_target, tmp_path):
+    """`stop_now`, called beside a decoding batch (as the actor's third call slot does), ends it
+    at the token it has with its replies written, long before its own stop time; the worker then
+    starts no batch."""
+    import threading
+    import time
+
+    target, _ = _cfgs(tiny_target)
+    data = DataConfig(batch_size=3, max_new_tokens=20_000, max_length=30_000)
+    w = TargetWorker(target, data, num_threads=1)
+    decoding, decode = threading.Event(), w.backend.generate_and_capture
+
+    def entered(*args, **kwargs):  # the real decode, once the test knows it began
+        decoding.set()
+        return decode(*args, **kwargs)
+
+    w.backend.generate_and_capture = entered
+    got: dict = {}
+    run = threading.Thread(
+        target=lambda: got.update(res=w.process(PROMPTS[:3], str(tmp_path), 0, "k", stop_at=time.time() + 3600))
+    )  # fmt: skip
+    run.start()
+    assert decoding.wait(60)
+    w.stop_now()
+    run.join(60)
+    assert not run.is_alive(), "stop_now did not end the decode"
+    res = got["res"]
+    assert res.cut and not res.left_out and len(res.shards) == 1
+    assert all(
+        0 < int(s["loss_mask"].sum()) < data.max_new_tokens for s in _batch_samples(tmp_path, res)
+    )
+    late = w.process(PROMPTS[3:6], str(tmp_path), 1, "k", stop_at=time.time() + 3600)
+    assert late.left_out and not late.shards
+
+
+def test_a_stopped_stage_keeps_its_batches_and_the_next_goes_on_from_them(
+    stage, tmp_path, monkeypatch
+):
+    """A stage told to stop (`stop`, as pipeline/round_data.py's early data is when the server's
+    core comes back) cuts the batch decoding, writes it, and hands out nothing more; the round's
+    own stage over the same prompts keeps that batch and goes on with the next."""
+    import threading
+    import time
+
+    import actors.generate as generate
+
+    target, data, _, _ = stage
+    data = data.model_copy(update={"batch_size": 1, "num_actors": 1, "max_new_tokens": 20_000,
+                                   "max_length": 30_000, "shard_max_bytes": 2**26})  # fmt: skip
+    prompts, out, stop, dispatching = (
+        PROMPTS[:5],
+        tmp_path / "early",
+        threading.Event(),
+        threading.Event(),
+    )
+    check = generate._check_storage  # the stage's last step before it hands out batches
+
+    def checked(*args) -> None:
+        check(*args)
+        dispatching.set()
+
+    monkeypatch.setattr(generate, "_check_storage", checked)
+
+    def stop_while_the_first_batch_decodes(stop: threading.Event) -> threading.Event:
+        def wait() -> None:  # 20,000 tokens take far longer
+            dispatching.wait()
+            time.sleep(1.0)
+            stop.set()
+
+        dispatching.clear()
+        threading.Thread(target=wait, daemon=True).start()
+        return stop
+
+    t0 = time.monotonic()
+    stop = stop_while_the_first_batch_decodes(threading.Event())
+    early = run_generate(target, data, prompts, out, "h", deadline=t0 + 3600, stop=stop)
+    assert early.made == (0,) and early.cut == 1 and early.left_out == 4
+    assert time.monotonic() - t0 < 60
+    (sample,) = _samples(out)[1]
+    assert 0 < int(sample["loss_mask"].sum()) < data.max_new_tokens  # cut, its reply so far kept
+    kept = {p.name: p.stat().st_mtime_ns for p in out.glob("b00000*")}
+    stop = stop_while_the_first_batch_decodes(threading.Event())
+    rest = run_generate(target, data, prompts, out, "h", deadline=t0 + 3600, stop=stop)
+    assert rest.made == (0, 1) and rest.cut == 1  # it went on with batch 1
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("b00000*")} == kept
+
+
 def _batch_samples(out: Path, res) -> list[dict]:
     """The samples of one batch result's shards."""
     return [s for sh in res.shards for s in iter_samples(read_shard(out / sh.file))]

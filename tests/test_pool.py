@@ -97,7 +97,7 @@ def test_the_pool_source_never_yields_a_held_out_user_or_benchmark_prompt(tmp_pa
 
 def test_successive_rounds_take_disjoint_slices_and_a_resumed_round_the_same(tmp_path):
     from actors.prompts import round_slices
-    from pipeline.loop import _keep_slice
+    from pipeline.round_data import keep_slice
 
     plan = plan_prompts(_pool_config().data)
     earlier, seen = [], set()
@@ -112,12 +112,12 @@ def test_successive_rounds_take_disjoint_slices_and_a_resumed_round_the_same(tmp
         # the round resumed (same earlier draws) takes the same prompts, and its record agrees
         again, same = round_slices(plan, n, earlier)
         assert again == prompts and same == slices
-        _keep_slice(tmp_path / f"{r}.json", r, slices)
-        _keep_slice(tmp_path / f"{r}.json", r, same)
+        keep_slice(tmp_path / f"{r}.json", r, slices)
+        keep_slice(tmp_path / f"{r}.json", r, same)
         earlier.append({s: b - a for s, (a, b) in slices.items()})
     # a resume that would take another slice (a changed config or state) is refused, by file
     with pytest.raises(RuntimeError, match=r"2\.json: round 2 began on prompt slices"):
-        _keep_slice(tmp_path / "2.json", 2, {"chat": [0, 4000]})
+        keep_slice(tmp_path / "2.json", 2, {"chat": [0, 4000]})
 
 
 def test_the_pool_mixes_only_with_traffic_and_has_no_source_replies():
@@ -163,7 +163,7 @@ def test_the_pool_never_yields_a_prompt_the_starting_drafter_was_trained_on():
 def test_each_round_draws_the_pools_domains_by_weight_until_one_runs_out(tmp_path):
     from actors.prompts import fresh_quotas, round_slices
     from pipeline.console import data_line
-    from pipeline.loop import _keep_slice
+    from pipeline.round_data import keep_slice
 
     w = dict.fromkeys(("chat", "coding", "math"), 1 / 3)
     assert fresh_quotas(w, 9000, {"chat": 9000, "coding": 9000, "math": 9000}) == {
@@ -185,7 +185,7 @@ def test_each_round_draws_the_pools_domains_by_weight_until_one_runs_out(tmp_pat
     # a climb round: math gives all it has, chat and coding split the rest evenly
     assert counts["math"] == min(sizes["math"], 8192 // 3)
     assert abs(counts["chat"] - counts["coding"]) <= 1 and sum(counts.values()) == 8192
-    _keep_slice(tmp_path / "slice.json", 0, slices)
+    keep_slice(tmp_path / "slice.json", 0, slices)
     assert json.loads((tmp_path / "slice.json").read_text())["counts"] == counts
     rec = {"num_samples": 8192, "num_tokens": 1, "fresh_prompts": 8192, "drawn": counts}
     assert f"chat {counts['chat']}, coding {counts['coding']}, math" in data_line(rec)

@@ -312,12 +312,12 @@ def test_sharegpt_turns_carry_the_reply_that_answered_them():
 
 def test_a_share_of_the_round_trains_on_replies_spread_through_its_order():
     from actors.prompts import prompt_key
-    from pipeline.loop import _with_replies
+    from pipeline.round_data import with_replies
 
     prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(10)]
     replies = {prompt_key(p): "answer" for p in prompts if p is not prompts[3]}  # 3 has none
-    regen, replied = _with_replies(prompts, replies, 0.5)
+    regen, replied = with_replies(prompts, replies, 0.5)
     assert len(replied) == 5 and prompts[3] in regen
     assert sorted(map(prompt_key, regen + replied)) == sorted(map(prompt_key, prompts))
-    assert _with_replies(prompts, replies, 0.0) == (prompts, [])
-    assert _with_replies(prompts, {}, 1.0) == (prompts, [])
+    assert with_replies(prompts, replies, 0.0) == (prompts, [])
+    assert with_replies(prompts, {}, 1.0) == (prompts, [])
