@@ -301,6 +301,12 @@ class Config(_Strict):
                 f"target ({self.target.backend}, {self.target.num_gpus_per_actor} GPU(s) an actor) "
                 f"and server ({self.serve.num_gpus} GPU(s)) share GPUs: set it false"
             )
+        if self.data.early_start and self.bench.reuse_baseline:
+            errs.append(
+                "bench.reuse_baseline: the first round's baseline is measured beside the next "
+                "round's data (data.early_start), on a busier machine than later rounds run on, "
+                "so reused it would flatter their speedups; set one of them false"
+            )
         if errs:
             raise ValueError("; ".join(errs))
         return self

@@ -165,9 +165,13 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 what = f"{len(evalset[0])} held-out prompts"
                 what += ", the server's start included" if server is None else ""
                 with stage(f"round {r} bench", _planned(rs, "bench_s"), what) as st:
+                    starts = server is None
                     server = _serve(cfg, run_dir, rs.done["train"]["drafter_dir"], server)
+                    up = clock.elapsed() - t0
                     rs.done["bench"] = _bench(cfg, run_dir, r, evalset, server, tracker, child)
                     rs.done["bench"]["wall_s"] = clock.elapsed() - t0
+                    if starts:  # the next round's plan prices its benchmark without it
+                        rs.done["bench"]["serve_start_s"] = up
                     st.result = bench_line(rs.done["bench"])
                 _commit(state, clock, run_dir)
             if not rs.is_done("gate"):

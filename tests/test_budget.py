@@ -41,6 +41,9 @@ def test_later_rounds_use_the_seconds_per_request_the_last_round_took():
     mid = plan_round(1, 3, 500.0, rates, [26, 26], traffic_requests=24)
     assert mid.traffic_s == 48.0
     assert mid.data_s + mid.train_s == pytest.approx((500.0 - 2 * 104.0 - 48.0) / 2)
+    # the server's start is not a benchmark's cost where the next round swaps the drafter
+    started = {**done, "bench": {"wall_s": 120.0, "serve_start_s": 20.0}}
+    assert TWO_CORES.measured(started, bench_requests=26, traffic_requests=24) == rates
     # a stage the round did not run keeps the rate it was planned with
     assert Rates(9.0, 3.0).measured({"bench": {"wall_s": 52.0}}, 26, 24) == Rates(2.0, 3.0)
 

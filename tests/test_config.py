@@ -154,6 +154,14 @@ def test_a_time_budget_needs_the_engine_the_start_up_measurement_times():
         parse_config({"stop": {"max_wall_minutes": 10}, "serve": {"engine": "sglang"}})
 
 
+def test_early_data_runs_beside_a_cpu_server_and_each_round_times_its_own_baseline():
+    with pytest.raises(ConfigError, match="data.early_start: generates on the CPU cores"):
+        parse_config({"data": {"early_start": True}, "target": {"num_gpus_per_actor": 1}})
+    with pytest.raises(ConfigError, match="bench.reuse_baseline: the first round's baseline"):
+        parse_config({"data": {"early_start": True}, "bench": {"reuse_baseline": True}})
+    assert parse_config({"data": {"early_start": True}}).data.early_start
+
+
 def test_a_round_trains_on_the_data_window_of_train_data_rounds():
     made = ["r0", "r1", "r2", "r3"]  # the rounds that made data, oldest first
     assert parse_config({}).train.data_window(made) == made  # all accumulated data

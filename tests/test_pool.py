@@ -120,6 +120,23 @@ def test_successive_rounds_take_disjoint_slices_and_a_resumed_round_the_same(tmp
         keep_slice(tmp_path / "2.json", 2, {"chat": [0, 4000]})
 
 
+def test_a_round_begun_early_keeps_its_fresh_count_whatever_traffic_comes(tmp_path):
+    """A round's data begun early (pipeline/round_data.py start_early) takes its fresh prompts
+    before its traffic is known; the round's own stage then finds its slice.json and takes the
+    same prompts, the traffic on top, so the batches made early are its own (same batch keys)."""
+    from pipeline.round_data import fresh_prompts
+    from pipeline.state import RunState
+
+    cfg = _pool_config(prompts_per_round=512, first_round_prompts=512)
+    plan, state = plan_prompts(cfg.data), RunState(config_digest="d")
+    early, _, slices = fresh_prompts(cfg, state, 0, plan, tmp_path, traffic=0)
+    assert len(early) == 512
+    later, _, same = fresh_prompts(cfg, state, 0, plan, tmp_path, traffic=100)
+    assert later == early and same == slices
+    # a round not begun takes what its traffic leaves
+    assert len(fresh_prompts(cfg, state, 0, plan, tmp_path / "not-begun", traffic=100)[0]) == 412
+
+
 def test_the_pool_mixes_only_with_traffic_and_has_no_source_replies():
     from actors.config import ConfigError
 
