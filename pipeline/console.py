@@ -315,6 +315,7 @@ def bench_line(rec: dict[str, Any]) -> str:
     s = (rec.get("extra") or {}).get("settings") or {}
     if s.get("temperature"):  # a sampled figure says so
         text += f" at temperature {s['temperature']:g}, top_p {s.get('top_p', 1.0):g}"
+        text += f", top_k {s['top_k']}" if s.get("top_k", -1) > 0 else ""
     shape = rec.get("shape") or {}
     if shape:
         text += (

@@ -509,7 +509,7 @@ def _bench(
     )
     rec = _record(res)
     tracker.log(child, {f"bench/{k}": v for k, v in rec.items()})
-    tracker.log(child, {f"bench/{k}": rec["extra"]["settings"][k] for k in ("temperature", "top_p")})  # fmt: skip
+    tracker.log(child, {f"bench/{k}": rec["extra"]["settings"][k] for k in ("temperature", "top_p", "top_k")})  # fmt: skip
     for i, a in enumerate(rec.get("acceptance_per_position") or []):
         tracker.log(child, {"bench/acceptance_per_position": a}, step=i + 1)
     for dom, figs in (rec.get("domains") or {}).items():
@@ -577,7 +577,7 @@ def _simulate(cfg: Config, plan, r: int, server, tracker: Tracker, child: str) -
     b = cfg.bench  # the users sample as the deployment is judged
     res = simulate_users(server.url, prompts, max_tokens=cfg.data.max_new_tokens,
                          concurrency=cfg.serve.simulate_concurrency, temperature=b.temperature,
-                         top_p=b.top_p)  # fmt: skip
+                         top_p=b.top_p, top_k=b.top_k)  # fmt: skip
     rec = _record(res)
     detail.info("simulated users: %s", rec)
     tracker.log(child, {f"traffic/{k}": v for k, v in rec.items() if isinstance(v, int | float)})

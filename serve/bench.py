@@ -116,7 +116,7 @@ def domain_figures(
 
 def _builder(bench_cfg: Any, build: RequestBuilder | None) -> RequestBuilder:
     """`build`, or chat requests with the config's `ignore_eos` (default false) and sampling
-    settings (`temperature`, `top_p`, `seed`: every request the same seed, so requests that
+    settings (`temperature`, `top_p`, `top_k`, `seed`: every request the same seed, so requests that
     arrive together still share a batch)."""
     if build is not None:
         return build
@@ -128,10 +128,11 @@ def _builder(bench_cfg: Any, build: RequestBuilder | None) -> RequestBuilder:
 
 
 def sampling(bench_cfg: Any) -> dict[str, Any]:
-    """The benchmark's sampling settings: temperature (0 = greedy), top_p, seed."""
+    """The benchmark's sampling settings: temperature (0 = greedy), top_p, top_k, seed."""
     return {
         "temperature": float(_get(bench_cfg, "temperature", 0.0)),
         "top_p": float(_get(bench_cfg, "top_p", 1.0)),
+        "top_k": int(_get(bench_cfg, "top_k", -1)),
         "seed": _get(bench_cfg, "seed", 0),
     }
 

@@ -94,8 +94,10 @@ def chat_request(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int | None = None,
+    top_k: int = -1,
 ) -> tuple[str, dict[str, Any]]:
-    """OpenAI chat completion, greedy unless `temperature` > 0 (then with `top_p` and `seed`).
+    """OpenAI chat completion, greedy unless `temperature` > 0 (then with `top_p`, `top_k` where
+    it cuts (> 0), and `seed`).
     `speculative`/`steps` are this engine's fields (SGLang ignores them); `return_meta_info`
     makes SGLang put its per-request speculative stats under `choices[0].meta_info`
     (non-streaming only; ignored by this engine)."""
@@ -113,6 +115,8 @@ def chat_request(
         body["steps"] = steps
     if temperature > 0:
         body["top_p"] = top_p
+        if top_k > 0:
+            body["top_k"] = top_k
         if seed is not None:
             body["seed"] = seed
     return "/v1/chat/completions", body

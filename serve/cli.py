@@ -176,6 +176,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "ignore_eos": args.ignore_eos,
         "temperature": args.temperature,
         "top_p": args.top_p,
+        "top_k": args.top_k,
         "seed": args.sampling_seed,
         "shape_chains": _ints(args.shape_chains),
         "baseline_prompts": args.baseline_prompts,
@@ -359,6 +360,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m serve.cli") -> in
         "--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)"
     )
     b.add_argument("--top-p", type=float, default=1.0, help="nucleus of sampled requests")
+    b.add_argument(
+        "--top-k", type=int, default=-1, help="top-k cut of sampled requests (-1 or 0: off)"
+    )
     b.add_argument("--sampling-seed", type=int, default=0, help="seed of sampled requests")
     b.add_argument(
         "--shape",

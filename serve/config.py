@@ -143,6 +143,9 @@ class BenchConfig(Strict):
     Sampled figures vary with the draws: compare two drafters at the same settings."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus of the benchmark's sampled requests (with `temperature` > 0)."""
+    top_k: int = Field(-1, ge=-1)
+    """Top-k cut of the benchmark's sampled requests (with `temperature` > 0; -1 or 0 = off),
+    applied before `top_p`, as vLLM's and SGLang's `top_k` (the openai client's `extra_body`)."""
     seed: int = 0
     """Seed of the benchmark's sampled requests; one for all, so requests that arrive together
     still share a batch (the engine batches requests with equal sampling settings)."""

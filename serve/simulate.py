@@ -40,6 +40,7 @@ def simulate_users(
     max_seconds: float = 900.0,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    top_k: int = -1,
 ) -> SimulationResult:
     """Send every prompt once (chat completions, `concurrency` in flight); stops sending when
     `max_seconds` have passed. Failures are counted, not raised: a user's bad request is the
@@ -58,6 +59,7 @@ def simulate_users(
             "max_tokens": max_tokens,
             "temperature": temperature,
             **({"top_p": top_p} if temperature > 0 else {}),
+            **({"top_k": top_k} if temperature > 0 and top_k > 0 else {}),
         }
         try:
             r = client.post("/v1/chat/completions", json=body)

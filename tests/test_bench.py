@@ -226,11 +226,11 @@ def test_acceptance_on_every_prompt_batched_and_speed_on_the_first_few(endpoint,
 
 
 def test_the_benchmark_samples_at_its_temperature(endpoint, tmp_path):
-    """`bench.temperature`, `top_p`, `seed`: every request the benchmark sends (drafted and
-    plain) samples at them, and the result says which settings its figures are at."""
+    """`bench.temperature`, `top_p`, `top_k`, `seed`: every request the benchmark sends (drafted
+    and plain) samples at them, and the result says which settings its figures are at."""
     from serve.bench import _builder
 
-    cfg = dict(SMALL, concurrency=[1], steps_sweep=[], temperature=0.9, top_p=0.8, seed=5)
+    cfg = dict(SMALL, concurrency=[1], steps_sweep=[], temperature=0.9, top_p=0.8, top_k=7, seed=5)
     sent = []
 
     def build(prompt, max_tokens, speculative, steps):
@@ -239,10 +239,13 @@ def test_the_benchmark_samples_at_its_temperature(endpoint, tmp_path):
         return path, body
 
     r = run_bench(endpoint.url, PROMPTS, cfg, tmp_path, tag="sampled", build=build)
-    assert {(b["temperature"], b["top_p"], b["seed"]) for b in sent} == {(0.9, 0.8, 5)}
+    assert {(b["temperature"], b["top_p"], b["top_k"], b["seed"]) for b in sent} == {(0.9, 0.8, 7, 5)}  # fmt: skip
     assert {b["speculative"] for b in sent} == {True, False} and r.accept_len >= 1.0
     s = r.extra["settings"]
-    assert (s["temperature"], s["top_p"], s["seed"]) == (0.9, 0.8, 5)
+    assert (s["temperature"], s["top_p"], s["top_k"], s["seed"]) == (0.9, 0.8, 7, 5)
+    # greedy requests carry no cut, and one that is off (-1 or 0) is not sent
+    assert "top_k" not in _builder(dict(cfg, temperature=0.0), None)("hi", 4, True, 2)[1]
+    assert "top_k" not in _builder(dict(cfg, top_k=0), None)("hi", 4, True, 2)[1]
 
 
 def test_cli_measures_each_shape_sampled(endpoint, tmp_path, capsys):
