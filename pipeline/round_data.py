@@ -129,9 +129,12 @@ def start_early(
 ) -> EarlyData | None:
     """Begin round r+1's fresh prompts (one actor, the free cores' threads) until `seconds` from
     now or `EarlyData.finish`, whichever comes first; None where `data.early_start` is off, round
-    r is the last, round r+1's data is made, or no core is free."""
+    r is the last, its plan has no time left to overlap, round r+1's data is made, or no core is
+    free."""
     nxt = r + 1
     if not cfg.data.early_start or nxt >= cfg.stop.max_rounds:
+        return None
+    if seconds is not None and seconds <= 0:  # a resumed round r: nothing of it left to overlap
         return None
     if len(state.rounds) > nxt and state.rounds[nxt].is_done("generate"):
         return None

@@ -162,6 +162,17 @@ def test_early_data_runs_beside_a_cpu_server_and_each_round_times_its_own_baseli
     assert parse_config({"data": {"early_start": True}}).data.early_start
 
 
+def test_early_data_starts_only_where_round_r_leaves_time_to_overlap(tmp_path):
+    from pipeline.round_data import start_early
+    from pipeline.state import RunState
+
+    cfg = parse_config({"data": {"early_start": True}, "stop": {"max_rounds": 2}})
+    state = RunState(config_digest="d")
+    assert start_early(cfg, tmp_path, state, 0, None, seconds=0.0) is None  # resumed: none left
+    assert start_early(cfg, tmp_path, state, 1, None, seconds=100.0) is None  # the last round
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_round_trains_on_the_data_window_of_train_data_rounds():
     made = ["r0", "r1", "r2", "r3"]  # the rounds that made data, oldest first
     assert parse_config({}).train.data_window(made) == made  # all accumulated data
