@@ -161,9 +161,8 @@ class DataConfig(Strict):
     to, on the cores the server leaves free (one actor), until its users are done; the next
     round's data stage keeps those batches and goes on from them. The next round's fresh count
     is fixed then, before this round's traffic is known (its traffic comes on top). For a CPU
-    target and server on one machine, where the server holds one core of the few: on 2 cores in
-    bf16 it gives the demo's round 1 about 40% more data (docs/data.md). Skipped in the fp32
-    regime, where the server's decoding beside it ran 67% slower."""
+    target and server on one machine, where the server holds one core of the few: on 2 cores it
+    gives the demo's round 1 about a third more data (docs/training.md)."""
     shard_max_bytes: int = Field(256 * 2**20, ge=2**16)
     """Upper bound of one shard file."""
     seed: int = 0

@@ -20,9 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from eagle3.train_step import target_dtype
 from pipeline.config import Config
 from pipeline.layout import RunDir
 from pipeline.state import RunState, write_json_atomic
@@ -132,21 +129,14 @@ def start_early(
 ) -> EarlyData | None:
     """Begin round r+1's fresh prompts (one actor, the free cores' threads) until `seconds` from
     now or `EarlyData.finish`, whichever comes first; None where `data.early_start` is off, round
-    r is the last, its plan has no time left to overlap, the target decodes in fp32, round r+1's
-    data is made, or no core is free."""
+    r is the last, its plan has no time left to overlap, round r+1's data is made, or no core is
+    free."""
     nxt = r + 1
     if not cfg.data.early_start or nxt >= cfg.stop.max_rounds:
         return None
     if seconds is not None and seconds <= 0:  # a resumed round r: nothing of it left to overlap
         return None
     if len(state.rounds) > nxt and state.rounds[nxt].is_done("generate"):
-        return None
-    if target_dtype(cfg.target.dtype, "cpu") != torch.bfloat16:
-        # fp32 decoding is bound by memory bandwidth: beside the early actor the server's ran 67%
-        # slower (round 0's benchmark 229 s against 137 s, 2-core Xeon, 2026-12-06), which cost
-        # round 1 more data and training time than the actor made; in bf16 it ran 9% slower
-        log.info("data.early_start: off in the fp32 regime, where the server's decoding slows "
-                 "beside it; round %d's data waits for its stage", nxt)  # fmt: skip
         return None
     if (threads := free_cores(cfg)) < 1:
         log.info("data.early_start: no core beside the server's %s; round %d's data waits for "
