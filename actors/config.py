@@ -162,7 +162,7 @@ class DataConfig(Strict):
     round's data stage keeps those batches and goes on from them. The next round's fresh count
     is fixed then, before this round's traffic is known (its traffic comes on top). For a CPU
     target and server on one machine, where the server holds one core of the few: on 2 cores it
-    gives the demo's round 1 about a third more data (docs/training.md)."""
+    gives the demo's round 1 about a third more data (docs/data.md, "Speed on a CPU")."""
     shard_max_bytes: int = Field(256 * 2**20, ge=2**16)
     """Upper bound of one shard file."""
     seed: int = 0

@@ -105,7 +105,7 @@ def run_generate(
     here (another host's monotonic clock counts from its own boot).
     ``only``: make just these batch indices (what a cut stage made, when it is healed).
     ``stop``: once set, the actors stop decoding at the token they have (the replies so far
-    written, as at a deadline) and no batch is handed out (pipeline/early_data.py); it takes
+    written, as at a deadline) and no batch is handed out (pipeline/round_data.py); it takes
     effect where they cut decoding at a ``deadline``.
     ``threads``: torch threads (and Ray CPUs) per actor, where the node's cores are not all this
     stage's (the default: its cores shared by ``data.num_actors``)."""

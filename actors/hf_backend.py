@@ -118,7 +118,7 @@ class _PreallocLayer(DynamicLayer):
 
 # A data stage's stop time on the wall clock (`time.time()`): a number, None (never), or a
 # function giving the current one (a worker asked to stop early moves it to the moment it was
-# asked: pipeline/early_data.py stops the next round's data when the server's core comes back).
+# asked: pipeline/round_data.py stops the next round's data when the server's core comes back).
 StopAt = float | Callable[[], float | None] | None
 
 

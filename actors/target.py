@@ -222,7 +222,7 @@ class TargetWorker:
     def stop_now(self) -> None:
         """Stop the batch decoding now at the token it has (its replies so far are written) and
         start no other: the stage that made this actor needs its core back. Called beside a
-        running `process` (the actor runs two calls at once)."""
+        running `process`, in the actor's third call slot."""
         self._stopped_at = time.time()
 
     def _stop_at(self, stop_at: float | None) -> StopAt:

@@ -467,7 +467,7 @@ def _serve(cfg: Config, run_dir: Path, drafter: str | None, server, shape: dict 
 def _early_seconds(rs) -> float | None:
     """How long round r+1's data may run beside round r's server: the rest of round r's plan
     (its benchmark and users), or until its users are done where nothing is planned."""
-    left = [_planned(rs, k) for k in ("bench_s", "traffic_s") if not rs.is_done(k[:-2])]
+    left = [_planned(rs, f"{s}_s") for s in ("bench", "traffic") if not rs.is_done(s)]
     return None if None in left else sum(left)  # type: ignore[arg-type]
 
 
