@@ -17,7 +17,8 @@ Output folder:
                           fp32) and given/ (its files as they came)
     <out>/metrics.jsonl   one JSON line per step ({"step", loss, acc_i, lr, tok_per_s, ...}) and per
                           eval ({"step", eval_loss, eval_acc_i, ...}); rewritten past the resumed step
-    <out>/events.jsonl    one line per worker-group start: {"start_step": ..} (resumes show here)
+    <out>/events.jsonl    one line per worker-group start: {"start_step": .., "allocator": ..}
+                          (resumes show here; "jemalloc" on CPUs: `worker_env`)
     <out>/ray/<name>/     Ray Train storage: checkpoints (model, optimizer, scheduler, step, RNG)
     <out>/drafter/        the exported drafter (config.json + model.safetensors, SGLang format)
     <out>/result.json     what TrainResult holds
@@ -48,6 +49,7 @@ from pipeline.config import (
     Config,
     DrafterConfig,
     TargetConfig,
+    TrainConfig,
     dump_config,
     load_config,
 )
@@ -133,6 +135,7 @@ def run_train(
             # Ray deleting an old checkpoint and persisting that fact leaves a snapshot naming a
             # missing folder, and the resumed run then fails. Pruned below once fit() returns.
             checkpoint_config=CheckpointConfig(num_to_keep=None),
+            worker_runtime_env=worker_env(tc),
         ),
     )
     t0 = time.perf_counter()
@@ -144,6 +147,23 @@ def run_train(
         flush=True,
     )
     return TrainResult(**{**rec, "resumed_from": tuple(rec["resumed_from"])})
+
+
+def worker_env(tc: TrainConfig) -> dict[str, Any]:
+    """The training workers' runtime env, beside the job's: on CPUs, LD_PRELOAD of the jemalloc
+    that Ray ships (ray/core/libjemalloc.so), unless this process already preloads something.
+    Each step packs samples of new lengths, so its tensors take new shapes: on 2 cores the demo's
+    round-1 steps ran 8-25% faster under jemalloc than under glibc's malloc, and held their speed
+    where glibc's slowed as the run went on (docs/training.md "Speed"). The data stage's
+    decoding ran alike under both, so only the trainer gets it."""
+    import os
+
+    import ray
+
+    lib = Path(ray.__file__).parent / "core" / "libjemalloc.so"
+    if tc.use_gpu or os.environ.get("LD_PRELOAD") or not lib.is_file():
+        return {}
+    return {"env_vars": {"LD_PRELOAD": str(lib)}}
 
 
 def _prune_checkpoints(result) -> None:

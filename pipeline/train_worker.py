@@ -269,8 +269,18 @@ class Plan:
             f"({'the gate set' if self.eval_data is not self.data else 'held out'}, "
             f"{len(self.eval_bins)} batches), {len(self.bins)} batches, "
             f"{world} workers, {self.steps_per_epoch} steps/epoch x {tc.epochs} = {self.total} steps, start at {step}, "
-            f"{device} {dt or torch.float32}{cut}"
+            f"{device} {dt or torch.float32}, {allocator()}{cut}"
         )
+
+
+def allocator() -> str:
+    """The malloc this process runs under: "jemalloc" where pipeline/train.py `worker_env`
+    preloaded it, else "malloc" ("unknown" without /proc)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    return "jemalloc" if "libjemalloc" in maps else "malloc"
 
 
 PROBE_STEPS = 8  # steps timed before a time-boxed run fixes its step count
@@ -632,7 +642,8 @@ class MetricsLog:
                     f.write("\n")  # keep the torn line apart: readers skip it
             self._write({RESUME: start_step})
         with (out / "events.jsonl").open("a") as f:
-            f.write(json.dumps({"start_step": start_step, "time": time.time()}) + "\n")
+            rec = {"start_step": start_step, "time": time.time(), "allocator": allocator()}
+            f.write(json.dumps(rec) + "\n")
 
     def read(self) -> list[dict[str, Any]]:
         return read_metrics(self.path)

@@ -318,6 +318,9 @@ def test_fine_tuning_in_a_time_box_keeps_the_vocab_map_and_decays_over_the_steps
     )
     assert not torch.equal(after["fc.weight"], before["fc.weight"].bfloat16())  # it did train
     assert res.eval_metrics == {}
+    # its workers ran under the jemalloc Ray ships (pipeline/train.py `worker_env`): seen
+    # "malloc" without the runtime env
+    assert json.loads((out / "events.jsonl").read_text().splitlines()[0])["allocator"] == "jemalloc"
 
     boxed = json.loads((out / "boxed_total.json").read_text())
     assert res.steps == boxed["total"] < 1000 * 4
@@ -332,6 +335,20 @@ def test_fine_tuning_in_a_time_box_keeps_the_vocab_map_and_decays_over_the_steps
     assert spent >= sum(m["step_s"] for m in lines[:PROBE_STEPS])
     want = max(PROBE_STEPS + 1, PROBE_STEPS + int((8.0 - spent) / per_step))
     assert boxed["total"] == want, boxed
+
+
+def test_cpu_workers_get_the_jemalloc_ray_ships_unless_something_is_preloaded(monkeypatch):
+    """`worker_env`: CPU training preloads ray/core/libjemalloc.so; GPU training and a process
+    that already preloads a library are left alone."""
+    from pipeline.train import worker_env
+
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    cpu = config(Path("unused")).train
+    lib = worker_env(cpu)["env_vars"]["LD_PRELOAD"]
+    assert lib.endswith("ray/core/libjemalloc.so") and Path(lib).is_file()
+    assert worker_env(cpu.model_copy(update={"use_gpu": True})) == {}
+    monkeypatch.setenv("LD_PRELOAD", "/opt/libtcmalloc.so")
+    assert worker_env(cpu) == {}
 
 
 @pytest.mark.slow
