@@ -66,3 +66,13 @@ def top1(x: torch.Tensor) -> torch.Tensor:
     [350, 49152] fp32, torch 2.13, one thread), and the data stage, training and the verify
     pass each reduce such rows every step."""
     return x.max(-1).indices
+
+
+def allocator() -> str:
+    """The malloc this process runs under: "jemalloc" where it was preloaded (pipeline/train.py
+    `worker_env` does for training workers on CPUs), else "malloc" ("unknown" without /proc)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    return "jemalloc" if "libjemalloc" in maps else "malloc"

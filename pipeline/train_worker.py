@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from actors.files import atomic_write, replaced_dir
+from eagle3.cpu import allocator
 from eagle3.train_step import (
     STATE_FILE,
     Anchor,
@@ -271,16 +272,6 @@ class Plan:
             f"{world} workers, {self.steps_per_epoch} steps/epoch x {tc.epochs} = {self.total} steps, start at {step}, "
             f"{device} {dt or torch.float32}, {allocator()}{cut}"
         )
-
-
-def allocator() -> str:
-    """The malloc this process runs under: "jemalloc" where pipeline/train.py `worker_env`
-    preloaded it, else "malloc" ("unknown" without /proc)."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return "unknown"
-    return "jemalloc" if "libjemalloc" in maps else "malloc"
 
 
 PROBE_STEPS = 8  # steps timed before a time-boxed run fixes its step count
