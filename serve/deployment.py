@@ -196,7 +196,9 @@ class SpecServer:
         self.request_timeout_s = float(knob("request_timeout_s"))
         self.body_timeout_s = float(knob("body_timeout_s"))
         self.slots: weakref.WeakSet[_Slot] = weakref.WeakSet()  # requests admitted to the engine
-        self.counts = {"cancelled": 0, "completion_tokens": 0}  # what the engine did, for tests
+        # for tests: requests whose client left before its answer, requests the engine dropped,
+        # tokens it generated
+        self.counts = {"hung_up": 0, "cancelled": 0, "completion_tokens": 0}
         self.lock = threading.Lock()  # the engine runs one batch at a time
         self.drafter_path: str | None = None
         self.drafter_digest: str | None = None
@@ -296,7 +298,7 @@ class SpecServer:
             "app": serve.get_replica_context().app_name,
             "instance": self.instance,
             "digest": self.drafter_digest,
-            **self.counts,  # requests the engine dropped, tokens it generated
+            **self.counts,  # requests whose client left, those the engine dropped, its tokens
         }
 
     def public_drafter_info(self) -> dict[str, Any]:
@@ -413,6 +415,7 @@ class SpecServer:
             gen = await self._run(job)
         except asyncio.CancelledError:  # the client hung up (Serve cancels its task)
             job.cancelled = True  # the engine drops it at its next step
+            self.counts["hung_up"] += 1  # one still queued never reaches the engine
             raise
         if isinstance(gen, Exception):
             raise gen  # this request alone failed (run_isolated retried it by itself)
@@ -549,6 +552,7 @@ class SpecServer:
         finally:  # ended, or the client hung up (Serve cancels the task, or closes us)
             if not task.done():
                 job.cancelled = True  # the engine drops it at its next step
+                self.counts["hung_up"] += 1
             self.slots.discard(slot)
 
     async def _http(self, request: Request, chat: bool):

@@ -17,7 +17,14 @@ from serve.bench_stats import (
     _run_requests,
     acceptance_per_position,
 )
-from serve.shapes import PLAIN, Shape, choose_shape, predict_chain, speedup_spread
+from serve.shapes import (
+    PLAIN,
+    Shape,
+    choose_shape,
+    predict_chain,
+    speedup_ceiling,
+    speedup_spread,
+)
 
 
 def with_shape(build: RequestBuilder, shape: Shape) -> RequestBuilder:
@@ -104,7 +111,9 @@ def choose_serving_shape(
                              plain.tok_per_s)._asdict()
         for name, st in per_shape.items()
     }  # fmt: skip
-    choice = choose_shape(shapes, {}, measured, lower={k: v["lo"] for k, v in spreads.items()})
+    ceilings = {name: _ceiling(st) for name, st in per_shape.items()}
+    choice = choose_shape(shapes, {}, measured, lower={k: v["lo"] for k, v in spreads.items()},
+                          ceiling={k: v for k, v in ceilings.items() if v is not None})  # fmt: skip
     return {
         "served": choice.shape.name,
         **{k: getattr(choice.shape, k) for k in ("steps", "topk", "num_draft_tokens")},
@@ -117,6 +126,7 @@ def choose_serving_shape(
         "served_speedup": measured.get(choice.shape.name, 1.0),
         "served_spread": spreads.get(choice.shape.name),  # None: plain serves (1.0 by definition)
         "spreads": spreads,
+        "ceilings": ceilings,
         "accept_lens": {name: _mean_accept(st) for name, st in per_shape.items()},
         "chain_acceptance_per_position": list(acceptance),
         "prediction_scale": scale,
@@ -124,6 +134,15 @@ def choose_serving_shape(
                   "verify_ms_by_width": {str(w): v for w, v in sorted(verify.items())}},
         "prompts": len(prompts),
     }  # fmt: skip
+
+
+def _ceiling(stats: list[RequestStats]) -> float | None:
+    """`speedup_ceiling` over a shape's requests (None: the server reported no timings)."""
+    timed = [r for r in stats if r.verify_ct and r.verify_ms is not None]
+    return speedup_ceiling(
+        sum(r.completion_tokens for r in timed), sum(r.verify_ct or 0 for r in timed),
+        sum(r.draft_ms or 0.0 for r in timed), sum(r.verify_ms or 0.0 for r in timed),
+    )  # fmt: skip
 
 
 def _mean_accept(stats: list[RequestStats]) -> float | None:

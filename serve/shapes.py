@@ -13,6 +13,9 @@ verify_ms(width) is interpolated between the widths measured (1 = a plain decode
 plain when no shape beats plain decoding. The sweep measures every candidate on the whole set of
 prompts it is given (a choice made on predictions or a few prompts did not hold on others:
 issue 42), and `speedup_spread` reports each measured speedup with its spread over prompts.
+`speedup_ceiling` bounds a shape from its own requests' timings alone, so a plain baseline
+measured at a slower moment (a busy machine) cannot make a drafter that accepts nothing look
+faster than plain decoding.
 """
 
 from __future__ import annotations
@@ -114,6 +117,7 @@ def choose_shape(
     measured: Mapping[str, float],
     min_speedup: float = 1.0,
     lower: Mapping[str, float] | None = None,
+    ceiling: Mapping[str, float] | None = None,
 ) -> ShapeChoice:
     """The shape to serve: the highest speedup over plain decoding among `candidates`, each
     judged by its measured speedup when it has one, else the predicted one. Plain (1.0) when no
@@ -121,7 +125,8 @@ def choose_shape(
     over prompts (`speedup_spread`); a shape whose interval reaches down to `min_speedup` is not
     served (a broken drafter measured 1.02x on noise is not faster than plain decoding). A
     predicted winner still needs a measurement before it serves: the caller measures it and
-    asks again (`needs_measurement`)."""
+    asks again (`needs_measurement`). `ceiling`: the most each shape could gain
+    (`speedup_ceiling`); one whose ceiling is not above `min_speedup` is not served."""
     speedups = {PLAIN.name: 1.0}
     for s in candidates:
         if s.plain:
@@ -130,13 +135,16 @@ def choose_shape(
         if v is not None:
             speedups[s.name] = v
     sure = [s for s in candidates if s.name in speedups and not s.plain
-            and (lower or {}).get(s.name, speedups[s.name]) > min_speedup]  # fmt: skip
+            and (lower or {}).get(s.name, speedups[s.name]) > min_speedup
+            and (ceiling or {}).get(s.name, speedups[s.name]) > min_speedup]  # fmt: skip
     best = max(sure, key=lambda s: speedups[s.name], default=None)
     if best is None or speedups[best.name] <= min_speedup:
         top = max((s for s in candidates if s.name in speedups and not s.plain),
                   key=lambda s: speedups[s.name], default=None)  # fmt: skip
         why = f"best {top.name} {speedups[top.name]:.2f}x" if top else "no drafting shape"
-        if top is not None and lower and top.name in lower and speedups[top.name] > min_speedup:
+        if top is not None and ceiling and ceiling.get(top.name, 2**31) <= min_speedup:
+            why += f", its own timings allow at most {ceiling[top.name]:.2f}x"
+        elif top is not None and lower and top.name in lower and speedups[top.name] > min_speedup:
             why += f", its interval down to {lower[top.name]:.2f}x"
         return ShapeChoice(PLAIN, speedups, tuple(measured),
                            f"plain decoding: no shape surely beats it ({why})")  # fmt: skip
@@ -185,3 +193,16 @@ def speedup_spread(
     boot = sorted(pooled([rng.randrange(n) for _ in range(n)]) for _ in range(draws))
     return Spread(pooled(range(n)), boot[int(0.05 * (draws - 1))], boot[int(0.95 * (draws - 1))],
                   n, int(sum(tokens)))  # fmt: skip
+
+
+def speedup_ceiling(
+    completion_tokens: int, passes: int, draft_ms: float, verify_ms: float
+) -> float | None:
+    """The most a shape can gain over plain decoding, from its own requests' timings: each
+    verify pass yields completion_tokens / passes tokens and costs draft_ms + verify_ms (totals
+    over the requests), while a plain step costs at most a verify pass (it scores one token, the
+    verify pass several). So speedup <= accept_len x verify / (draft + verify): prefill and HTTP
+    only lower it. None when nothing was verified."""
+    if passes <= 0 or verify_ms <= 0:
+        return None
+    return completion_tokens / passes * verify_ms / (draft_ms + verify_ms)

@@ -354,18 +354,21 @@ def test_cli_swaps_the_drafter_of_a_running_server(endpoint, drafters):
 
 
 def _engine_counts() -> dict:
-    """What the shared replica's engine did so far (cancelled requests, tokens generated)."""
+    """What the shared replica did so far: requests whose client left, those its engine
+    dropped, tokens generated."""
     from ray import serve
 
     info = serve.get_app_handle(APP).drafter_info.remote().result()
-    return {k: info[k] for k in ("cancelled", "completion_tokens")}
+    return {k: info[k] for k in ("hung_up", "cancelled", "completion_tokens")}
 
 
 def test_a_client_that_hangs_up_is_dropped_by_the_engine(endpoint):
     """Issue 43: a dropped 400-token request kept the engine busy (the next 16-token request
     took 18.2 s instead of 1.5). Streamed or not, a request whose client is gone now leaves the
     engine at its next step: far fewer than its max_tokens are generated, and the request after
-    it is answered. (Counts, not times: the follow-up waits for the engine either way.)"""
+    it is answered. (Counts, not times: the follow-up waits for the engine either way.) The
+    replica sees both clients leave; the engine drops those it had begun, and Serve drops one
+    that left while still queued (a busy machine: CI counted 1 engine drop, not 2)."""
     big = {"prompt": [5, 6, 7], "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
     before = _engine_counts()
     with httpx.Client(base_url=endpoint.url, timeout=120) as c:
@@ -377,9 +380,9 @@ def test_a_client_that_hangs_up_is_dropped_by_the_engine(endpoint):
         small = c.post("/v1/completions", json=dict(big, max_tokens=4)).json()  # behind both
     assert small["usage"]["completion_tokens"] == 4
     after = _engine_counts()
-    assert after["cancelled"] - before["cancelled"] == 2, (before, after)
+    assert after["hung_up"] - before["hung_up"] == 2, (before, after)
     generated = after["completion_tokens"] - before["completion_tokens"] - 4
-    assert generated < 2 * 1000, (before, after)  # ran to the end: 2000
+    assert generated < 1000, (before, after)  # either one run to its end: 1000 or more
 
 
 def test_slow_clients_neither_stall_health_nor_keep_their_slot(endpoint):

@@ -119,3 +119,23 @@ def test_a_shape_whose_interval_reaches_plain_is_not_served():
                         lower={TREE.name: 1.4, Shape(3).name: 0.98})  # fmt: skip
     assert sure.shape == TREE  # chain-3 is faster on average, but not surely faster than plain
     assert choose_shape(shapes, {}, noisy).shape == TREE  # without intervals: the mean decides
+
+
+def test_a_shape_its_own_timings_cap_is_not_served_however_slow_plain_was_measured():
+    """CI (2026-12-06): beside another pytest, a drafter with random weights (accept ~1.05)
+    served chain-1, its measured speedup and interval above 1 because plain decoding had been
+    measured at a busier moment. Its own requests bound it: 1.05 tokens a pass, a pass costing
+    a draft step plus a verify that costs at least a plain step."""
+    from serve.shapes import speedup_ceiling
+
+    cap = speedup_ceiling(completion_tokens=105, passes=100, draft_ms=300.0, verify_ms=1000.0)
+    assert cap == pytest.approx(1.05 * 1000 / 1300)
+    assert speedup_ceiling(10, 0, 0.0, 0.0) is None  # nothing verified: no bound
+    fooled = {Shape(1).name: 1.12}  # plain measured slow
+    assert choose_shape([Shape(1)], {}, fooled, lower={"chain-1": 1.04}).shape == Shape(1)
+    capped = choose_shape([Shape(1)], {}, fooled, lower={"chain-1": 1.04}, ceiling={"chain-1": cap})
+    assert capped.shape == PLAIN and "its own timings allow at most 0.81x" in capped.reason
+    # a good drafter's cap (accept 1.8 a pass, drafting a fifth of the pass) does not bind
+    good = speedup_ceiling(180, 100, 250.0, 1000.0)
+    kept = choose_shape([Shape(2)], {}, {"chain-2": 1.2}, ceiling={"chain-2": good})
+    assert kept.shape == Shape(2)
