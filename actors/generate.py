@@ -87,6 +87,7 @@ def run_generate(
     only: set[int] | None = None,
     stop: threading.Event | None = None,
     threads: int | None = None,
+    background: bool = False,
 ) -> DataResult:
     """Generate, capture and write shards for ``prompts`` into ``out_dir``, then for
     ``data.self_prompts_per_round`` conversations whose user turns the target writes (drawn fresh
@@ -108,7 +109,9 @@ def run_generate(
     written, as at a deadline) and no batch is handed out (pipeline/round_data.py); it takes
     effect where they cut decoding at a ``deadline``.
     ``threads``: torch threads (and Ray CPUs) per actor, where the node's cores are not all this
-    stage's (the default: its cores shared by ``data.num_actors``)."""
+    stage's (the default: its cores shared by ``data.num_actors``).
+    ``background``: the actors take only the CPU time other processes leave
+    (eagle3/cpu.py `run_in_background`): data made beside a server that is being timed."""
     start = time.perf_counter()
     two_phase = target.backend == "sglang" if two_phase is None else two_phase
     out_dir = Path(out_dir)
@@ -137,7 +140,7 @@ def run_generate(
     if todo:
         t0 = time.perf_counter()
         actors, reservations = _start_actors(
-            target, data, min(data.num_actors, len(todo)), sglang_options, threads
+            target, data, min(data.num_actors, len(todo)), sglang_options, threads, background
         )
         n_actors = len(actors)
         try:
@@ -327,6 +330,7 @@ def _start_actors(
     n: int,
     sglang_options: SGLangOptions | None,
     threads: int | None = None,
+    background: bool = False,
 ) -> tuple[list[Any], list[Any]]:
     """`n` target actors and the GPU reservations they hold (SGLang: one STRICT_PACK placement
     group of `target.tp_size` GPUs per actor, released by `_stop_actors`)."""
@@ -364,7 +368,10 @@ def _start_actors(
     }
     if target.env:
         opts["runtime_env"] = {"env_vars": dict(target.env)}
-    return [TargetActor.options(**opts).remote(target, data, threads) for _ in range(n)], []
+    actors = [TargetActor.options(**opts).remote(target, data, threads) for _ in range(n)]
+    if background:
+        ray.get([a.run_in_background.remote() for a in actors])
+    return actors, []
 
 
 def _stop_actors(actors: list[Any], reservations: list[Any]) -> None:

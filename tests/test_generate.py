@@ -812,3 +812,32 @@ def test_a_context_turn_the_target_did_not_write_carries_no_loss(tiny_target, tm
     assert batch_key([conv], target, data) != batch_key(
         [conv], target, data.model_copy(update={"context_turns": "learn"})
     )
+
+
+def test_data_made_in_the_background_takes_only_the_time_others_leave(tiny_target, ray_local):
+    """The data begun early (pipeline/round_data.py `start_early`) yields the cores to the
+    server it runs beside: every thread of a background actor is in the idle scheduling class
+    (or at niceness 19), a default actor's are not."""
+    import os
+
+    import ray
+
+    from actors.generate import _start_actors, _stop_actors
+
+    target, data = _cfgs(tiny_target)
+    one = data.model_copy(update={"num_actors": 1})
+    back, res = _start_actors(target, one, 1, None, 1, background=True)
+    fore, _ = _start_actors(target, one, 1, None, 1)
+
+    def policies(actor) -> set[tuple[int, int]]:
+        def read(self):
+            tids = [int(t) for t in os.listdir("/proc/self/task")]
+            return {(os.sched_getscheduler(t), os.getpriority(os.PRIO_PROCESS, t)) for t in tids}
+
+        return ray.get(actor.__ray_call__.remote(read))
+
+    try:
+        assert policies(back[0]) == {(os.SCHED_IDLE, 19)}
+        assert all(p != os.SCHED_IDLE and n < 19 for p, n in policies(fore[0]))
+    finally:
+        _stop_actors(back + fore, res)
