@@ -396,7 +396,8 @@ def test_a_request_nobody_waits_for_is_never_started(tiny_target):
     out = srv._run_sync([gone, late, ok])
     assert [g.stats.finish_reason for g in out] == ["cancelled", "cancelled", "length"]
     assert out[0].token_ids == out[1].token_ids == [] and len(out[2].token_ids) == 30
-    assert srv.counts == {"cancelled": 2, "completion_tokens": 30}
+    # the engine skipped both; no client left through the replica here (`hung_up`)
+    assert srv.counts == {"hung_up": 0, "cancelled": 2, "completion_tokens": 30}
 
 
 def test_requests_share_an_engine_call_only_when_every_setting_but_max_tokens_agrees():
