@@ -152,7 +152,7 @@ def probe_disk_full(repo: Path, tmp: Path) -> None:
     from actors.files import atomic_write
     from actors.shards import Sample, write_shard
     from eagle3.checkpoint import load_drafter, save_drafter
-    from pipeline.train_worker import write_drafter_dir
+    from pipeline.best import write_drafter_dir
     from serve.traffic import TrafficLog, read_traffic
 
     mnt = tmp / "small"

@@ -7,13 +7,14 @@ all-reduced eval sums."""
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from actors.files import atomic_write
+from actors.files import atomic_write, replaced_dir
 
 
 def allreduce(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -127,3 +128,16 @@ def gate_line(g: dict[str, Any]) -> str:
         f"[train] gate: step {g['step']} gains {g['gain']:+.4f} sim_accept over the start on "
         f"{g['batches']} eval batches ({bar}): {verdict}"
     )
+
+
+def write_drafter_dir(dest: Path, copy_from: Path | None, state: dict, cfg) -> None:
+    """The exported drafter folder: a copy of `copy_from`, else `state` saved with `cfg`. It
+    replaces what `dest` held atomically (actors/files.py replaced_dir): the old export stays
+    whole until the new one is, where it was deleted before the copy began."""
+    from eagle3.checkpoint import save_drafter
+
+    with replaced_dir(dest) as tmp:
+        if copy_from is not None:
+            shutil.copytree(copy_from, tmp, dirs_exist_ok=True)
+        else:
+            save_drafter(state, cfg, tmp)

@@ -178,6 +178,14 @@ class TrainConfig(_Strict):
     patience: int | None = Field(None, ge=1)
     """Stop a round's training after this many held-out evaluations in a row without a new best
     simulated acceptance (loss keeps falling after acceptance peaks); None = never early."""
+    continue_kept: bool = True
+    """When a round keeps its start (no trained state cleared the gate: `kept_start`), the next
+    round trains on from that round's last trained state (written to `train/round-N/last/`
+    only then) instead of from the serving drafter again, so a fine-tune's steps add up across
+    short rounds through the dip it starts with. The gate, the step-0 evaluation, a kept
+    start's export and the anchor stay on the serving drafter: the kept-out state is a training
+    init only, never served, benchmarked or promoted. false = every round trains from the
+    serving drafter (docs/training.md, "Rounds that keep their start")."""
     finetune: FinetuneConfig | None = FinetuneConfig()
     """The recipe of rounds that start from a trained drafter (`for_round`); None = every
     round trains with the settings above."""

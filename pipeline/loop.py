@@ -32,6 +32,7 @@ from pipeline.console import (
     train_note,
     users_line,
 )
+from pipeline.continued import continued_from
 from pipeline.gate_set import gate_dirs, gate_due, make_gate_set
 from pipeline.layout import RunDir, round_tag
 from pipeline.measure import machine
@@ -382,9 +383,15 @@ def _train(
     from pipeline.train import run_train
 
     data_dirs = [state.rounds[i].manifest.parent for i in window(cfg, state, r)]
-    init = cfg.drafter.resolved_init()
+    init, cont = cfg.drafter.resolved_init(), None
     if r > 0:  # keep learning from the drafter that serves (the last one the gate promoted)
         init = _serving_drafter(state) or state.rounds[r - 1].drafter_dir
+        # and when the round before kept it, on from that round's last trained state (the gate
+        # still judges against `init`: pipeline/continued.py)
+        cont = continued_from(cfg.train.continue_kept, state.rounds[r - 1].done.get("train"), init)
+        if cont:
+            log.info("round %d: trains on from round %d's last state %s (that round kept its "
+                     "start); judged against the serving drafter %s", r, r - 1, cont, init)  # fmt: skip
     tc = cfg.train.for_round(r, seconds, from_drafter=init != "scratch")  # the recipe it takes
     res = run_train(
         cfg=cfg.model_copy(update={"train": tc}),
@@ -393,9 +400,12 @@ def _train(
         out_dir=RunDir(run_dir).train(r),
         run_name=f"{cfg.name}-{round_tag(r)}",
         eval_dirs=gate_dirs(state, run_dir),  # every round alike; none: a hold-out of its data
+        continue_from=cont,
     )
     rec = _record(res)
-    rec["prompt_keys"] = _write_prompt_keys(Path(rec["drafter_dir"]), init, data_dirs, rec)
+    rec["prompt_keys"] = _write_prompt_keys(Path(rec["drafter_dir"]), init, data_dirs, rec, cont)
+    if rec.get("last_dir"):  # what the kept-out state trained on, should a later round export it
+        _write_prompt_keys(Path(rec["last_dir"]), init, data_dirs, {}, cont)
     for step, metrics in _read_metrics(Path(rec["metrics_file"])):
         tracker.log(child, {f"train/{k}": v for k, v in metrics.items()}, step=step)
     tracker.log(child, {f"train/final_{k}": v for k, v in (rec.get("final_metrics") or {}).items()})
@@ -403,6 +413,7 @@ def _train(
     start = rec.get("start_eval_metrics") or {}
     tracker.log(child, {f"train/start_eval_{k}": v for k, v in start.items()})
     tracker.log(child, {"train/kept_start": float(bool(rec.get("kept_start")))})
+    tracker.log(child, {"train/continued": float(cont is not None)})
     gate = {k: v for k, v in (rec.get("gate") or {}).items() if isinstance(v, int | float)}
     tracker.log(child, {f"train/gate_{k}": float(v) for k, v in gate.items()})
     if rec.get("kept_start"):
@@ -425,14 +436,17 @@ def _claim_serving(cfg: Config, run_dir: Path) -> None:
     check_claim(cfg.serve.app, cfg.serve.route_prefix, str(run_dir.resolve()))
 
 
-def _write_prompt_keys(drafter: Path, init: str, data_dirs: list[Path], rec: dict) -> int:
+def _write_prompt_keys(
+    drafter: Path, init: str, data_dirs: list[Path], rec: dict, cont: str | None = None
+) -> int:
     """The exported drafter's key file (actors/prompt_keys.py): its start's keys and, unless
-    it is its start unchanged (`kept_start`), those of the rounds it trained on. Returns how
-    many it lists."""
+    it is its start unchanged (`kept_start`), those of the state it trained on from (`cont`, a
+    kept round's last state) and of the rounds it trained on. Returns how many it lists."""
     from actors.prompt_keys import drafter_prompt_hashes, read_key_file
 
     keys = set(drafter_prompt_hashes(init) or ()) if Path(init).is_dir() else set()
     if not rec.get("kept_start"):
+        keys |= (cont and drafter_prompt_hashes(cont)) or set()
         for d in data_dirs:
             if (Path(d) / KEY_FILE).is_file():
                 keys |= read_key_file(Path(d) / KEY_FILE)

@@ -14,13 +14,16 @@ evaluate, checkpoint through `ray.train.report` and resume; see that module.
 
 Output folder:
     <out>/init/           vocab_map.safetensors (scratch) or drafter/ (existing drafter, as loaded,
-                          fp32) and given/ (its files as they came)
+                          fp32) and given/ (its files as they came); continue/ (fp32): the state
+                          training goes on from after step 0 (`continue_from`), when one is given
     <out>/metrics.jsonl   one JSON line per step ({"step", loss, acc_i, lr, tok_per_s, ...}) and per
                           eval ({"step", eval_loss, eval_acc_i, ...}); rewritten past the resumed step
     <out>/events.jsonl    one line per worker-group start: {"start_step": .., "allocator": ..}
                           (resumes show here; "jemalloc" on CPUs: `worker_env`)
     <out>/ray/<name>/     Ray Train storage: checkpoints (model, optimizer, scheduler, step, RNG)
     <out>/drafter/        the exported drafter (config.json + model.safetensors, SGLang format)
+    <out>/last/           the last trained state (fp32), when the round kept its start and
+                          `train.continue_kept` asks for it: the next round trains on from it
     <out>/result.json     what TrainResult holds
 """
 
@@ -75,6 +78,8 @@ class TrainResult:
     # the keep-the-start decision (train_worker._gate_record): the state judged, its paired gain
     # over the start, the gain's SE, z, eval batches, replaced_start; {} when nothing was judged
     gate: dict[str, Any] = field(default_factory=dict)
+    last_dir: str | None = None  # <out>/last/: the last trained state, when the start was kept
+    continued_from: str | None = None  # the state trained from, when not the drafter given
 
 
 class TrainInputError(ValueError):
@@ -94,13 +99,16 @@ def run_train(
     storage_path: str | Path | None = None,
     crash_at_step: int | None = None,
     eval_dirs: Sequence[str | Path] = (),
+    continue_from: str | None = None,
 ) -> TrainResult:
     """Train a drafter on the shards of `data_dirs` into `out_dir`; Ray must be initialised.
 
     init: `scratch`, or a local folder / HF repo id of an existing drafter (default
     cfg.drafter.init). eval_dirs: the gate set's data (the run's `data/gate/`), evaluated on
-    instead of a hold-out of `data_dirs`. Calling again with the same out_dir (and run_name)
-    resumes the run."""
+    instead of a hold-out of `data_dirs`. continue_from: a state `init` was trained to (a kept
+    round's `last_dir`): training goes on from its weights while step 0, the gate and a kept
+    start's export stay `init`'s (pipeline/continued.py). Calling again with the same out_dir
+    (and run_name) resumes the run."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -113,7 +121,7 @@ def run_train(
         return TrainResult(**{**rec, "resumed_from": tuple(rec["resumed_from"])})
     job = prepare(
         cfg, [Path(d).resolve() for d in data_dirs], out, init or cfg.drafter.init, crash_at_step,
-        [Path(d).resolve() for d in eval_dirs],
+        [Path(d).resolve() for d in eval_dirs], continue_from,
     )  # fmt: skip
     atomic_write(out / "train_config.yaml", dump_config(cfg))
     tc = cfg.train
@@ -182,6 +190,7 @@ def prepare(
     init: str,
     crash_at_step: int | None = None,
     eval_dirs: Sequence[Path] = (),
+    continue_from: str | None = None,
 ) -> TrainJob:
     """Every check that needs no training, then the drafter's starting point under <out>/init.
     The eval data (`eval_dirs`, the gate set) gets the same checks as the training data.
@@ -235,6 +244,7 @@ def prepare(
     else:
         drafter = _copy_existing(init, info, aux_ids, init_dir / "drafter")
         kind = "drafter"
+    cont = _continued(continue_from if kind == "drafter" else None, init_dir)
     sim = min(cfg.serve.steps, cfg.train.ttt_length)
     return TrainJob(
         str(out),
@@ -247,7 +257,27 @@ def prepare(
         crash_at_step,
         eval_shards=eval_shards,
         online=True in online,
+        continue_from=cont,
     )
+
+
+def _continued(src: str | None, init_dir: Path) -> str | None:
+    """`<init>/continue/`, a checked fp32 copy of `src` (the state training goes on from), or
+    None: no `src`, or one that is not the drafter given trained further (then the round
+    trains from the drafter given, as without it, and says why)."""
+    from eagle3.checkpoint import load_drafter
+    from pipeline.continued import CONTINUE, copy_continued
+
+    dest = init_dir / CONTINUE
+    shutil.rmtree(dest, ignore_errors=True)  # a restarted driver copies it again
+    if src is None:
+        return None
+    why = copy_continued(src, load_drafter(init_dir / "drafter"), dest)
+    if why:
+        print(f"[train] not continuing from {src}: {why}; training from the drafter given", flush=True)  # fmt: skip
+        return None
+    print(f"[train] training goes on from {src} (the drafter given is what the gate judges against)", flush=True)  # fmt: skip
+    return str(dest)
 
 
 def _shard_refs(manifests: list) -> tuple[tuple[str, str], ...]:

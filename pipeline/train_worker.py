@@ -14,7 +14,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from typing import Any
 
 import torch
 
-from actors.files import atomic_write, replaced_dir
+from actors.files import atomic_write
 from eagle3.cpu import allocator
 from eagle3.train_step import (
     STATE_FILE,
@@ -49,11 +48,12 @@ from eagle3.train_step import (
     steps_per_epoch,
     train_step,
 )
-from pipeline.best import Best, Gain, gate_line, gate_record
+from pipeline.best import Best, Gain, gate_line, gate_record, write_drafter_dir
 from pipeline.best import allreduce as _allreduce
 from pipeline.config import (
     TrainConfig,
 )
+from pipeline.continued import load_continued, write_last
 
 log = logging.getLogger("pipeline.train")
 
@@ -73,6 +73,7 @@ class TrainJob:
     online: bool = False  # ids-only shards: the worker computes the states (online_states.py)
     # the gate set's shards (path, sha256): the eval data when given, else a hold-out of `shards`
     eval_shards: tuple[tuple[str, str], ...] = ()
+    continue_from: str | None = None  # init/continue/: trained from after step 0 (continued.py)
 
 
 def _say(line: str) -> None:
@@ -140,6 +141,8 @@ def train_worker(config: dict[str, Any]) -> None:
         if rank == 0:
             _say(f"[train] step 0 (the drafter given): sim_accept {m['sim_accept_len']:.3f} "
                  f"over {len(plan.eval_bins)} eval batches")  # fmt: skip
+    if job.continue_from and step == 0:  # the start is judged; training goes on from here
+        load_continued(module, Path(job.continue_from))
     # After the step-0 evaluation: the time box's probe times training steps only.
     start, first = time.perf_counter(), step
     step_s: list[float] = []  # wall time of each step since `first`: load, step, metrics
@@ -182,7 +185,7 @@ def train_worker(config: dict[str, Any]) -> None:
             _checkpoint(module, opt, sched, step, mlog.last)
         if job.crash_at_step == step and rank == world - 1:
             _crash_once(Path(job.out_dir), step)
-    _export(module, drafter, Path(job.out_dir), rank, mlog, plan, best, job.init == "drafter")
+    _export(module, drafter, Path(job.out_dir), rank, mlog, plan, best, job, tc.continue_kept)
 
 
 @dataclass
@@ -492,12 +495,14 @@ def _export(
     mlog: MetricsLog,
     plan: Plan,
     best: Best,
-    from_drafter: bool,
+    job: TrainJob,
+    keep_last: bool,
 ) -> None:
     """Rank 0 writes the drafter (SGLang format) and result.json: the best one by held-out
     simulated acceptance when evaluated, else the last; the last state is gathered on every rank
     first (a collective under FSDP). When the best is the drafter the round was given (step 0),
-    its files are copied as they came (`kept_start`)."""
+    its files are copied as they came (`kept_start`), and with `keep_last` the last state goes
+    to <out>/last/ for the next round to train on from (pipeline/continued.py)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     sd = get_model_state_dict(
@@ -508,6 +513,7 @@ def _export(
     state = {k.removeprefix("drafter."): v for k, v in sd.items()}
     dest = out / "drafter"  # a re-run after completion rewrites the same weights
     evals = [m for m in mlog.read() if "eval_loss" in m]
+    from_drafter = job.init == "drafter"
     kept = from_drafter and best.dir.is_dir() and best.step == 0
     gate = gate_record(evals, best, kept) if best.start is not None else {}
     if gate:
@@ -561,21 +567,10 @@ def _export(
         "metrics_file": str(mlog.path),
         "resumed_from": [e["start_step"] for e in mlog.events() if e["start_step"] > 0],
         "gate": gate,
+        "last_dir": write_last(out, state, drafter.cfg) if kept and keep_last else None,
+        "continued_from": job.continue_from,
     }
     atomic_write(out / "result.json", json.dumps(rec, indent=1) + "\n")
-
-
-def write_drafter_dir(dest: Path, copy_from: Path | None, state: dict, cfg) -> None:
-    """The exported drafter folder: a copy of `copy_from`, else `state` saved with `cfg`. It
-    replaces what `dest` held atomically (actors/files.py replaced_dir): the old export stays
-    whole until the new one is, where it was deleted before the copy began."""
-    from eagle3.checkpoint import save_drafter
-
-    with replaced_dir(dest) as tmp:
-        if copy_from is not None:
-            shutil.copytree(copy_from, tmp, dirs_exist_ok=True)
-        else:
-            save_drafter(state, cfg, tmp)
 
 
 RESUME = "resume_from"

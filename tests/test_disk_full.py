@@ -82,12 +82,12 @@ def test_a_shard_cut_by_a_full_disk_is_never_there(small_fs):
 
 
 def test_a_drafter_export_cut_by_a_full_disk_keeps_the_old_one_whole(small_fs, tiny_lm):
-    """The train stage's export (pipeline/train_worker.py write_drafter_dir) over the drafter a
+    """The train stage's export (pipeline/best.py write_drafter_dir) over the drafter a
     resume would read: the old one stays whole, the error names the folder and the free bytes."""
     from conftest import save_random_drafter
 
     from eagle3.checkpoint import load_drafter
-    from pipeline.train_worker import write_drafter_dir
+    from pipeline.best import write_drafter_dir
 
     dest = small_fs / "drafter"
     save_random_drafter(tiny_lm, dest, seed=1)

@@ -478,3 +478,61 @@ def test_the_train_stage_evaluates_on_the_gate_set_and_its_gate_decides(
     )  # fmt: skip
     assert still.kept_start and still.best_step == 0 and not still.gate["replaced_start"]
     assert abs(still.gate["gain"]) <= 2.0 * still.gate["gain_se"]
+
+
+@pytest.mark.slow
+def test_a_round_after_a_kept_start_trains_on_from_its_last_state(
+    ray_module, target_and_data, tmp_path
+):
+    """`train.continue_kept`, through the loop's own `_train`: round 0 fine-tunes a drafter
+    behind a gate no trained state can clear, so it keeps its start, and round 1 trains on from
+    round 0's last state instead of from the serving drafter again: the steps add up. The gate
+    and the export stay on the serving drafter: round 1's step 0 scores it, and round 1 exports
+    it byte for byte. Seen failing without the option (round 1 restarted from the start: its
+    first step's drift from the start was one step's, not round 0's whole)."""
+    from pipeline.loop import _train
+    from pipeline.state import RoundState, RunState
+
+    target, data = target_and_data
+    start = Path(run_train(config(target, epochs=1), [data], tmp_path / "weak").drafter_dir)
+    cfg = parse_config({
+        "target": {"model": str(target)}, "drafter": {"init": str(start)},
+        "train": {"num_workers": 2, "epochs": 2, "ttt_length": 3, "tokens_per_batch": 256,
+                  "checkpoint_every": 100, "eval_fraction": 0.15, "data_rounds": 1,
+                  # anchor 1e-12: nothing pulls, but every step logs its drift from the start
+                  "finetune": {"lr": 3e-3, "warmup_ratio": 0.05, "anchor": 1e-12, "gate_z": 1e9}},
+    })  # fmt: skip
+    made = {"generate": {"manifest": str(data / "manifest.json")}}
+    state = RunState(
+        "test", rounds=[RoundState(0, done=dict(made)), RoundState(1, done=dict(made))]
+    )
+
+    class Tracker:  # the loop's MLflow seam, kept in a dict
+        logged: dict[str, float] = {}
+
+        def log(self, child, metrics, step=None):
+            self.logged.update(metrics)
+
+        def log_artifact(self, child, path, name):
+            pass
+
+    r0 = _train(cfg, tmp_path / "run", state, 0, Tracker(), "round-0")
+    state.rounds[0].done["train"] = r0
+    state.champion = {"round": 0, "drafter_dir": r0["drafter_dir"]}  # promoted over none
+    r1 = _train(cfg, tmp_path / "run", state, 1, Tracker(), "round-1")
+
+    def drift(rec):
+        return [m["drift_rms"] for m in read_metrics(Path(rec["metrics_file"])) if "drift_rms" in m]
+
+    # the goal: round 1 begins where round 0's training ended, not at the serving drafter
+    d0, d1 = drift(r0), drift(r1)
+    assert d0[-1] > 2 * d0[0], d0  # round 0 moved away from its start
+    assert d1[0] > 0.9 * d0[-1] and d1[-1] > d0[-1], (d0, d1)
+    assert r1.get("continued_from") and Tracker.logged["train/continued"] == 1.0
+    # judged against the serving drafter: the same step-0 score, and both rounds keep it
+    assert r0["kept_start"] and r1["kept_start"] and Path(r0["last_dir"]).is_dir()
+    assert r1["start_eval_metrics"]["sim_accept_len"] == pytest.approx(
+        r0["start_eval_metrics"]["sim_accept_len"], rel=1e-6
+    )
+    for f in ("config.json", "model.safetensors"):  # the trained state is never exported
+        assert (Path(r1["drafter_dir"]) / f).read_bytes() == (start / f).read_bytes()

@@ -359,7 +359,7 @@ def test_the_export_replaces_the_drafter_folder_atomically(tmp_path):
     """A failed export leaves the previous one whole (it was deleted before the new one was
     written); a good one replaces it, with no temp folder left beside."""
     from eagle3.checkpoint import CheckpointError, load_drafter, save_drafter
-    from pipeline.train_worker import write_drafter_dir
+    from pipeline.best import write_drafter_dir
 
     cfg, model, *_ = _setup()
     dest = tmp_path / "drafter"
