@@ -154,9 +154,7 @@ def start_early(
 
         try:
             # in the background: beside it, round r's server answers the benchmark's timed
-            # requests, and at equal priority on 2 cores that benchmark took 1/0.99 to 1/0.62
-            # of round r+1's (median 1/0.81, 7 demo runs of 2026-12-06), which also sized round
-            # r+1's benchmark plan 26-62 s too long
+            # requests one at a time (docs/data.md, "The early actor runs in the background")
             res = run_generate(cfg.target, data, regen, out, cfg.digest(), round_index=nxt,
                                deadline=deadline, stop=early.stop, threads=threads,
                                background=True)  # fmt: skip
