@@ -237,11 +237,11 @@ class TargetWorker:
         at = stop_time(stop_at)
         return at is not None and at - time.time() < LATE_START_SHARE * self._last_decode_s
 
-    def run_in_background(self) -> str:
+    def run_in_background(self) -> None:
         """This actor takes only the CPU time others leave (eagle3/cpu.py)."""
         from eagle3.cpu import run_in_background
 
-        return run_in_background()
+        run_in_background()
 
     def info(self) -> dict[str, Any]:
         """Target identity for the manifest, plus the resolved aux layer ids."""

@@ -78,11 +78,11 @@ def allocator() -> str:
     return "jemalloc" if "libjemalloc" in maps else "malloc"
 
 
-def run_in_background() -> str:
+def run_in_background() -> None:
     """Make this process take only the CPU time others leave: every thread it has (and so every
     thread they start) to the idle scheduling class, where Linux has one, else to the lowest
     priority (niceness 19; Ray's workers run at 15). Lowering one's own priority needs no
-    privilege. Returns what it set."""
+    privilege."""
     tids = (
         [int(t) for t in os.listdir("/proc/self/task")] if Path("/proc/self/task").is_dir() else [0]
     )
@@ -94,4 +94,3 @@ def run_in_background() -> str:
             os.setpriority(os.PRIO_PROCESS, tid, 19)
         except (OSError, AttributeError):  # a thread that ended meanwhile; no such call here
             continue
-    return "idle" if idle is not None else "nice 19"

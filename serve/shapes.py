@@ -142,7 +142,7 @@ def choose_shape(
         top = max((s for s in candidates if s.name in speedups and not s.plain),
                   key=lambda s: speedups[s.name], default=None)  # fmt: skip
         why = f"best {top.name} {speedups[top.name]:.2f}x" if top else "no drafting shape"
-        if top is not None and ceiling and ceiling.get(top.name, 2**31) <= min_speedup:
+        if top is not None and ceiling and top.name in ceiling and ceiling[top.name] <= min_speedup:
             why += f", its own timings allow at most {ceiling[top.name]:.2f}x"
         elif top is not None and lower and top.name in lower and speedups[top.name] > min_speedup:
             why += f", its interval down to {lower[top.name]:.2f}x"
