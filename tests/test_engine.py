@@ -502,7 +502,8 @@ def test_rejection_sampling_preserves_the_target_distribution():
     drafter = FirstDrafts(small_drafter(target).model)
     engine = SpecEngine(target, drafter, steps=2, stop_ids=set())
     prompt, T, n, rows = [1, 5, 2, 6], 0.8, 5, 12000
-    out = engine.generate([prompt] * rows, GenParams(max_tokens=n, temperature=T, seed=123))
+    torch.manual_seed(123)  # unseeded requests: copies of one seeded prompt would all draw alike
+    out = engine.generate([prompt] * rows, GenParams(max_tokens=n, temperature=T))
     samples = torch.tensor([g.token_ids for g in out])
     assert samples.shape == (rows, n)
     accepted = sum(g.stats.accepted_drafts for g in out) / sum(
@@ -542,7 +543,8 @@ def test_rejection_sampling_with_top_p_gives_the_targets_nucleus_law(top_p, top_
     target = small_target()
     engine = SpecEngine(target, small_drafter(target), steps=2, stop_ids=set())
     prompt, T, n, rows = [1, 5, 2, 6], 0.8, 3, 12000
-    params = GenParams(max_tokens=n, temperature=T, top_p=top_p, top_k=top_k, seed=5)
+    params = GenParams(max_tokens=n, temperature=T, top_p=top_p, top_k=top_k)
+    torch.manual_seed(5)  # unseeded requests: copies of one seeded prompt would all draw alike
     out = engine.generate([prompt] * rows, params)
     samples = torch.tensor([g.token_ids for g in out])
     probs = exact_probs(target, prompt, n, T, top_p, top_k)
@@ -613,7 +615,8 @@ def test_tree_sampling_gives_the_targets_law(top_p, top_k, bias, monkeypatch):
     engine = SpecEngine(target, small_drafter(target), steps=2, topk=2, num_draft_tokens=4,
                         stop_ids=set())  # fmt: skip
     prompt, T, n, rows = [1, 5, 2, 6], 0.8, 3, 12000
-    out = engine.generate([prompt] * rows, GenParams(max_tokens=n, temperature=T, top_p=top_p, top_k=top_k, seed=11))  # fmt: skip
+    torch.manual_seed(11)  # unseeded requests: copies of one seeded prompt would all draw alike
+    out = engine.generate([prompt] * rows, GenParams(max_tokens=n, temperature=T, top_p=top_p, top_k=top_k))  # fmt: skip
     hist = torch.tensor([g.stats.accept_hist for g in out]).sum(0)
     assert hist.tolist()[0] > 1000 and hist[1:].sum() > 1000, hist  # rejections and acceptances
     samples = torch.tensor([g.token_ids for g in out])
@@ -638,6 +641,21 @@ def test_sampling_is_reproducible_with_a_seed(target, prompts):
     assert sample(7, torch_seed=1) == a  # the seed, not the global RNG, decides
     assert sample(8, torch_seed=0) != a  # a sampler that ignores the seed gives one answer
     assert sample(7, torch_seed=0, temperature=0.0) != a  # and it does sample (not argmax)
+
+
+@pytest.mark.parametrize("shape", ["plain", "chain", "tree"])
+def test_a_seeded_request_draws_in_a_batch_what_it_draws_alone(target, prompts, shape):
+    """Each row of a seeded batch has its own generator: a request's reply does not depend on
+    its batchmates (one generator for the batch interleaved their draws)."""
+    topk = 3 if shape == "tree" else 1
+    engine = SpecEngine(
+        target, random_drafter(target, draft_vocab_size=500, aux_layer_ids=AUX), steps=K, topk=topk
+    )
+    params = GenParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=5, num_draft_tokens=7)
+    spec = shape != "plain"
+    batch = [g.token_ids for g in engine.generate(prompts[:4], params, speculative=spec)]
+    alone = [engine.generate([p], params, speculative=spec)[0].token_ids for p in prompts[:4]]
+    assert batch == alone
 
 
 # ----------------------------------------------------------------------------------------------

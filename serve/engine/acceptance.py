@@ -8,7 +8,7 @@ from torch import Tensor
 
 from eagle3.cpu import top1
 from serve.engine.drafting import DraftTree
-from serve.engine.law import sampling_probs
+from serve.engine.law import Draws, draw, row_draws, sampling_probs, uniform
 
 # ----------------------------------------------------------------------------------------------
 # Acceptance rules
@@ -27,7 +27,7 @@ def rejection_accept(
     q: Tensor,
     logits: Tensor,
     temperature: float,
-    gen: torch.Generator | None,
+    gen: Draws,
     top_p: float = 1.0,
     top_k: int = 0,
 ) -> tuple[Tensor, Tensor]:
@@ -41,7 +41,7 @@ def rejection_accept(
     p = sampling_probs(logits, temperature, top_p, top_k)  # [B, k+1, V]
     pd = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)
     qd = q.gather(-1, drafts[..., None]).squeeze(-1)
-    u = torch.rand(B, k, generator=gen)
+    u = uniform(B, k, gen)
     a = (u * qd < pd).long().cumprod(1).sum(1)  # u < p/q without dividing by q
     b = torch.arange(B)
     pa = p[b, a]
@@ -49,7 +49,7 @@ def rejection_accept(
     resid = (pa - qa).clamp(min=0)
     mass = resid.sum(-1, keepdim=True)
     dist = torch.where(mass > 0, resid / mass.clamp(min=1e-30), pa)  # p == q: rejection had prob 0
-    return a, torch.multinomial(dist, 1, generator=gen).squeeze(1)
+    return a, draw(dist, gen)
 
 
 def tree_greedy_accept(
@@ -82,7 +82,7 @@ def tree_sample_accept(
     logits: Tensor,
     steps: int,
     temperature: float,
-    gen: torch.Generator | None,
+    gen: Draws,
     top_p: float = 1.0,
     top_k: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -99,7 +99,7 @@ def tree_sample_accept(
     a, path = torch.zeros(B, dtype=torch.long), torch.zeros(B, steps, dtype=torch.long)
     bonus = torch.empty(B, dtype=torch.long)
     for b in range(B):
-        children = _children(tree, b)
+        children, g = _children(tree, b), row_draws(gen, b)
         cur = 0
         while True:
             # the law of the nodes the walk reaches only: a nucleus sorts the whole vocabulary
@@ -107,14 +107,14 @@ def tree_sample_accept(
             left = 1.0  # the mass of p not rejected yet: p / left is the law of what is left
             for t, node in children.get(cur, []):
                 pt = float(p[t])
-                if float(torch.rand(1, generator=gen)) * left < pt:
+                if float(torch.rand(1, generator=g)) * left < pt:
                     nxt = node
                     break
                 p[t], left = 0.0, left - pt
             if nxt is None:  # multinomial normalises what is left
                 if not float(p.sum()) > 0:  # rounding rejected all of it (p ~ 1e-7): all of p
                     p = sampling_probs(logits[b, cur], temperature, top_p, top_k)
-                bonus[b] = torch.multinomial(p, 1, generator=gen)[0]
+                bonus[b] = torch.multinomial(p, 1, generator=g)[0]
                 break
             path[b, a[b]] = nxt
             a[b] += 1
@@ -161,7 +161,7 @@ def tree_greedy_accept_on_device(
 def sample_token(
     logits: Tensor,
     temperature: float,
-    gen: torch.Generator | None,
+    gen: Draws,
     top_p: float = 1.0,
     top_k: int = 0,
 ) -> Tensor:
@@ -169,4 +169,4 @@ def sample_token(
     if temperature <= 0:
         return top1(logits)
     probs = sampling_probs(logits, temperature, top_p, top_k)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    return draw(probs, gen)

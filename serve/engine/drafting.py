@@ -12,7 +12,7 @@ from torch import Tensor
 
 from eagle3.cpu import top1
 from eagle3.model import DrafterCache, Eagle3Drafter, rope_cos_sin
-from serve.engine.law import sampling_probs
+from serve.engine.law import Draws, draw, sampling_probs
 
 # ----------------------------------------------------------------------------------------------
 # Draft sources: the EAGLE-3 drafter, or (in tests) stubs with the same four methods
@@ -33,7 +33,7 @@ class DraftSource(Protocol):
         self,
         steps: int,
         temperature: float,
-        gen: torch.Generator | None,
+        gen: Draws,
         top_p: float = 1.0,
         top_k: int = 0,
     ) -> tuple[Tensor, Tensor | None]:
@@ -103,7 +103,7 @@ def tree_ancestors_by_depth(parents: Tensor, depth: int) -> Tensor:
 def pick_draft(
     logits: Tensor,
     temperature: float,
-    gen: torch.Generator | None,
+    gen: Draws,
     top_p: float = 1.0,
     top_k: int = 0,
 ) -> tuple[Tensor, Tensor | None]:
@@ -115,7 +115,7 @@ def pick_draft(
     if temperature <= 0:
         return top1(logits), None
     q = sampling_probs(logits.cpu(), temperature, top_p, top_k)  # the generator is a CPU one
-    return torch.multinomial(q, 1, generator=gen).squeeze(-1).to(logits.device), q
+    return draw(q, gen).to(logits.device), q
 
 
 def target_q(model: Eagle3Drafter, q: Tensor) -> Tensor:
@@ -180,7 +180,7 @@ class EagleDraft:
         self,
         logits: Tensor,
         temperature: float,
-        gen: torch.Generator | None,
+        gen: Draws,
         top_p: float = 1.0,
         top_k: int = 0,
     ) -> tuple[Tensor, Tensor | None]:
@@ -190,7 +190,7 @@ class EagleDraft:
         self,
         steps: int,
         temperature: float,
-        gen: torch.Generator | None,
+        gen: Draws,
         top_p: float = 1.0,
         top_k: int = 0,
     ) -> tuple[Tensor, Tensor | None]:

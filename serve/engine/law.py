@@ -27,3 +27,33 @@ def sampling_probs(
         before = sp.cumsum(-1) - sp  # mass of the tokens ranked above each one
         sp = sp.masked_fill(before >= top_p, 0.0)
     return torch.zeros_like(p).scatter(-1, idx, sp / sp.sum(-1, keepdim=True))
+
+
+# Where a sampled batch's random numbers come from: one generator for the whole batch (or None:
+# torch's global one), or one generator per row. The engine gives each row of a seeded request
+# its own, seeded alike, and draws every row's numbers from it in the row's own order: a request
+# then draws what it draws alone, whatever its batchmates (the benchmark compares two drafters
+# on the same draws, and an OpenAI `seed` means the same reply whoever else is served).
+Draws = torch.Generator | list[torch.Generator] | None
+
+
+def uniform(rows: int, n: int, gens: Draws) -> Tensor:
+    """[rows, n] uniform numbers in [0, 1)."""
+    if not isinstance(gens, list):
+        return torch.rand(rows, n, generator=gens)
+    if len(gens) != rows:
+        raise ValueError(f"{len(gens)} generators for {rows} rows")
+    return torch.cat([torch.rand(1, n, generator=g) for g in gens])
+
+
+def draw(probs: Tensor, gens: Draws) -> Tensor:
+    """One token per row of probs [rows, V] -> [rows], drawn from that row's law."""
+    if not isinstance(gens, list):
+        return torch.multinomial(probs, 1, generator=gens).squeeze(-1)
+    rows = zip(probs, gens, strict=True)
+    return torch.cat([torch.multinomial(p[None], 1, generator=g) for p, g in rows]).squeeze(-1)
+
+
+def row_draws(gens: Draws, b: int) -> torch.Generator | None:
+    """Row b's generator: its own, or the batch's."""
+    return gens[b] if isinstance(gens, list) else gens

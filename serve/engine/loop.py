@@ -54,6 +54,7 @@ from serve.engine.drafting import (
     tree_problem,
 )
 from serve.engine.eager import TargetRunner
+from serve.engine.law import Draws
 from serve.engine.linear import use_small_rows_linear
 from serve.engine.requests import Generation, GenParams, RequestStats, TokenCallback
 from serve.engine.runner import Runner
@@ -84,6 +85,13 @@ class _Rows:
         self.stats = [RequestStats(prompt_tokens=len(p)) for p in prompts]
         self.active = list(range(len(prompts)))
         self.params, self.stop_ids, self.on_tokens = params, stop_ids, on_tokens
+        # a seeded request draws from its own generator (law.Draws): what it draws alone
+        seed = params.seed
+        self.gens = None if seed is None else [torch.Generator().manual_seed(seed) for _ in prompts]
+
+    def draws(self) -> Draws:
+        """The active rows' generators, in batch-row order (None: torch's global one)."""
+        return None if self.gens is None else [self.gens[req] for req in self.active]
 
     def append(self, row: int, tokens: list[int]) -> bool:
         """Add tokens to batch row `row`; True when its request is finished."""
@@ -295,7 +303,6 @@ class SpecEngine:
         n_tokens = params.num_draft_tokens or self.num_draft_tokens or k + 1
         if tree and (problem := tree_problem(k, topk, n_tokens)):
             raise ValueError(problem)
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         rows = _Rows(prompts, params, self.stop_ids, on_tokens, max_tokens_each)
         # the drafter's chain writes up to k slots past the last verified one, even for a tree
         self._check_fits(prompts, rows.limits, max(n_tokens, k + 1) if tree else k + 1)
@@ -305,7 +312,7 @@ class SpecEngine:
 
         t = time.perf_counter()
         logits, aux, ids, valid = runner.prefill(prompts, aux=True)
-        x_next = _host_sample(logits, params, gen)
+        x_next = _host_sample(logits, params, rows.draws())
         rows.charge("prefill_ms", _ms(t))
         t = time.perf_counter()
         drafter.start(len(prompts), max(map(len, prompts)) + max(rows.limits) + k + 2)
@@ -323,9 +330,9 @@ class SpecEngine:
         j = torch.arange(k + 1)
         while rows.active:
             if tree:
-                cyc = self._tree_cycle(x_next, pos_next, k, topk, n_tokens, params, gen)
+                cyc = self._tree_cycle(x_next, pos_next, k, topk, n_tokens, params, rows.draws())
             else:
-                cyc = self._chain_cycle(x_next, pos_next, k, params, gen)
+                cyc = self._chain_cycle(x_next, pos_next, k, params, rows.draws())
             rows.charge("draft_ms", cyc.draft_ms)
             rows.charge("verify_ms", cyc.verify_ms)
             done = []
@@ -457,7 +464,7 @@ class SpecEngine:
         pos_next: Tensor,
         k: int,
         params: GenParams,
-        gen: torch.Generator | None,
+        gen: Draws,
     ) -> _Cycle:
         t = time.perf_counter()
         drafts, q = self.drafter.propose(k, params.temperature, gen, params.top_p, params.top_k)
@@ -486,7 +493,7 @@ class SpecEngine:
         topk: int,
         n_tokens: int,
         params: GenParams,
-        gen: torch.Generator | None,
+        gen: Draws,
     ) -> _Cycle:
         """Tree cycle: all n_tokens (root + nodes) verified in one pass under an ancestor mask;
         greedy walks the target's argmax, sampling `tree_sample_accept`; the accepted path's
@@ -536,13 +543,12 @@ class SpecEngine:
                 max_tokens_each,
             )
         runner = self._runner
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         rows = _Rows(prompts, params, self.stop_ids, on_tokens, max_tokens_each)
         self._check_fits(prompts, rows.limits, 1)
         t0 = time.perf_counter()
         t = time.perf_counter()
         logits, _, _, valid = runner.prefill(prompts, aux=False)
-        x = _host_sample(logits, params, gen)
+        x = _host_sample(logits, params, rows.draws())
         rows.charge("prefill_ms", _ms(t))
         pos = valid.sum(1)
         done = [rows.append(r, [int(x[r])]) for r in range(len(prompts))]
@@ -555,7 +561,7 @@ class SpecEngine:
             ones = torch.ones(len(rows.active), 1, dtype=torch.bool)
             logits, _ = runner.forward(x[:, None], pos[:, None], ones)
             runner.commit(ones)
-            x = _host_sample(logits[:, -1], params, gen)
+            x = _host_sample(logits[:, -1], params, rows.draws())
             pos = pos + 1
             rows.charge("verify_ms", _ms(t))
             done = [rows.append(r, [int(x[r])]) for r in range(len(rows.active))]
@@ -648,7 +654,7 @@ def _marks_ms(marks: list[tuple[Any, ...]], cuda: bool) -> tuple[float, float, f
     return draft, sum(span(m[1], m[2]) for m in marks), sum(span(m[2], m[3]) for m in marks)
 
 
-def _host_sample(logits: Tensor, params: GenParams, gen: torch.Generator | None) -> Tensor:
+def _host_sample(logits: Tensor, params: GenParams, gen: Draws) -> Tensor:
     """`sample_token` at the request's temperature, top_p and top_k, its result on the host:
     argmax on the logits' device, sampling on the CPU (the engine's generator is a CPU one)."""
     if params.temperature > 0:

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from eagle3.model import Eagle3Drafter, rope_cos_sin
 from serve.engine.drafting import DraftTree, _last_true, pick_draft, target_q
+from serve.engine.law import Draws
 from serve.engine.static import span_buckets
 
 Pick = Callable[[Tensor], tuple[Tensor, Tensor | None]]
@@ -278,7 +279,7 @@ class StaticEagleDraft:
         self,
         steps: int,
         temperature: float,
-        gen: torch.Generator | None,
+        gen: Draws,
         top_p: float = 1.0,
         top_k: int = 0,
     ) -> tuple[Tensor, Tensor | None]:
