@@ -120,8 +120,8 @@ class EarlyData:
 
 
 def free_cores(cfg: Config) -> int:
-    """The cores of this machine the embedded CPU server leaves free."""
-    return (os.cpu_count() or 1) - math.ceil(cfg.serve.num_cpus)
+    """The cores of this machine the embedded CPU server (all its replicas) leaves free."""
+    return (os.cpu_count() or 1) - math.ceil(cfg.serve.num_cpus * cfg.serve.num_replicas)
 
 
 def start_early(

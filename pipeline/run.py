@@ -28,14 +28,15 @@ from pipeline.state import RunDirBusy, hold_run_dir  # noqa: E402
 
 
 def local_num_cpus(cfg: Config) -> int:
-    """Logical CPUs of a Ray started here: the largest stage beside the embedded server, which
-    stays up across rounds while the next round's target actors and trainers run. With only the
+    """Logical CPUs of a Ray started here: the largest stage beside the embedded server (its
+    `serve.num_replicas` replicas), which stays up across rounds while the next round's target actors and trainers run. With only the
     machine's cores (2 here) the second round's trainers would wait for the server's CPU forever.
     Ray's CPUs are bookkeeping: the stages share the cores, as `make demo`'s head does."""
     cores = os.cpu_count() or 1
     trainers = math.ceil(cfg.train.num_workers * cfg.train.cpus_per_worker)
     stage = max(cores, cfg.data.num_actors, trainers)  # an actor takes >= 1 CPU
-    server = math.ceil(cfg.serve.num_cpus) if cfg.serve.num_gpus == 0 else 0
+    cpu_server = cfg.serve.num_gpus == 0
+    server = math.ceil(cfg.serve.num_cpus * cfg.serve.num_replicas) if cpu_server else 0
     return stage + server
 
 

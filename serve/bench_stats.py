@@ -18,6 +18,7 @@ import httpx
 from actors.engine_server import SpecCounters
 from actors.sglang_server import response_spec as sglang_response_spec
 from actors.vllm_server import response_spec as vllm_response_spec
+from serve.http_client import post
 
 Prompt = list[dict[str, str]] | str
 # (prompt, max_tokens, speculative, steps) -> (path, JSON body); the seam for other servers
@@ -184,7 +185,7 @@ def _run_requests(
     def one(prompt: Prompt) -> RequestStats:
         path, body = build(prompt, max_tokens, speculative, steps)
         t = time.perf_counter()
-        r = client.post(path, json=body)
+        r = post(client, path, body)  # a 503 with Retry-After is sent again (the wait counts)
         latency = time.perf_counter() - t
         if r.status_code != 200:
             raise RuntimeError(f"{client.base_url}{path} answered {r.status_code}: {r.text[:500]}")

@@ -64,6 +64,11 @@ class ServeConfig(Strict):
     """GPUs the serving replica reserves."""
     num_cpus: float = Field(1.0, gt=0)
     """CPUs the serving replica reserves; the embedded engine uses that many torch threads."""
+    num_replicas: int = Field(1, ge=1)
+    """Embedded engine: replicas of the engine behind the app's router (serve/router.py), each
+    reserving `num_cpus` and `num_gpus` and loading the target. A request in flight on a replica
+    that dies is sent again: with 1 it waits for the replacement (~11 s on a 2-core host), with
+    2 the other replica answers it at once (docs/serving.md)."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments for the SGLang or vLLM server. A secret flag among them
     (`--api-key K`) reaches the server through a file only its user can read (`--config`),

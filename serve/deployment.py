@@ -1,4 +1,6 @@
-"""Ray Serve deployment of the embedded engine with OpenAI-compatible endpoints.
+"""Ray Serve deployment of the embedded engine with OpenAI-compatible endpoints, behind the
+app's router (serve/router.py: the HTTP ingress, which reads the body and hands it to a replica
+through a handle, `respond`, and sends it again when the replica dies).
 
 - `POST /v1/chat/completions`, `POST /v1/completions` (SSE with `"stream": true`), `GET /v1/models`,
   `GET /health`, `GET /drafter`. Extra request fields: `speculative` (false = plain decoding, the
@@ -16,8 +18,10 @@
   `request_timeout_s` is stopped (504, or an error event in its stream). A request whose client
   hangs up, streamed or not, is dropped by the engine at its next step (its batch row and KV go
   with it) and never reaches the traffic log. `/health` runs on the event loop, which waits on
-  nothing, and the replica holds far more connections (`max_ongoing_requests`) than the engine
-  runs, so slow clients cannot queue it.
+  nothing, and the router and the replica hold far more requests (`max_ongoing_requests`) than
+  the engine runs, so slow clients cannot queue them.
+- A request's id comes from the router, the same in every attempt: the response's `id` and the
+  traffic record's, so a record that a dying attempt wrote is read once (serve/traffic.py).
 - `GET /drafter` publishes the server's instance id (one per `deploy()`), which `serve.cli swap`
   checks through the Serve handle before it swaps, and `usage.drafter` is the drafter's digest.
 - Drafter hot-swap: `reconfigure({"drafter": path})` loads and checks the checkpoint against the
@@ -31,8 +35,6 @@ and `deploy_endpoint`, the one function the driver calls for any engine).
 Everything binds 127.0.0.1 unless `serve.host` says otherwise.
 """
 
-# No `from __future__ import annotations` here: FastAPI must see real types (Request) on the
-# ingress methods that Serve re-binds, or it answers 422.
 import asyncio
 import hashlib
 import json
@@ -40,7 +42,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 import weakref
 from collections import defaultdict
 from collections.abc import AsyncIterator
@@ -48,8 +49,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from actors.cluster import reserved_device
@@ -65,22 +64,13 @@ from serve.engine import (
 )
 from serve.jobs import _Job, run_isolated
 from serve.shapes import Shape
+from serve.startup import grpc_on_loopback
 from serve.stops import StopWatch
-from serve.validation import (
-    BadRequest,
-    BodyTimeout,
-    Limits,
-    check_request,
-    max_prompt_chars,
-    parse_body,
-    read_body,
-)
+from serve.validation import BadRequest, Limits, check_request, max_prompt_chars, parse_body
 
 log = logging.getLogger("ray.serve")
 
 APP_NAME = ServeConfig.model_fields["app"].default  # serve.app's default: one place
-
-app = FastAPI()
 
 
 def _traffic_log(opts: dict[str, Any] | None, tokenizer: Any):
@@ -126,43 +116,23 @@ class RequestTimeout(BadRequest):
     status = 504
 
 
-def _grpc_on_loopback() -> None:
-    """Ray 2.60's replica starts its inter-deployment gRPC server on `[::]:0`, every interface,
-    with no option to change it (ray/serve/_private/replica.py, `_on_initialized`, after this
-    constructor). On a Ray whose node address is loopback (every Ray the project starts:
-    actors/cluster.py), handles reach the replica at 127.0.0.1, so it binds there instead. A Ray
-    without that hook serves as before, with a warning naming the listener."""
-    import ray
-    from ray.serve._private import replica
-
-    if ray.util.get_node_ip_address() != "127.0.0.1":
-        return  # a routable node: other nodes' handles connect to it
-    bind = getattr(replica, "add_port_to_grpc_server", None)
-    if bind is None:
-        log.warning("this Ray's Serve replica has no add_port_to_grpc_server: its gRPC server "
-                    "listens on every interface")  # fmt: skip
-        return
-    if getattr(bind, "loopback", False):
-        return
-
-    def loopback(server: Any, address: str) -> int:
-        return bind(server, address.replace("[::]", "127.0.0.1", 1))
-
-    loopback.loopback = True  # type: ignore[attr-defined]
-    replica.add_port_to_grpc_server = loopback
-
-
 class _Slot:
     """A request's place among those the engine runs or queues (`SpecServer.slots`): freed
     when the request ends, or when nothing refers to it any more (a stream that never began)."""
 
 
-@serve.deployment(name="SpecServer", max_ongoing_requests=256, graceful_shutdown_timeout_s=5)
-@serve.ingress(app)
+# health_check_period_s: Serve finds a dead replica at its next health check (Ray 2.60's default
+# period is 10 s) and only then starts the replacement that requests the router sent again wait
+# for (with one replica). Measured on 2 busy cores (benchmarks/fault_probes.py): found 6.4 s after
+# a SIGKILL at 10 s, 1.6 s at 2 s; the new replica's start is most of the rest (~10 s).
+@serve.deployment(
+    name="SpecServer", max_ongoing_requests=256, graceful_shutdown_timeout_s=5,
+    health_check_period_s=2,
+)  # fmt: skip
 class SpecServer:
     def __init__(self, target: dict[str, Any], options: dict[str, Any], actor: dict | None = None):
         self._spec = {"target": target, "options": options, "actor": actor or {}}
-        _grpc_on_loopback()
+        grpc_on_loopback()
         if options.get("torch_threads"):
             torch.set_num_threads(int(options["torch_threads"]))
         # on the GPU the replica reserved: the engine's static runner then runs CUDA graphs
@@ -373,12 +343,18 @@ class SpecServer:
         return text if job.stops is None else job.stops.reply(text)
 
     async def _job(
-        self, body: dict[str, Any], chat: bool, stream: bool, deadline: float = float("inf")
+        self,
+        body: dict[str, Any],
+        chat: bool,
+        stream: bool,
+        deadline: float = float("inf"),
+        request_id: str | None = None,
     ) -> _Job:
         """A checked request (BadRequest names every bad field); only these join a batch. The
         tokenizer runs in a thread: a long prompt must not stall the replica's event loop."""
         job = await asyncio.to_thread(self._checked_job, body, chat)
         job.deadline = deadline
+        job.id = request_id or job.id
         if stream:
             job.queue, job.loop = asyncio.Queue(), asyncio.get_running_loop()
         return job
@@ -406,11 +382,15 @@ class SpecServer:
         return job
 
     async def complete(
-        self, body: dict[str, Any], chat: bool = True, deadline: float = float("inf")
+        self,
+        body: dict[str, Any],
+        chat: bool = True,
+        deadline: float = float("inf"),
+        request_id: str | None = None,
     ) -> dict[str, Any]:
         """One non-streaming request (also the handle API); returns the OpenAI response body.
         Past `deadline` (time.monotonic()) the engine drops it and RequestTimeout is raised."""
-        job = await self._job(body, chat, stream=False, deadline=deadline)
+        job = await self._job(body, chat, stream=False, deadline=deadline, request_id=request_id)
         try:
             gen = await self._run(job)
         except asyncio.CancelledError:  # the client hung up (Serve cancels its task)
@@ -439,7 +419,7 @@ class SpecServer:
         st, p = gen.stats, job.params
         try:
             await asyncio.to_thread(self.traffic.append, {
-                "time": time.time(), "id": uuid.uuid4().hex, "replica": self.traffic.replica,
+                "time": time.time(), "id": job.id, "replica": self.traffic.replica,
                 **job.record, "prompt_ids": list(job.prompt), "completion_ids": list(gen.token_ids),
                 "finish_reason": st.finish_reason, "temperature": p.temperature,
                 "top_p": p.top_p, "top_k": p.top_k, "max_tokens": p.max_tokens, "seed": p.seed,
@@ -462,7 +442,7 @@ class SpecServer:
         else:
             choice["text"] = text
         return {
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{job.id[:24]}",
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": self.model_name,
@@ -477,12 +457,12 @@ class SpecServer:
         return usage
 
     async def _sse(
-        self, job: _Job, chat: bool, include_usage: bool, slot: _Slot
+        self, job: _Job, chat: bool, include_usage: bool, created: int
     ) -> AsyncIterator[str]:
-        """The stream of one request; `slot` is its place in the engine's queue, held until the
-        stream ends (released by the finally below)."""
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        created, obj = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
+        """The stream of one request. Its id (from `job.id`) and `created` are the caller's, so
+        another attempt at the same request streams the same chat role chunk first."""
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{job.id[:24]}"
+        obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(
             delta: str | None,
@@ -553,73 +533,64 @@ class SpecServer:
             if not task.done():
                 job.cancelled = True  # the engine drops it at its next step
                 self.counts["hung_up"] += 1
-            self.slots.discard(slot)
 
-    async def _http(self, request: Request, chat: bool):
-        slot, streaming = None, False
+    # -- requests from the router (serve/router.py) ---------------------------------------------
+    async def respond(
+        self, raw: bytes, chat: bool, timeout_s: float, request_id: str, created: int
+    ) -> AsyncIterator[Any]:
+        """One HTTP request's answer, streamed to the router (`handle.options(stream=True)`):
+        first its head, `{"status", "headers", "body"}` (the whole JSON answer) or, for a
+        stream, `{"status": 200, "stream": True, "preamble": n}`, then the stream's SSE events,
+        whose first n (a chat's role chunk) another attempt with the same `request_id` and
+        `created` repeats byte for byte. The request is stopped `timeout_s` from now (504)."""
+        deadline = time.monotonic() + timeout_s
+        slot = None
         try:
             try:
-                raw = await asyncio.wait_for(
-                    read_body(request.stream(), request.headers.get("content-length")),
-                    self.body_timeout_s,
-                )
-            except TimeoutError:
-                raise BodyTimeout(
-                    f"body: not received within serve.body_timeout_s={self.body_timeout_s:g} "
-                    "s; send the whole request at once"
-                ) from None
-            deadline = time.monotonic() + self.request_timeout_s
-            body = await asyncio.to_thread(parse_body, raw)  # 16 MB of JSON: off the loop
-            if len(self.slots) >= self.max_running:
-                return JSONResponse(
-                    {"error": {"message": f"server busy: {len(self.slots)} requests run or wait "
-                               "for the engine (serve.max_queued_requests); retry after "
-                               f"{self.retry_after_s} s", "type": "server_busy"}},
-                    status_code=503,
-                    headers={"Retry-After": str(self.retry_after_s)},
-                )  # fmt: skip
-            slot = _Slot()
-            self.slots.add(slot)
-            if body.get("stream", False) is not True:
-                try:  # wait_for cancels complete(), which cancels the job (the engine drops it)
-                    left = deadline - time.monotonic()
-                    return JSONResponse(await asyncio.wait_for(self.complete(body, chat, deadline), left))  # fmt: skip
-                except TimeoutError:
-                    raise RequestTimeout(self._timeout_message()) from None
-            job = await self._job(body, chat, stream=True, deadline=deadline)
+                body = await asyncio.to_thread(parse_body, raw)  # 16 MB of JSON: off the loop
+                if len(self.slots) >= self.max_running:
+                    yield self._busy()
+                    return
+                slot = _Slot()
+                self.slots.add(slot)  # held until the answer ends (the finally below)
+                if body.get("stream", False) is not True:
+                    try:  # wait_for cancels complete(), which cancels the job (the engine drops it)
+                        left = deadline - time.monotonic()
+                        out = await asyncio.wait_for(self.complete(body, chat, deadline, request_id), left)  # fmt: skip
+                    except TimeoutError:
+                        raise RequestTimeout(self._timeout_message()) from None
+                    yield {"status": 200, "body": out}
+                    return
+                job = await self._job(body, chat, stream=True, deadline=deadline, request_id=request_id)  # fmt: skip
+            except BadRequest as e:
+                yield {"status": e.status, "body": {"error": {"message": str(e), "type": "invalid_request_error"}}}  # fmt: skip
+                return
             opts = body.get("stream_options") or {}
-            stream = self._sse(job, chat, bool(opts.get("include_usage", False)), slot)
-            streaming = True  # the stream holds the slot now, and releases it when it ends
-            return StreamingResponse(stream, media_type="text/event-stream")
-        except BadRequest as e:
-            return JSONResponse(
-                {"error": {"message": str(e), "type": "invalid_request_error"}},
-                status_code=e.status,
-            )
+            yield {"status": 200, "stream": True, "preamble": 1 if chat else 0}
+            async for event in self._sse(job, chat, bool(opts.get("include_usage", False)), created):  # fmt: skip
+                yield event
         finally:
-            if slot is not None and not streaming:
+            if slot is not None:
                 self.slots.discard(slot)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request):
-        return await self._http(request, chat=True)
-
-    @app.post("/v1/completions")
-    async def completions(self, request: Request):
-        return await self._http(request, chat=False)
+    def _busy(self) -> dict[str, Any]:
+        """The head of a 503: more requests run or wait for the engine than it takes soon."""
+        return {
+            "status": 503,
+            "headers": {"Retry-After": str(self.retry_after_s)},
+            "body": {"error": {"message": f"server busy: {len(self.slots)} requests run or wait "
+                               "for the engine (serve.max_queued_requests); retry after "
+                               f"{self.retry_after_s} s", "type": "server_busy"}},
+        }  # fmt: skip
 
     # async: these run on the event loop, never behind requests in a thread pool
-    @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
+        """`GET /v1/models` (through the router)."""
         return {
             "object": "list",
             "data": [{"id": self.model_name, "object": "model", "owned_by": "eagle-loop"}],
         }
 
-    @app.get("/health")
     async def health(self) -> dict[str, str]:
+        """`GET /health` (through the router): this replica's event loop answers."""
         return {"status": "ok"}
-
-    @app.get("/drafter")
-    async def drafter(self) -> dict[str, Any]:
-        return self.public_drafter_info()

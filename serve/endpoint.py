@@ -1,6 +1,7 @@
-"""The driver's side of the embedded engine's Ray Serve app (serve/deployment.py is the replica's):
-`deploy` starts Serve and the app, `swap_drafter` / `set_shape` reconfigure it in place,
-`adopt_app` joins one another process deployed (`serve.cli swap`), `shutdown` ends it; and
+"""The driver's side of the embedded engine's Ray Serve app (serve/deployment.py is the replica's,
+serve/router.py the HTTP ingress in front of the replicas): `deploy` starts Serve and the app,
+`swap_drafter` / `set_shape` reconfigure it in place, `adopt_app` joins one another process
+deployed (`serve.cli swap`), `shutdown` ends it; and
 `deploy_endpoint`, the one function the driver calls for any engine (`serve.engine`: embedded
 here, `sglang` and `vllm` through actors/engine_server.py), returning a `ServingEndpoint`."""
 
@@ -20,6 +21,7 @@ from actors.sglang_server import deploy_sglang
 from serve.config import ServeConfig, batch_problem
 from serve.deployment import APP_NAME, SpecServer
 from serve.engine import tree_problem
+from serve.router import Router
 from serve.shapes import Shape
 from serve.startup import retry, serve_running, start_serve, wait_http_ready
 
@@ -101,6 +103,7 @@ def deploy(
         "instance": uuid.uuid4().hex[:16],  # this deploy(): what `serve.cli swap` checks
         "owner": owner,  # the run whose app this is: what another run's deploy checks
         "route_prefix": s["route_prefix"],
+        "num_replicas": s["num_replicas"],
     }
     actor = {"num_cpus": num_cpus, "num_gpus": s.get("num_gpus", 0.0)}
     host, port = s.get("host", "127.0.0.1"), s.get("port", 8000)
@@ -138,7 +141,7 @@ def check_claim(app_name: str, route_prefix: str, owner: str) -> None:
     app = apps.get(app_name)
     if app is None or app.get("status") != "RUNNING":
         return
-    theirs = serve.get_app_handle(app_name).spec.remote().result(timeout_s=60)["options"].get("owner")  # fmt: skip
+    theirs = engine_handle(app_name).spec.remote().result(timeout_s=60)["options"].get("owner")
     if theirs != owner:
         raise ServeClaimed(
             f"serve.app: the Serve application {app_name!r} on this Ray cluster belongs to "
@@ -163,35 +166,47 @@ def _traffic_options(s: dict[str, Any], traffic_dir: str | Path | None) -> dict[
     }
 
 
+def engine_handle(app_name: str = APP_NAME) -> Any:
+    """A handle to the app's engine replicas (`SpecServer`), behind its router."""
+    return serve.get_deployment_handle(SpecServer.name, app_name)
+
+
 def _run_app(app_name: str, drafter: str | None) -> None:
-    """Declare the app with `drafter`; the last good drafter rides along as the fallback a
-    restarted replica serves when the declared one does not load."""
+    """Declare the app, its router in front of `serve.num_replicas` engine replicas, with
+    `drafter`; the last good drafter rides along as the fallback a restarted replica serves
+    when the declared one does not load."""
     spec = _APPS[app_name]
     user_config = {"drafter": drafter, "fallback": spec.get("good"), "shape": spec.get("shape")}
     opts = spec["options"]
+    # Serve's own bound, for when every replica holds max_ongoing_requests: the proxy (or the
+    # router's handle) queues this many more and answers the rest 503 with Retry-After (the
+    # engine replica's own 503 comes first, past max_batch_size + max_queued_requests waiting)
+    bounds = {
+        "max_ongoing_requests": int(opts.get("max_ongoing_requests", 256)),
+        "max_queued_requests": int(opts.get("max_queued_requests", 32)),
+        "backpressure_config": {"retry_after_s": float(opts.get("retry_after_s", 2))},
+    }
     dep = SpecServer.options(
         user_config=user_config,
         ray_actor_options=spec["actor"],
-        # Serve's own bound, for when the replica holds max_ongoing_requests: its proxy queues
-        # this many more and answers the rest 503 with Retry-After (the replica's own 503
-        # comes first, past max_batch_size + max_queued_requests waiting for the engine)
-        max_ongoing_requests=int(opts.get("max_ongoing_requests", 256)),
-        max_queued_requests=int(opts.get("max_queued_requests", 32)),
-        backpressure_config={"retry_after_s": float(opts.get("retry_after_s", 2))},
+        num_replicas=int(opts.get("num_replicas", 1)),
+        **bounds,
     )
+    router = Router.options(**bounds)
     # A fixed version makes a user_config change an in-place `reconfigure` (no replica restart,
-    # no target reload). Ray 2.60 only takes it through the internal flag; without it the swap
-    # still works, by restarting the replica.
+    # no target reload), and leaves the router running through a swap. Ray 2.60 only takes it
+    # through the internal flag; without it the swap still works, by restarting the replicas.
     bound = {k: spec[k] for k in ("target", "options", "actor")}
     version = hashlib.sha256(json.dumps(bound, sort_keys=True, default=str).encode()).hexdigest()
     version = version[:16]
     try:
         dep = dep.options(version=version, _internal=True)
+        router = router.options(version=version, _internal=True)
     except (TypeError, ValueError):
         log.warning(
             "Serve rejected a fixed deployment version; drafter swaps will restart the replica"
         )
-    app = dep.bind(spec["target"], spec["options"], spec["actor"])
+    app = router.bind(dep.bind(spec["target"], spec["options"], spec["actor"]), opts)
     prefix = opts.get("route_prefix") or "/"
     retry(
         lambda: serve.run(app, name=app_name, route_prefix=prefix), f"serve.run of app {app_name!r}"
@@ -203,7 +218,7 @@ def swap_drafter(drafter_dir: str | Path, app_name: str = APP_NAME) -> dict[str,
     one raises DrafterRejected and the current drafter keeps serving."""
     if app_name not in _APPS:
         raise ValueError(f"app {app_name!r} was not deployed by this process; call deploy() first")
-    handle = serve.get_app_handle(app_name)
+    handle = engine_handle(app_name)
     path = str(drafter_dir)
     problem = handle.validate_drafter.remote(path).result()
     if problem:
@@ -226,14 +241,14 @@ def set_shape(shape: Shape, app_name: str = APP_NAME) -> dict[str, Any]:
         raise ValueError(f"app {app_name!r} was not deployed by this process; call deploy() first")
     _APPS[app_name]["shape"] = shape.request_fields()
     _run_app(app_name, _APPS[app_name].get("good"))
-    return serve.get_app_handle(app_name).drafter_info.remote().result()
+    return engine_handle(app_name).drafter_info.remote().result()
 
 
 def adopt_app(app_name: str = APP_NAME) -> dict[str, Any]:
     """Make an app another process deployed swappable from this one (`serve.cli swap`): read
     what it was bound with from the replica, so a redeploy keeps its version (in place).
     Returns the replica's drafter_info (its `instance` says which server this handle reached)."""
-    handle = serve.get_app_handle(app_name)
+    handle = engine_handle(app_name)
     spec = handle.spec.remote().result()
     info = handle.drafter_info.remote().result()
     _APPS[app_name] = {**spec, "good": info["path"]}
@@ -298,7 +313,7 @@ class EmbeddedEndpoint:
         return self.info()
 
     def info(self) -> dict[str, Any]:
-        drafter = serve.get_app_handle(self.app_name).drafter_info.remote().result()
+        drafter = engine_handle(self.app_name).drafter_info.remote().result()
         return {"engine": self.engine, "url": self.url, "app": self.app_name, **drafter}
 
     def baseline(

@@ -6,8 +6,9 @@ import asyncio
 import logging
 import math
 import time
+import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from serve.engine import Generation, GenParams
@@ -29,6 +30,8 @@ class _Job:
     cancelled: bool = False
     deadline: float = math.inf  # time.monotonic() past which the engine drops the request
     stops: StopWatch | None = None  # its stop strings: the engine drops it once one appears
+    # the response's and the traffic record's id: the router's, the same in every attempt
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
     def stopped(self) -> bool:

@@ -19,6 +19,8 @@ from urllib.parse import urlparse
 
 import httpx
 
+from serve.http_client import post
+
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
@@ -43,8 +45,9 @@ def simulate_users(
     top_k: int = -1,
 ) -> SimulationResult:
     """Send every prompt once (chat completions, `concurrency` in flight); stops sending when
-    `max_seconds` have passed. Failures are counted, not raised: a user's bad request is the
-    server's business, and the caller decides what a failure rate means."""
+    `max_seconds` have passed. A 503 with Retry-After is sent again after the wait it names
+    (serve/http_client.py), as a patient user would. Failures are counted, not raised: a user's
+    bad request is the server's business, and the caller decides what a failure rate means."""
     host = urlparse(url).hostname
     if host not in LOOPBACK:
         raise ValueError(f"simulated users only talk to loopback servers, not {url!r}")
@@ -62,7 +65,7 @@ def simulate_users(
             **({"top_k": top_k} if temperature > 0 and top_k > 0 else {}),
         }
         try:
-            r = client.post("/v1/chat/completions", json=body)
+            r = post(client, "/v1/chat/completions", body)  # 503 + Retry-After: again
         except httpx.HTTPError as e:
             errors.append(f"{type(e).__name__}: {e}")
             return -2

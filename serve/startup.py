@@ -1,6 +1,7 @@
 """Ray Serve start-up that a busy machine does not break: Serve's own proxy timeouts, a bounded
 retry, and waits until the proxy and the app answer. serve/endpoint.py, serve/cli.py and the
-tests start Serve only through here.
+tests start Serve only through here; each replica binds its gRPC server here too
+(`grpc_on_loopback`).
 
 Why it failed (Ray 2.60, serve/_private/proxy_state.py): the controller gives a new HTTP proxy
 actor `RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S` (5 s) per readiness check and kills it after
@@ -20,7 +21,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import ray
@@ -197,6 +198,32 @@ def wait_http_ready(url: str, timeout_s: float = HTTP_READY_TIMEOUT_S) -> None:
             last = _short(e)
         time.sleep(0.5)
     raise ServeStartupError(f"{url} did not answer 200 in {timeout_s:.0f} s ({last}).\n{HINTS}")
+
+
+def grpc_on_loopback() -> None:
+    """Ray 2.60's replica starts its inter-deployment gRPC server on `[::]:0`, every interface,
+    with no option to change it (ray/serve/_private/replica.py, `_on_initialized`, after this
+    constructor). On a Ray whose node address is loopback (every Ray the project starts:
+    actors/cluster.py), handles reach the replica at 127.0.0.1, so it binds there instead. A Ray
+    without that hook serves as before, with a warning naming the listener. Every replica of the
+    app calls it in its constructor (serve/deployment.py's engine, serve/router.py's router)."""
+    from ray.serve._private import replica
+
+    if ray.util.get_node_ip_address() != "127.0.0.1":
+        return  # a routable node: other nodes' handles connect to it
+    bind = getattr(replica, "add_port_to_grpc_server", None)
+    if bind is None:
+        log.warning("this Ray's Serve replica has no add_port_to_grpc_server: its gRPC server "
+                    "listens on every interface")  # fmt: skip
+        return
+    if getattr(bind, "loopback", False):
+        return
+
+    def loopback(server: Any, address: str) -> int:
+        return bind(server, address.replace("[::]", "127.0.0.1", 1))
+
+    loopback.loopback = True  # type: ignore[attr-defined]
+    replica.add_port_to_grpc_server = loopback
 
 
 def _short(e: BaseException) -> str:

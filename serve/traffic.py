@@ -14,7 +14,9 @@ generation (actors/generate.py). A record:
 Each replica appends to its own file (`traffic-<replica>-<n>.jsonl`) and fsyncs every line
 (the server awaits it off its event loop before answering), so a crash loses at most the requests
 in flight; a replica that reuses a dead one's pid first cuts a torn last line off, and the reader
-skips any torn line. Files rotate at `max_bytes`; the whole directory keeps at most `max_files`
+skips any torn line. A request's id is the router's, the same in every attempt (serve/router.py):
+one written by a replica that died before its answer went out and again by the retry is read
+once. Files rotate at `max_bytes`; the whole directory keeps at most `max_files`
 files (every replica and restart together, oldest deleted first), so the log is bounded by
 `max_files × max_bytes`. A record over `max_record_bytes` is dropped. Benchmark requests
 (`"record": false`) are never written. With recording off nothing is opened.
@@ -212,15 +214,21 @@ class Skipped:
     another writer's junk."""
     foreign: int = 0
     """Whole JSON that is no record to learn from: another version, or without ids."""
+    repeated: int = 0
+    """Records whose `id` an earlier line had: one request written by a replica that died
+    before its answer went out, and again by the attempt the router sent after it
+    (serve/router.py); the first is kept."""
 
 
 def read_traffic(directory: str | Path, skipped: Skipped | None = None) -> Iterator[dict[str, Any]]:
-    """Every complete record under `directory`, oldest file first; a torn or foreign line (a
-    crash mid-write, another writer's junk) is skipped and counted in `skipped`."""
+    """Every complete record under `directory` once, oldest file first; a torn or foreign line
+    (a crash mid-write, another writer's junk) or a record whose id was read before is skipped
+    and counted in `skipped`. Memory holds the ids read (~100 bytes a record)."""
     d = Path(directory)
     if not d.is_dir():
         return
     skipped = skipped if skipped is not None else Skipped()
+    seen: set[str] = set()
     for path in sorted(d.glob(PATTERN), key=lambda p: (p.stat().st_mtime, p.name)):
         with path.open("rb") as fh:
             for raw in fh:
@@ -235,6 +243,11 @@ def read_traffic(directory: str | Path, skipped: Skipped | None = None) -> Itera
                     and rec.get("completion_ids")
                     and isinstance(rec.get("prompt_ids"), list)
                 ):
+                    if rec.get("id") in seen:
+                        skipped.repeated += 1
+                        continue
+                    if rec.get("id") is not None:
+                        seen.add(rec["id"])
                     yield rec
                 else:
                     skipped.foreign += 1

@@ -16,10 +16,12 @@ import json
 import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from serve.engine import GenParams, tree_problem
 from serve.stops import stop_problem, stop_strings
+
+if TYPE_CHECKING:
+    from serve.engine import GenParams
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STEPS = 16
@@ -254,6 +256,8 @@ def check_request(
     steps = opt_int("steps", 1, MAX_STEPS)
     topk = opt_int("topk", 1, MAX_TOPK)
     n_tokens = opt_int("num_draft_tokens", 2, 1 + MAX_TOPK + (MAX_STEPS - 1) * MAX_TOPK**2)
+    from serve.engine import tree_problem  # here: the body helpers above stay torch-free (router)
+
     tree = tree_problem(
         steps or limits.steps, topk or limits.topk, n_tokens or limits.num_draft_tokens
     )
@@ -285,6 +289,8 @@ def check_request(
             )
     if problems:
         raise BadRequest("; ".join(problems))
+    from serve.engine import GenParams
+
     params = GenParams(
         max_tokens=max_tokens,
         temperature=temperature,

@@ -72,11 +72,13 @@ def test_a_local_ray_fits_every_stage_beside_the_live_server():
     from run import local_num_cpus
 
     for path in CONFIGS:
-        cfg = load_config(path)
-        n = local_num_cpus(cfg)
-        server = cfg.serve.num_cpus if cfg.serve.num_gpus == 0 else 0
-        assert n >= server + cfg.train.num_workers * cfg.train.cpus_per_worker, path.name
-        assert n >= server + cfg.data.num_actors, path.name  # actors take >= 1 CPU each
+        for replicas in (1, 2):  # serve.num_replicas: each replica keeps its CPUs
+            cfg = load_config(path)
+            cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"num_replicas": replicas})})  # fmt: skip
+            n = local_num_cpus(cfg)
+            server = cfg.serve.num_cpus * replicas if cfg.serve.num_gpus == 0 else 0
+            assert n >= server + cfg.train.num_workers * cfg.train.cpus_per_worker, path.name
+            assert n >= server + cfg.data.num_actors, path.name  # actors take >= 1 CPU each
 
 
 def test_one_set_syntax_for_every_cli():

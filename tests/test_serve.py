@@ -303,7 +303,7 @@ def _restart_replica(app: str, old_pid: int) -> dict:
     (actor,) = [
         a
         for a in list_named_actors(all_namespaces=True)
-        if a["name"].startswith(f"SERVE_REPLICA::{app}#")
+        if a["name"].startswith(f"SERVE_REPLICA::{app}#SpecServer#")
     ]
     ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
     deadline = time.monotonic() + 180
@@ -597,14 +597,15 @@ def test_fuzz_and_faults_never_hurt_valid_requests(endpoint):
 
 def test_the_replica_listens_on_loopback_only(endpoint):
     """Issue 43: `ss -ltnp` during `serve.cli serve` showed the replica's inter-deployment gRPC
-    server on `*` (Ray 2.60 binds it on [::]:0); on a loopback Ray it binds 127.0.0.1."""
+    server on `*` (Ray 2.60 binds it on [::]:0); on a loopback Ray it binds 127.0.0.1, in the
+    engine's replica and in the router's (serve/router.py) alike."""
     import psutil
     import ray
 
     assert ray.util.get_node_ip_address() == "127.0.0.1"  # the project's own Ray (conftest)
-    title = f"ServeReplica:{APP}:SpecServer"  # the replica process's title (ray::...)
-    replicas = [p for p in psutil.process_iter(["cmdline"]) if title in " ".join(p.info["cmdline"] or [])]  # fmt: skip
-    assert replicas, "no replica of the shared app"
+    titles = [f"ServeReplica:{APP}:{d}" for d in ("SpecServer", "Router")]  # ray::<title>
+    replicas = [p for p in psutil.process_iter(["cmdline"]) for t in titles if t in " ".join(p.info["cmdline"] or [])]  # fmt: skip
+    assert len(replicas) == 2, "no engine or router replica of the shared app"
     found = [(c.laddr.ip, c.laddr.port) for p in replicas for c in p.net_connections("tcp")
              if c.status == "LISTEN"]  # fmt: skip
     assert found, "the replica listens on nothing: nothing was checked"

@@ -51,6 +51,23 @@ def test_log_rotates_redacts_and_skips_torn_lines(tmp_path):
         load_redactor("no_colon")
 
 
+def test_a_request_written_by_a_dying_attempt_and_its_retry_is_read_once(tmp_path):
+    """Issue 58: the router sends a request whose replica died again, with the same id; a
+    replica that died after writing its record but before its answer went out leaves the
+    request in the log twice (its file and the retry's replica's). It is read once."""
+    from serve.traffic import Skipped
+
+    dead, alive = TrafficLog(tmp_path, "11"), TrafficLog(tmp_path, "12")
+    dead.append(_rec(1))
+    alive.append(_rec(2))
+    alive.append(_rec(1, accept=3.0))  # the retry's record of request r1
+    dead.close()
+    alive.close()
+    skipped = Skipped()
+    assert [r["id"] for r in read_traffic(tmp_path, skipped)] == ["r1", "r2"]
+    assert skipped.repeated == 1
+
+
 @pytest.mark.ray_free
 def test_the_next_round_skips_a_line_cut_by_a_crash_and_says_so(tmp_path, tiny_target, caplog):
     """A replica killed mid-write leaves a last line without its end; the next round's data
@@ -81,7 +98,7 @@ def test_the_next_round_skips_a_line_cut_by_a_crash_and_says_so(tmp_path, tiny_t
     assert sorted(r["id"] for r in recs) == ["r0", "r1", "r2"]
     assert "1 torn line(s)" in caplog.text
     skipped = json.loads(run.traffic_skipped(0).read_text())
-    assert skipped == {"torn": 1, "foreign": 0}
+    assert skipped == {"torn": 1, "foreign": 0, "repeated": 0}
     rec = {"num_samples": 3, "num_tokens": 15, "traffic_records": 3, "traffic_skipped": skipped}
     assert "1 torn traffic line(s) skipped" in data_line(rec)
 
