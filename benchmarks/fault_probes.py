@@ -19,9 +19,11 @@ again (null where nothing had to recover).
   export over an older one and a traffic record are written; lost = files half-written under
   their names + old drafters damaged + traffic records lost; detail: whether each error named the
   file and the free bytes. Needs root (mount); says so and skips otherwise.
-- `replica_kill_after_swap`: a real Serve replica of a tiny target swapped from drafter A to B,
-  then killed with SIGKILL by its pid while 4 requests run; lost = requests that failed;
-  recovery_s = kill to the first answer; detail: whether the new replica serves B (its
+- `replica_kill_after_swap`: a real Serve app of a tiny target swapped from drafter A to B, then
+  one engine replica killed with SIGKILL by its pid while 4 requests run; twice: with one replica
+  (lost = requests neither answered 200 nor told to retry by a 503 with Retry-After), then two
+  (`serve.num_replicas: 2`; lost = requests not answered 200). recovery_s = kill to the first
+  200; detail: the statuses, the router's retry counts, whether the app then serves B (its
   `usage.drafter` digest).
 - `mlflow_blip`: a real `mlflow server` (sqlite) stopped for 20 s while the tracking seam logs a
   metric every 0.25 s, then started again; lost = metrics missing from the store.
@@ -30,13 +32,21 @@ again (null where nothing had to recover).
   route_prefix where the checkout has them. lost = jobs that failed + the 4 simulated users'
   requests of a run that its own traffic log lacks + runs whose registered `champion` is not
   their own champion round's. Minutes (two runs on 2 cores).
-Not probed here: `ray job stop` during each stage (full runs of minutes each;
-tests/test_closed_loop.py stops a real job in round 1's training and resumes it).
+- `job_stop_<stage>` (generate, train, bench, gate, traffic: the simulated users): the two_runs
+  run (round 0 serves a random drafter to 4 simulated users, round 1 fine-tunes it on their
+  traffic and 4 fresh prompts) submitted to a real head, `ray job stop` as soon as its state
+  shows the stage running (round 1's; round 0's for traffic), then the same submit again. lost =
+  the resumed job failing + rounds missing or twice in the summary + MLflow parent runs other
+  than one + round runs missing or twice + traffic records lost or twice (against what the
+  state says the users were served) + a registered version twice + a data manifest of the
+  stopped job's rewritten. detail: where the stop landed (a fast stage may end first) and the
+  counts. About 3 minutes each on 2 cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import socket
@@ -232,59 +242,93 @@ def _tiny_target(tmp: Path) -> tuple[Path, Any]:
 
 # -- replica_kill_after_swap -------------------------------------------------------------------
 def probe_replica_kill(repo: Path, tmp: Path) -> None:
-    import concurrent.futures as cf
-
-    import httpx
+    """Twice: with one engine replica, then two (where the checkout has serve.num_replicas)."""
     import ray
-    from ray import serve
 
     target, lm = _tiny_target(tmp)
     from conftest import save_random_drafter
-
-    from pipeline.config import ServeConfig, TargetConfig
-    from serve.deployment import drafter_digest
-    from serve.endpoint import deploy_endpoint
 
     a, b = (save_random_drafter(lm, tmp / n, s) for n, s in (("a", 1), ("b", 2)))
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(repo)}})  # fmt: skip
     try:
         port = free_port()
-        ep = deploy_endpoint(ServeConfig(port=port, steps=2, num_cpus=1),
-                             TargetConfig(model=str(target)), a, tmp / "logs", app_name="faults")  # fmt: skip
-        ep.swap_drafter(b)
-        pid = ep.info()["pid"]
-        body = {"prompt": [5, 6, 7], "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+        for replicas in (1, 2):
+            _kill_a_replica(target, a, b, tmp, port, replicas)
+    finally:
+        ray.shutdown()
 
-        def ask() -> int:
+
+def _kill_a_replica(target: Path, a: str, b: str, tmp: Path, port: int, replicas: int) -> None:
+    import concurrent.futures as cf
+
+    import httpx
+    from ray import serve
+
+    from pipeline.config import ServeConfig, TargetConfig
+    from serve.deployment import drafter_digest
+    from serve.endpoint import deploy_endpoint
+
+    has_replicas = "num_replicas" in ServeConfig.model_fields
+    if replicas > 1 and not has_replicas:
+        emit("replica_kill_after_swap", 0, None, replicas=replicas,
+             skipped="this checkout has no serve.num_replicas")  # fmt: skip
+        return
+    cfg = ServeConfig(port=port, steps=2, num_cpus=1, **({"num_replicas": replicas} if has_replicas else {}))  # fmt: skip
+    app = f"faults-{replicas}"
+    ep = deploy_endpoint(cfg, TargetConfig(model=str(target)), a, tmp / "logs", app_name=app)
+    try:
+        ep.swap_drafter(b)
+        engine = serve.get_deployment_handle("SpecServer", app)
+        pids: set[int] = set()
+        for _ in range(50):  # requests reach the replicas at random: ask until each answered
+            pids.add(engine.drafter_info.remote().result()["pid"])
+            if len(pids) == replicas:
+                break
+        pid = min(pids)
+        body = {"prompt": [5, 6, 7], "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+
+        def ask() -> tuple[int, str | None, float]:
+            """(status, Retry-After, when it came back); status 0 = no HTTP answer."""
             try:
-                return httpx.post(f"{ep.url}/v1/completions", json=body, timeout=120).status_code
+                r = httpx.post(f"{ep.url}/v1/completions", json=body, timeout=180)
+                return r.status_code, r.headers.get("retry-after"), time.monotonic()
             except httpx.HTTPError:
-                return 0
+                return 0, None, time.monotonic()
 
         with cf.ThreadPoolExecutor(4) as pool:
             inflight = [pool.submit(ask) for _ in range(4)]
-            time.sleep(0.3)
+            time.sleep(1.0)  # all four are in the engine (300 tokens take a few seconds)
             os.kill(pid, signal.SIGKILL)
             t = time.monotonic()
-            codes = [f.result() for f in inflight]
-        digest, recovery = None, None
+            answers = [f.result() for f in inflight]
+        codes = [c for c, _, _ in answers]
+        told_retry = sum(c == 503 and bool(ra) for c, ra, _ in answers)
+        done_200 = [w for c, _, w in answers if c == 200]
+        digest, recovery = None, round(min(done_200) - t, 1) if done_200 else None
         while time.monotonic() - t < 240:
             try:
-                r = httpx.post(f"{ep.url}/v1/completions", json=body, timeout=30)
+                r = httpx.post(f"{ep.url}/v1/completions", json=body, timeout=60)
                 if r.status_code == 200:
-                    recovery = round(time.monotonic() - t, 1)
+                    recovery = recovery if recovery is not None else round(time.monotonic() - t, 1)
                     digest = r.json()["usage"].get("drafter")
                     break
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        info = serve.get_app_handle("faults").drafter_info.remote().result()
-        emit("replica_kill_after_swap", sum(c != 200 for c in codes), recovery,
-             in_flight_status=codes, new_pid=info["pid"] != pid,
+        new = {engine.drafter_info.remote().result()["pid"] for _ in range(10)}
+        try:
+            router = serve.get_app_handle(app).router_info.remote().result()
+        except Exception:  # noqa: BLE001 - a checkout without the router
+            router = None
+        # lost: requests neither answered nor told to retry (with one replica), not answered
+        # (with two: another replica takes them at once)
+        lost = sum(c != 200 for c in codes) - (told_retry if replicas == 1 else 0)
+        emit("replica_kill_after_swap", lost, recovery, replicas=replicas,
+             in_flight_status=codes, answered_200=len(done_200), told_retry_503=told_retry,
+             answered_500=codes.count(500), router=router, killed_pid_gone=pid not in new,
              serves_swapped=digest == drafter_digest(b), serves_initial=digest == drafter_digest(a))  # fmt: skip
-        ep.shutdown()
     finally:
-        ray.shutdown()
+        ep.shutdown()
 
 
 # -- mlflow_blip -------------------------------------------------------------------------------
@@ -450,6 +494,124 @@ def probe_two_runs(repo: Path, tmp: Path) -> None:
          isolated_config=isolate, wall_s=wall)  # fmt: skip
 
 
+# -- job_stop_<stage> --------------------------------------------------------------------------
+# The stage a run is in, by its state.json: the first of a round's stages not yet done. The loop
+# runs them in this order (round 0 of a `first_round: skip` run has no data or training).
+STAGES = ("generate", "train", "bench", "gate", "traffic")
+STOP_AT = {"generate": 1, "train": 1, "bench": 1, "gate": 1, "traffic": 0}  # the round to stop in
+
+
+def _running(run: Path) -> tuple[int, str] | None:
+    import json
+
+    path = run / "state.json"
+    try:
+        rounds = json.loads(path.read_text()).get("rounds", []) if path.exists() else []
+    except ValueError:  # written as we read it: the next poll reads it whole
+        return None
+    if not rounds:
+        return None
+    r = len(rounds) - 1
+    done = rounds[r]["done"]
+    todo = [s for s in STAGES if s not in done]
+    return (r, todo[0]) if todo else None
+
+
+def _ended(run: Path) -> bool:
+    import json
+
+    try:
+        return bool(json.loads((run / "state.json").read_text()).get("stopped_because"))
+    except (OSError, ValueError):  # not written yet, or being written
+        return False
+
+
+def _run_record(run: Path, uri: str, model: str) -> dict[str, Any]:
+    """What a finished run left: its rounds, its MLflow runs, its traffic, its versions."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    from serve.traffic import read_traffic
+
+    state = json.loads((run / "state.json").read_text())
+    summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}  # fmt: skip
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("job-stop")
+    runs = client.search_runs([exp.experiment_id]) if exp else []
+    try:
+        versions = len(client.search_model_versions(f"name='{model}'"))
+    except Exception:  # noqa: BLE001 - no registered model: none registered
+        versions = 0
+    ids = [r["id"] for r in read_traffic(run / "traffic")]
+    manifests = {p.parent.name: p.read_text() for p in sorted((run / "data").glob("round-*/manifest.json"))}  # fmt: skip
+    return {
+        "rounds": [x["round"] for x in summary.get("rounds", [])],
+        "stopped_because": summary.get("stopped_because"),
+        "parents": sum("mlflow.parentRunId" not in r.data.tags for r in runs),
+        "children": sorted(r.info.run_name for r in runs if "mlflow.parentRunId" in r.data.tags),
+        "traffic": len(ids), "traffic_unique": len(set(ids)),
+        "traffic_served": sum(x["done"].get("traffic", {}).get("requests", 0) for x in state["rounds"]),
+        "versions": versions, "promoted": sum(bool(x.get("promoted")) for x in summary.get("rounds", [])),
+        "manifests": manifests,
+    }  # fmt: skip
+
+
+def probe_job_stop(repo: Path, tmp: Path, stage: str) -> None:
+    """`ray job stop` while the run is in `stage`, then the same `ray job submit` again."""
+    import torch
+    import yaml
+
+    target, lm = _tiny_target(tmp)
+    from ray_head import RayHead
+
+    from actors.hf_backend import resolve_aux_layer_ids
+    from eagle3.checkpoint import save_drafter
+    from serve.engine import random_drafter
+
+    aux = resolve_aux_layer_ids(None, lm.config.num_hidden_layers)
+    d = random_drafter(lm, draft_vocab_size=512, seed=3, aux_layer_ids=aux).model
+    base = str(save_drafter(d.state_dict(), d.cfg, tmp / "base", dtype=torch.bfloat16))
+    uri = f"sqlite:///{tmp}/mlflow.db"
+    cfg = _two_run_config("job-stop", target, base, free_port(), uri, False)
+    cfg["tracking"]["experiment"] = "job-stop"
+    if stage == "traffic":  # 4 users end before a stop lands: enough of them to stop among
+        cfg["serve"]["simulate_users"], cfg["data"]["user_prompts"] = 24, 32
+    config, run = tmp / "run.yaml", tmp / "run"
+    config.write_text(yaml.safe_dump(cfg))
+    head = RayHead(tmp / "ray", repo=repo, num_cpus=8)
+    want = (STOP_AT[stage], stage)
+    seen, stopped_in, at_kill, status, t = None, None, {}, "NOT_SUBMITTED", time.monotonic()
+    try:
+        job_id = head.job_id(head.submit(config, run, wait=False))
+        while time.monotonic() - t < 1200 and (seen := _running(run)) != want:
+            if _ended(run):  # the run ended before the stage came
+                break
+            time.sleep(0.1)
+        head.stop_job(job_id)
+        stopped = head.wait_job(job_id, timeout_s=120)
+        stopped_in = _running(run)  # where the stop landed (a fast stage may have ended first)
+        at_kill = {p.parent.name: p.read_text() for p in sorted((run / "data").glob("round-*/manifest.json"))}  # fmt: skip
+        again = head.submit(config, run)
+        out = (again.stdout + again.stderr).splitlines()
+        why = [ln for ln in out if "Error" in ln or "error:" in ln][-3:]  # the job's own words
+        status = "SUCCEEDED" if again.returncode == 0 else f"FAILED: {why}"
+    finally:
+        head.shutdown()
+    rec = _run_record(run, uri, f"{cfg['name']}-drafter")
+    # lost: the resumed job failing, a round missing or twice, a duplicated MLflow run, a
+    # traffic record lost or twice, a version registered twice, a data shard made again
+    lost = (status != "SUCCEEDED") + abs(len(rec["rounds"]) - 2) + abs(rec["parents"] - 1)
+    lost += len(rec["children"]) - len(set(rec["children"])) + (set(rec["children"]) != {"round-0", "round-1"})  # fmt: skip
+    lost += abs(rec["traffic"] - rec["traffic_served"]) + rec["traffic"] - rec["traffic_unique"]
+    lost += max(0, rec["versions"] - 1)
+    lost += sum(rec["manifests"].get(k) != v for k, v in at_kill.items())
+    lost += seen != want  # the stage never came: nothing was probed
+    emit(f"job_stop_{stage}", lost, None, seen=seen and list(seen), stopped_in=stopped_in and list(stopped_in),
+         first_job=stopped, resumed=status, wall_s=round(time.monotonic() - t, 1),
+         **{k: v for k, v in rec.items() if k != "manifests"})  # fmt: skip
+
+
 PROBES = {
     "override_upload": probe_override_upload,
     "torn_traffic": probe_torn_traffic,
@@ -457,6 +619,7 @@ PROBES = {
     "replica_kill_after_swap": probe_replica_kill,
     "mlflow_blip": probe_mlflow_blip,
     "two_runs": probe_two_runs,
+    **{f"job_stop_{s}": functools.partial(probe_job_stop, stage=s) for s in STAGES},
 }
 
 
@@ -468,6 +631,7 @@ def main() -> None:
     args = ap.parse_args()
     repo = args.repo.resolve()
     sys.path.insert(0, str(repo))  # the product's modules come from the probed checkout
+    os.chdir(repo)  # and in Ray's workers too: they put the driver's directory first on their path
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     for name in args.only:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,7 @@ from pipeline.rules import (
 )
 from pipeline.state import Clock, RunState, write_json_atomic, write_text_atomic
 from pipeline.tracking import Tracker, runs_page
-from pipeline.traffic_round import answered_batches, traffic_for_round
+from pipeline.traffic_round import answered_batches, traffic_for_round, users_left
 from pipeline.window import drawn, free_data, window
 
 log = logging.getLogger("eagle_loop")
@@ -195,7 +196,12 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                     server = _serve(
                         cfg, run_dir, _serving_drafter(state), server, _serving_shape(state)
                     )
-                    rs.done["traffic"] = _simulate(cfg, plan, r, server, tracker, child)
+                    # when the users began: a resumed stage asks only those not yet answered
+                    begun = rs.done.setdefault("users_begun", {"time": time.time()})["time"]
+                    _commit(state, clock, run_dir)
+                    rs.done["traffic"] = _simulate(
+                        cfg, plan, r, server, tracker, child, run_dir, begun
+                    )
                     rs.done["traffic"]["wall_s"] = clock.elapsed() - t0
                     st.result = users_line(rs.done["traffic"])
                 _commit(state, clock, run_dir)
@@ -580,19 +586,23 @@ def _gate(cfg: Config, state: RunState, r: int, server, tracker: Tracker, child:
     return rec
 
 
-def _simulate(cfg: Config, plan, r: int, server, tracker: Tracker, child: str) -> dict:
-    """Simulated users answered by the live server: the next round's traffic (bounded)."""
+def _simulate(cfg: Config, plan, r: int, server, tracker: Tracker, child: str, run_dir: Path,
+              begun: float) -> dict:  # fmt: skip
+    """Simulated users answered by the live server: the next round's traffic (bounded); those
+    answered since the stage `begun` (a stopped job's) are not asked again."""
     from serve.simulate import simulate_users
 
     n = cfg.serve.simulate_users
     pool = plan.users
     start = (r * n) % max(1, len(pool))
     prompts = [pool[(start + i) % len(pool)].messages for i in range(min(n, len(pool)))]
+    left = users_left(prompts, RunDir(run_dir).traffic, begun)
     b = cfg.bench  # the users sample as the deployment is judged
-    res = simulate_users(server.url, prompts, max_tokens=cfg.data.max_new_tokens,
+    res = simulate_users(server.url, left, max_tokens=cfg.data.max_new_tokens,
                          concurrency=cfg.serve.simulate_concurrency, temperature=b.temperature,
                          top_p=b.top_p, top_k=b.top_k)  # fmt: skip
-    rec = _record(res)
+    before = len(prompts) - len(left)
+    rec = _record(res) | {"requests": res.requests + before, "answered_before": before}
     detail.info("simulated users: %s", rec)
     tracker.log(child, {f"traffic/{k}": v for k, v in rec.items() if isinstance(v, int | float)})
     return rec

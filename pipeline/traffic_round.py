@@ -60,3 +60,30 @@ def answered_batches(records: list[dict], batch_size: int) -> list:
         )
         for i in range(0, len(records), batch_size)
     ]
+
+
+def users_left(prompts: list, traffic_dir: Path, since: float) -> list:
+    """The simulated users' prompts a users stage still has to ask: those without an answer in
+    the traffic log since the stage first began (`since`, kept in the round's state). A `ray job
+    stop` in the stage leaves the answers its users got in the log; asking them again would put
+    each prompt into the next round's traffic twice. A prompt the list holds k times needs k
+    answers. A redaction hook that changes a prompt's text (`serve.redact`) hides its answer
+    here, and that prompt is asked again."""
+    from collections import Counter
+
+    from actors.prompts import prompt_key
+    from serve.traffic import prompt_text_key, read_traffic
+
+    if not Path(traffic_dir).is_dir():
+        return list(prompts)
+    answered = Counter(
+        prompt_text_key(rec) for rec in read_traffic(traffic_dir) if rec.get("time", 0.0) >= since
+    )
+    left = []
+    for p in prompts:
+        k = prompt_key(p)
+        if answered[k]:
+            answered[k] -= 1
+        else:
+            left.append(p)
+    return left

@@ -68,6 +68,26 @@ def test_a_request_written_by_a_dying_attempt_and_its_retry_is_read_once(tmp_pat
     assert skipped.repeated == 1
 
 
+def test_a_resumed_users_stage_asks_only_the_users_not_yet_answered(tmp_path):
+    """Issue 58 (`fault_probes.py --only job_stop_traffic`): a job stopped among its simulated
+    users left 12 of 24 answers in the log, and the resumed stage asked all 24 again: 36 records
+    for 24 users. Answers since the stage began count, once each; older ones (an earlier
+    round's, the same prompt reused) do not."""
+    from pipeline.traffic_round import users_left
+
+    users = [[{"role": "user", "content": f"question {i}"}] for i in range(4)] * 2  # each twice
+    log = TrafficLog(tmp_path, "11")
+    for j, (t, i) in enumerate(((5.0, 0), (15.0, 1), (15.0, 1), (16.0, 2))):
+        log.append({**_rec(j), "time": t, "chat": True, "messages": users[i]})
+    log.close()
+    left = users_left(users, tmp_path, since=10.0)
+    # question 0 was answered before the stage began: asked twice; 1 twice since: done; 2 once
+    # since: its first copy is answered, its second is asked; 3 never: asked twice
+    assert [u[0]["content"] for u in left] == ["question 0", "question 3", "question 0",
+                                               "question 2", "question 3"]  # fmt: skip
+    assert users_left(users, tmp_path / "none", since=10.0) == users  # no log: every user
+
+
 @pytest.mark.ray_free
 def test_the_next_round_skips_a_line_cut_by_a_crash_and_says_so(tmp_path, tiny_target, caplog):
     """A replica killed mid-write leaves a last line without its end; the next round's data
