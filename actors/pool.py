@@ -88,15 +88,17 @@ def build_pool(
     turn_chars: int = TURN_CHARS,
     context_chars: int = CONTEXT_CHARS,
     trained: frozenset[str] = frozenset(),
+    last_turn: bool = False,
 ) -> Pool:
     """The pool without the prompts whose keys are `excluded` and those whose key hashes are
-    `trained` (see the module docstring)."""
+    `trained` (see the module docstring). `last_turn`: each ShareGPT prompt is its user turn
+    alone, without the turns before it (`data.pool_turns: last`)."""
     left_out: Counter[str] = Counter()
     candidates: list[Prompt] = []
     for rec in sharegpt_records():
         conv = parse_conversation(rec.get("conversations") or [])
         candidates += [
-            Prompt(c, domain_of(c), "sharegpt")
+            Prompt(c[-1:] if last_turn else c, domain_of(c), "sharegpt")
             for c in bounded_turns(conv, turn_chars, context_chars)
         ]
     candidates += humaneval_prompts() + lm_eval_prompts()

@@ -253,7 +253,8 @@ def _pool_plan(
     pool run is judged on the demo's benchmark), and the pool without them and without the
     `trained` prompts, as one training order per domain weighted by `data.pool_domains`."""
     real = plan_prompts(_as_real(data), seed)
-    pool = build_pool(_held_keys(real, eval_files), seed, trained=trained)
+    last = data.pool_turns == "last"
+    pool = build_pool(_held_keys(real, eval_files), seed, trained=trained, last_turn=last)
     train = {
         d: [p.messages for p in pool.prompts if p.domain == d]
         for d, w in data.pool_domains.items()

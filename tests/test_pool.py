@@ -149,6 +149,18 @@ def test_the_pool_mixes_only_with_traffic_and_has_no_source_replies():
         _pool_config(dataset_replies=0.5)
 
 
+def test_pool_turns_last_gives_each_user_turn_alone_and_still_leaves_out_the_held_out():
+    """`data.pool_turns: last` (the climb's prompt shape, docs/training.md): each ShareGPT prompt
+    is one user turn, no context, and the held-out, users' and gate prompts stay out (a last
+    turn can equal one of them where its context made it differ before)."""
+    plan = plan_prompts(_pool_config(pool_turns="last").data)
+    convs = [c for d in plan.train.values() for c in d]
+    assert len(convs) > 30_000  # fewer than with context: repeated turns ("continue") count once
+    assert all(len(c) == 1 and c[0]["role"] == "user" for c in convs)
+    held = {prompt_key(p.messages) for p in plan.heldout + plan.users + plan.gate}
+    assert not {prompt_key(c) for c in convs} & held
+
+
 # ---- the pool against the starting drafter, and its domains -------------------------------------
 
 
