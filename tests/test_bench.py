@@ -317,8 +317,14 @@ def test_shape_chooser_serves_plain_decoding_when_the_drafter_is_broken(endpoint
     shape = r.shape
     assert shape["served"] == "plain" and shape["served_speedup"] == 1.0, shape
     assert set(shape["speedups"]) == {"plain", "chain-1", "chain-2", "chain-3"}
-    # none is surely faster than plain: the low end of each interval reaches it
-    assert all(shape["spreads"][k]["lo"] <= 1.0 for k in shape["speedups"] if k != "plain")
+    # none is served faster than plain: each either is not surely faster (the low end of its
+    # interval reaches 1.0) or is capped by its own requests' timings (accept_len x verify /
+    # (draft + verify) <= 1). Timed beside another pytest, plain decoding was once measured at a
+    # busier moment than every chain (a clean clone's CI, 2026-12-06): the intervals alone then
+    # cleared 1.0, and the ceilings kept plain served, as they must.
+    ceil = shape["ceilings"]
+    assert all(shape["spreads"][k]["lo"] <= 1.0 or ceil[k] <= 1.0
+               for k in shape["speedups"] if k != "plain"), shape  # fmt: skip
     assert {"chain-2", "chain-3"} <= set(shape["measured"])  # configured; the acceptance probe
     assert len(shape["chain_acceptance_per_position"]) == 3 and shape["costs"]["draft_step_ms"] > 0
     assert json.loads(Path(r.json_path).read_text())["shape"]["served"] == "plain"
