@@ -48,13 +48,8 @@ def main() -> None:
         ap.error("--out (or --ab) is required")
     excluded = demo_prompt_keys(cfg.data, cfg.bench.eval_files or [])
     pool = build_pool(excluded, a.seed, a.turn_chars, a.context_chars)
-    lines = "".join(
-        json.dumps({"messages": p.messages, "domain": p.domain, "source": p.source}) + "\n"
-        for p in pool.prompts
-    )
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    with (gzip.open if a.out.suffix == ".gz" else open)(a.out, "wt", encoding="utf-8") as f:
-        f.write(lines)
+    _write(a.out, [{"messages": p.messages, "domain": p.domain, "source": p.source} for p in pool.prompts])  # fmt: skip
     chars = sorted(sum(len(m["content"]) for m in p.messages) for p in pool.prompts)
     Results("base_pool").emit({
         "out": str(a.out), "total": len(pool.prompts), "sources": pool.counts, "domains": pool.domains,
@@ -64,9 +59,14 @@ def main() -> None:
     })  # fmt: skip
 
 
-def _write(path: Path, convs: list) -> None:
-    with gzip.open(path, "wt", encoding="utf-8") as f:
-        f.writelines(json.dumps({"messages": c, "domain": domain_of(c)}) + "\n" for c in convs)
+def _write(path: Path, rows: list[dict]) -> None:
+    """One JSON object a line; gzipped when `path` ends in .gz."""
+    with (gzip.open if path.suffix == ".gz" else open)(path, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def _convs(convs: list) -> list[dict]:
+    return [{"messages": c, "domain": domain_of(c)} for c in convs]
 
 
 def ab_files(cfg, out: Path) -> None:
@@ -74,17 +74,15 @@ def ab_files(cfg, out: Path) -> None:
     from actors.prompts import init_trained_hashes, plan_prompts, round_slices
 
     trained = init_trained_hashes(cfg.drafter.init)
-    plan = plan_prompts(cfg.data, eval_files=cfg.bench.eval_files or [], trained=trained)
-    convs, slices = round_slices(plan, cfg.data.prompts_per_round, [])
+    data = cfg.data.model_copy(update={"pool_turns": "context"})  # whatever the config draws
+    plan = plan_prompts(data, eval_files=cfg.bench.eval_files or [], trained=trained)
+    convs, slices = round_slices(plan, data.prompts_per_round, [])
     out.mkdir(parents=True, exist_ok=True)
-    _write(out / "multi.jsonl.gz", convs)
-    _write(out / "last.jsonl.gz", [c[-1:] for c in convs])
-    _write(out / "users.jsonl.gz", [p.messages for p in plan.users[:256]])
+    _write(out / "multi.jsonl.gz", _convs(convs))
+    _write(out / "last.jsonl.gz", _convs([c[-1:] for c in convs]))
+    _write(out / "users.jsonl.gz", _convs([p.messages for p in plan.users[:256]]))
     for d in sorted({p.domain for p in plan.heldout}):
-        held = [p.messages for p in plan.heldout if p.domain == d]
-        (out / f"heldout-{d}.jsonl").write_text(
-            "".join(json.dumps({"messages": c}) + "\n" for c in held)
-        )
+        _write(out / f"heldout-{d}.jsonl", [{"messages": p.messages} for p in plan.heldout if p.domain == d])  # fmt: skip
     Results("base_pool").emit({"ab": str(out), "slice": slices, "prompts": len(convs),
                                "multi_turn": sum(len(c) > 1 for c in convs)})  # fmt: skip
 

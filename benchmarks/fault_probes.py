@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import signal
 import socket
@@ -409,6 +410,19 @@ def probe_mlflow_blip(repo: Path, tmp: Path, outage_s: float = 20.0) -> None:
 
 
 # -- two_runs ----------------------------------------------------------------------------------
+def _random_base(lm: Any, tmp: Path) -> str:
+    """The runs' starting drafter: random, at the aux layers the runs capture, saved in bf16."""
+    import torch
+
+    from actors.hf_backend import resolve_aux_layer_ids
+    from eagle3.checkpoint import save_drafter
+    from serve.engine import random_drafter
+
+    aux = resolve_aux_layer_ids(None, lm.config.num_hidden_layers)
+    d = random_drafter(lm, draft_vocab_size=512, seed=3, aux_layer_ids=aux).model
+    return str(save_drafter(d.state_dict(), d.cfg, tmp / "base", dtype=torch.bfloat16))
+
+
 def _two_run_config(name: str, target: Path, base: str, serve_port: int, mlflow_uri: str,
                     isolate: bool) -> dict[str, Any]:  # fmt: skip
     """tests/test_first_round.py's run: round 0 serves `base` to 4 simulated users, round 1
@@ -437,21 +451,15 @@ def _two_run_config(name: str, target: Path, base: str, serve_port: int, mlflow_
 def probe_two_runs(repo: Path, tmp: Path) -> None:
     import json
 
-    import torch
     import yaml
     from mlflow.tracking import MlflowClient
 
     target, lm = _tiny_target(tmp)
     from ray_head import RayHead
 
-    from actors.hf_backend import resolve_aux_layer_ids
-    from eagle3.checkpoint import save_drafter
-    from serve.engine import random_drafter
     from serve.traffic import read_traffic
 
-    aux = resolve_aux_layer_ids(None, lm.config.num_hidden_layers)  # what the runs capture
-    d = random_drafter(lm, draft_vocab_size=512, seed=3, aux_layer_ids=aux).model
-    base = str(save_drafter(d.state_dict(), d.cfg, tmp / "base", dtype=torch.bfloat16))
+    base = _random_base(lm, tmp)
     isolate = "route_prefix" in (repo / "serve" / "config.py").read_text()
     mport, sport = free_port(), free_port()
     server = _mlflow(mport, tmp / "mlflow.db", tmp / "mlflow.log")
@@ -501,40 +509,33 @@ STAGES = ("generate", "train", "bench", "gate", "traffic")
 STOP_AT = {"generate": 1, "train": 1, "bench": 1, "gate": 1, "traffic": 0}  # the round to stop in
 
 
-def _running(run: Path) -> tuple[int, str] | None:
-    import json
-
-    path = run / "state.json"
+def _state(run: Path) -> dict[str, Any]:
+    """The run's state.json; {} before it is written or while it is being written."""
     try:
-        rounds = json.loads(path.read_text()).get("rounds", []) if path.exists() else []
-    except ValueError:  # written as we read it: the next poll reads it whole
-        return None
+        return json.loads((run / "state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _manifests(run: Path) -> dict[str, str]:
+    return {p.parent.name: p.read_text() for p in sorted((run / "data").glob("round-*/manifest.json"))}  # fmt: skip
+
+
+def _running(run: Path) -> tuple[int, str] | None:
+    rounds = _state(run).get("rounds", [])
     if not rounds:
         return None
-    r = len(rounds) - 1
-    done = rounds[r]["done"]
-    todo = [s for s in STAGES if s not in done]
-    return (r, todo[0]) if todo else None
-
-
-def _ended(run: Path) -> bool:
-    import json
-
-    try:
-        return bool(json.loads((run / "state.json").read_text()).get("stopped_because"))
-    except (OSError, ValueError):  # not written yet, or being written
-        return False
+    todo = [s for s in STAGES if s not in rounds[-1]["done"]]
+    return (len(rounds) - 1, todo[0]) if todo else None
 
 
 def _run_record(run: Path, uri: str, model: str) -> dict[str, Any]:
     """What a finished run left: its rounds, its MLflow runs, its traffic, its versions."""
-    import json
-
     from mlflow.tracking import MlflowClient
 
     from serve.traffic import read_traffic
 
-    state = json.loads((run / "state.json").read_text())
+    state = _state(run)
     summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}  # fmt: skip
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name("job-stop")
@@ -544,7 +545,6 @@ def _run_record(run: Path, uri: str, model: str) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - no registered model: none registered
         versions = 0
     ids = [r["id"] for r in read_traffic(run / "traffic")]
-    manifests = {p.parent.name: p.read_text() for p in sorted((run / "data").glob("round-*/manifest.json"))}  # fmt: skip
     return {
         "rounds": [x["round"] for x in summary.get("rounds", [])],
         "stopped_because": summary.get("stopped_because"),
@@ -553,25 +553,18 @@ def _run_record(run: Path, uri: str, model: str) -> dict[str, Any]:
         "traffic": len(ids), "traffic_unique": len(set(ids)),
         "traffic_served": sum(x["done"].get("traffic", {}).get("requests", 0) for x in state["rounds"]),
         "versions": versions, "promoted": sum(bool(x.get("promoted")) for x in summary.get("rounds", [])),
-        "manifests": manifests,
+        "manifests": _manifests(run),
     }  # fmt: skip
 
 
 def probe_job_stop(repo: Path, tmp: Path, stage: str) -> None:
     """`ray job stop` while the run is in `stage`, then the same `ray job submit` again."""
-    import torch
     import yaml
 
     target, lm = _tiny_target(tmp)
     from ray_head import RayHead
 
-    from actors.hf_backend import resolve_aux_layer_ids
-    from eagle3.checkpoint import save_drafter
-    from serve.engine import random_drafter
-
-    aux = resolve_aux_layer_ids(None, lm.config.num_hidden_layers)
-    d = random_drafter(lm, draft_vocab_size=512, seed=3, aux_layer_ids=aux).model
-    base = str(save_drafter(d.state_dict(), d.cfg, tmp / "base", dtype=torch.bfloat16))
+    base = _random_base(lm, tmp)
     uri = f"sqlite:///{tmp}/mlflow.db"
     cfg = _two_run_config("job-stop", target, base, free_port(), uri, False)
     cfg["tracking"]["experiment"] = "job-stop"
@@ -585,13 +578,13 @@ def probe_job_stop(repo: Path, tmp: Path, stage: str) -> None:
     try:
         job_id = head.job_id(head.submit(config, run, wait=False))
         while time.monotonic() - t < 1200 and (seen := _running(run)) != want:
-            if _ended(run):  # the run ended before the stage came
+            if _state(run).get("stopped_because"):  # the run ended before the stage came
                 break
             time.sleep(0.1)
         head.stop_job(job_id)
         stopped = head.wait_job(job_id, timeout_s=120)
         stopped_in = _running(run)  # where the stop landed (a fast stage may have ended first)
-        at_kill = {p.parent.name: p.read_text() for p in sorted((run / "data").glob("round-*/manifest.json"))}  # fmt: skip
+        at_kill = _manifests(run)
         again = head.submit(config, run)
         out = (again.stdout + again.stderr).splitlines()
         why = [ln for ln in out if "Error" in ln or "error:" in ln][-3:]  # the job's own words

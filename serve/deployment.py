@@ -13,7 +13,7 @@ through a handle, `respond`, and sends it again when the replica dies).
 - Concurrent requests are batched (`serve.batch`): one engine call per group of requests with the
   same sampling settings; streaming requests join batches too and get tokens after every cycle.
 - Nobody waits without bound (serve/config.py has the knobs): a body must arrive within
-  `body_timeout_s` (408); a request the engine cannot take soon (more than `max_batch_size` +
+  `body_timeout_s` (408, from the router); a request the engine cannot take soon (more than `max_batch_size` +
   `max_queued_requests` already wait or run) gets a 503 with `Retry-After` at once; one past
   `request_timeout_s` is stopped (504, or an error event in its stream). A request whose client
   hangs up, streamed or not, is dropped by the engine at its next step (its batch row and KV go
@@ -164,7 +164,6 @@ class SpecServer:
         self.max_running = int(options.get("max_batch_size", 8)) + int(knob("max_queued_requests"))
         self.retry_after_s = int(knob("retry_after_s"))
         self.request_timeout_s = float(knob("request_timeout_s"))
-        self.body_timeout_s = float(knob("body_timeout_s"))
         self.slots: weakref.WeakSet[_Slot] = weakref.WeakSet()  # requests admitted to the engine
         # for tests: requests whose client left before its answer, requests the engine dropped,
         # tokens it generated
