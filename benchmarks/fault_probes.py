@@ -50,7 +50,6 @@ import functools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -62,6 +61,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 
+from actors.ports import free_port  # noqa: E402
 from benchmarks.harness import Results  # noqa: E402
 
 RESULTS = Results("fault_probes")
@@ -70,12 +70,6 @@ RESULTS = Results("fault_probes")
 def emit(probe: str, lost: int, recovery_s: float | None, **detail: Any) -> None:
     """One line per probe (the harness adds where and when it was measured)."""
     RESULTS.emit({"probe": probe, "lost": lost, "recovery_s": recovery_s, "detail": detail})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- override_upload ---------------------------------------------------------------------------

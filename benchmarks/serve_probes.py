@@ -39,6 +39,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from actors.ports import free_port  # noqa: E402
 from benchmarks.harness import Results, parser  # noqa: E402
 
 CHAT = "/v1/chat/completions"
@@ -240,9 +241,7 @@ def main() -> None:
     if url is None:
         port = args.port
         if not port:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port()
         proc, url = start_server(Path(args.repo), port)
     try:
         rec = run_probes(url.rstrip("/"))

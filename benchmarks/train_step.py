@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import socket
 import sys
 import time
 
@@ -30,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from actors.ports import free_port  # noqa: E402
 from benchmarks.harness import DrafterShape, Results, parser, sync, timed_ms  # noqa: E402
 from eagle3.config import Eagle3Config  # noqa: E402
 from eagle3.train_step import (  # noqa: E402
@@ -229,9 +229,7 @@ def main() -> None:
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     if args.workers == 1:
         worker(0, args, port, results)
     else:

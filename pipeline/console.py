@@ -346,7 +346,7 @@ def train_note(out_dir: Path) -> Callable[[], str]:
     (a time box fixes it after its timed steps)."""
     import json
 
-    from pipeline.train_worker import BOXED
+    from pipeline.time_box import BOXED
 
     def note() -> str:
         metrics, boxed = out_dir / "metrics.jsonl", out_dir / BOXED

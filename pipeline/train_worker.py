@@ -14,7 +14,6 @@ import json
 import logging
 import math
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -54,6 +53,7 @@ from pipeline.config import (
     TrainConfig,
 )
 from pipeline.continued import load_continued, write_last
+from pipeline.time_box import PROBE_STEPS, boxed_total, fix_total, stop_early, warm_s
 
 log = logging.getLogger("pipeline.train")
 
@@ -108,7 +108,7 @@ def train_worker(config: dict[str, Any]) -> None:
 
         states = OnlineStates(job.target, job.drafter["aux_layer_ids"], device, tc.tokens_per_batch)
     plan = Plan.make(job, tc, rank, world, states)
-    boxed = _boxed_total(Path(job.out_dir), device)  # fixed by an earlier attempt of this run
+    boxed = boxed_total(Path(job.out_dir), device)  # fixed by an earlier attempt of this run
     if boxed:
         plan.total = min(plan.total, boxed)
     opt = make_optimizer(module, tc.lr, tc.weight_decay)
@@ -146,10 +146,18 @@ def train_worker(config: dict[str, Any]) -> None:
     # After the step-0 evaluation: the time box's probe times training steps only.
     start, first = time.perf_counter(), step
     step_s: list[float] = []  # wall time of each step since `first`: load, step, metrics
+    ckpt_s: list[float] = []  # wall time of each checkpoint the probe made
     while step < plan.total:
         if tc.max_seconds and not boxed and step - first == PROBE_STEPS:
             spent = time.perf_counter() - start
-            boxed = _fix_total(plan, step, step_s, spent, eval_s, tc, device, Path(job.out_dir))
+            box = fix_total(plan.total, step, step_s, spent, eval_s, max(ckpt_s, default=0.0),
+                            tc, device, Path(job.out_dir))  # fmt: skip
+            boxed = plan.total = box["total"]
+            if rank == 0:
+                _say(f"[train] time box {tc.max_seconds:.0f}s at {box['s_per_step']:.2f}s/step, "
+                     f"{box['s_per_evaluation']:.1f}s/evaluation and "
+                     f"{box['s_per_checkpoint']:.2f}s/checkpoint: {boxed} steps "
+                     f"({boxed / plan.steps_per_epoch:.2f} epochs)")  # fmt: skip
             sched = _rescheduled(opt, sched, plan.total, tc.warmup_ratio)
         t_step = time.perf_counter()
         epoch, i = divmod(step, plan.steps_per_epoch)
@@ -180,9 +188,22 @@ def train_worker(config: dict[str, Any]) -> None:
             won = best.offer(step, m["sim_accept_len"], sims, gain, module, drafter)
             stale = 0 if won else stale + 1
             if tc.patience and stale >= tc.patience and step < plan.total:
-                plan.total = _stop_early(step, stale, best, Path(job.out_dir), rank)
-        if step % tc.checkpoint_every == 0 or step == plan.total:
+                plan.total = stop_early(step, Path(job.out_dir))
+                if rank == 0:
+                    _say(f"[train] early stop at step {step}: {stale} evaluations without a "
+                         f"new best (best {best.score:.3f} at step {best.step})")  # fmt: skip
+        probing = bool(tc.max_seconds) and not boxed
+        if (
+            step % tc.checkpoint_every == 0
+            or step == plan.total
+            or (
+                probing and step - first == PROBE_STEPS  # the box prices a checkpoint too
+            )
+        ):
+            t_ckpt = time.perf_counter()
             _checkpoint(module, opt, sched, step, mlog.last)
+            if probing:
+                ckpt_s.append(time.perf_counter() - t_ckpt)
         if job.crash_at_step == step and rank == world - 1:
             _crash_once(Path(job.out_dir), step)
     _export(module, drafter, Path(job.out_dir), rank, mlog, plan, best, job, tc.continue_kept)
@@ -277,85 +298,10 @@ class Plan:
         )
 
 
-PROBE_STEPS = 8  # steps timed before a time-boxed run fixes its step count
-BOXED = "boxed_total.json"
-
-
-def _boxed_total(out: Path, device) -> int:
-    """The step count an earlier attempt of this run fixed (0: none yet). Rank 0 reads it and
-    every rank takes its value, so workers on other nodes agree without the file."""
-    rank0 = torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True
-    n = json.loads((out / BOXED).read_text())["total"] if rank0 and (out / BOXED).exists() else 0
-    return int(_allreduce(torch.tensor([n], dtype=torch.float64), device)[0])
-
-
-def warm_s(times: list[float]) -> float:
-    """The time a step (or an evaluation batch) takes once warm: the median of those timed. A
-    first step that compiles the fast path (46.5 s on an H100, against 0.07 s for the next)
-    would otherwise price every step of the box: the off-policy GPU climb was cut to 22 of
-    1,740 steps (2026-12-05)."""
-    return statistics.median(times) if times else 0.0
-
-
-def box_total(
-    total: int, step: int, per_step: float, spent: float, eval_s: float, tc: TrainConfig
-) -> int:
-    """The step count a `train.max_seconds` box holds (at most `total`, at least one more step):
-    what is left after the `spent` seconds, less the last evaluation and the one done (each
-    `eval_s`), at `per_step` seconds a step plus its share of the evaluations every
-    `train.eval_every` steps (a gate set makes them cost steps on a CPU)."""
-    per_eval = eval_s / tc.eval_every if tc.eval_every else 0.0
-    left = tc.max_seconds - spent - 2 * eval_s
-    return max(step + 1, min(total, step + int(max(0.0, left) / (per_step + per_eval))))
-
-
-def _fix_total(
-    plan: Plan,
-    step: int,
-    step_s: list[float],
-    spent: float,
-    eval_s: float,
-    tc: TrainConfig,
-    device,
-    out: Path,
-) -> int:
-    """Fix the step count the box holds, from the slowest rank's warm step time (`warm_s` of
-    the probe's steps) and the seconds spent so far (the cold first step's included), and keep
-    it for a resumed attempt. `eval_s` is step 0's evaluation at its warm batch time (0 when
-    there was none)."""
-    t = torch.tensor([warm_s(step_s), spent, eval_s], dtype=torch.float64)
-    if torch.distributed.is_initialized():
-        t = t.to(device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    per_step, spent, eval_s = t.cpu().tolist()
-    plan.total = box_total(plan.total, step, per_step, spent, eval_s, tc)
-    if torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True:
-        rec = {"total": plan.total, "s_per_step": per_step, "spent_s": spent}
-        atomic_write(out / BOXED, json.dumps(rec))
-        _say(
-            f"[train] time box {tc.max_seconds:.0f}s at {per_step:.2f}s/step and "
-            f"{eval_s:.1f}s/evaluation: {plan.total} steps "
-            f"({plan.total / plan.steps_per_epoch:.2f} epochs)"
-        )
-    return plan.total
-
-
 def _eval_due(step: int, i: int, plan: Plan, tc: TrainConfig) -> bool:
     """Evaluate at each epoch's end, at the last step, and every `train.eval_every` steps."""
     every = tc.eval_every and step % tc.eval_every == 0
     return bool(i + 1 == plan.steps_per_epoch or step == plan.total or every)
-
-
-def _stop_early(step: int, stale: int, best: Best, out: Path, rank: int) -> int:
-    """`train.patience` ran out: this step becomes the last one, kept in BOXED like a time box so a
-    resumed attempt stops here too. Every rank decides alike (the eval sums are all-reduced)."""
-    if rank == 0:
-        atomic_write(out / BOXED, json.dumps({"total": step, "early_stop": True}))
-        _say(
-            f"[train] early stop at step {step}: {stale} evaluations without a new best "
-            f"(best {best.score:.3f} at step {best.step})"
-        )
-    return step
 
 
 def _rescheduled(opt, sched, total: int, warmup_ratio: float):

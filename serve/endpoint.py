@@ -171,6 +171,19 @@ def engine_handle(app_name: str = APP_NAME) -> Any:
     return serve.get_deployment_handle(SpecServer.name, app_name)
 
 
+def serve_bounds(opts: dict[str, Any]) -> dict[str, Any]:
+    """Serve's own bounds, for when every replica holds max_ongoing_requests: the proxy (or the
+    router's handle) queues up to max_queued_requests more and answers the rest 503 with
+    Retry-After (the engine replica's own 503 comes first, past max_batch_size +
+    max_queued_requests waiting). Serve takes no queue of 0 (-1 means none at all): our 0, no
+    request waiting for the engine, leaves Serve a queue of 1 and the replica's 503 the rule."""
+    return {
+        "max_ongoing_requests": int(opts.get("max_ongoing_requests", 256)),
+        "max_queued_requests": max(1, int(opts.get("max_queued_requests", 32))),
+        "backpressure_config": {"retry_after_s": float(opts.get("retry_after_s", 2))},
+    }
+
+
 def _run_app(app_name: str, drafter: str | None) -> None:
     """Declare the app, its router in front of `serve.num_replicas` engine replicas, with
     `drafter`; the last good drafter rides along as the fallback a restarted replica serves
@@ -178,14 +191,7 @@ def _run_app(app_name: str, drafter: str | None) -> None:
     spec = _APPS[app_name]
     user_config = {"drafter": drafter, "fallback": spec.get("good"), "shape": spec.get("shape")}
     opts = spec["options"]
-    # Serve's own bound, for when every replica holds max_ongoing_requests: the proxy (or the
-    # router's handle) queues this many more and answers the rest 503 with Retry-After (the
-    # engine replica's own 503 comes first, past max_batch_size + max_queued_requests waiting)
-    bounds = {
-        "max_ongoing_requests": int(opts.get("max_ongoing_requests", 256)),
-        "max_queued_requests": int(opts.get("max_queued_requests", 32)),
-        "backpressure_config": {"retry_after_s": float(opts.get("retry_after_s", 2))},
-    }
+    bounds = serve_bounds(opts)
     dep = SpecServer.options(
         user_config=user_config,
         ray_actor_options=spec["actor"],

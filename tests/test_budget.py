@@ -305,7 +305,7 @@ def test_a_machine_too_slow_for_the_smallest_work_is_refused_with_the_minutes_th
     assert z.work_share >= 0.4  # the minutes it names fit, with room to train
 
 
-# ---- the training time box (pipeline/train_worker.py) ----------------------------------------
+# ---- the training time box (pipeline/time_box.py) --- ----------------------------------------
 
 
 def test_a_compiling_first_step_does_not_price_the_time_box():
@@ -314,7 +314,7 @@ def test_a_compiling_first_step_does_not_price_the_time_box():
     off-policy climb's round 0 was cut to 22 of its 1,740 steps. The cold step's seconds are
     still spent: they come out of the box."""
     from pipeline.config import TrainConfig
-    from pipeline.train_worker import PROBE_STEPS, box_total, warm_s
+    from pipeline.time_box import PROBE_STEPS, box_total, warm_s
 
     step_s = [46.5] + [0.07] * (PROBE_STEPS - 1)
     tc = TrainConfig(max_seconds=300.0, eval_every=100)
@@ -325,3 +325,17 @@ def test_a_compiling_first_step_does_not_price_the_time_box():
     assert box_total(1740, PROBE_STEPS, warm_s(step_s), sum(step_s), 1.0, tc) == PROBE_STEPS + int(
         left / (0.07 + 1.0 / 100)
     )
+
+
+def test_the_time_box_prices_the_checkpoints_it_will_make():
+    """A checkpoint every 4 steps at 2 s each (Ray Train's report waits for its controller's
+    poll) costs half a second a step when a step takes 0.03 s: priced, an 8 s box holds about
+    ten steps after its probe, where unpriced it ran 192 (about 100 s)."""
+    from pipeline.config import TrainConfig
+    from pipeline.time_box import PROBE_STEPS, box_total
+
+    tc = TrainConfig(max_seconds=8.0, checkpoint_every=4)
+    unpriced = box_total(4000, PROBE_STEPS, 0.03, 2.0, 0.0, tc)
+    priced = box_total(4000, PROBE_STEPS, 0.03, 2.0, 0.0, tc, ckpt_s=2.0)
+    assert unpriced == PROBE_STEPS + int(6.0 / 0.03)
+    assert priced == PROBE_STEPS + int((8.0 - 2.0 - 2.0) / (0.03 + 2.0 / 4)) == PROBE_STEPS + 7

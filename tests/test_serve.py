@@ -610,3 +610,18 @@ def test_the_replica_listens_on_loopback_only(endpoint):
              if c.status == "LISTEN"]  # fmt: skip
     assert found, "the replica listens on nothing: nothing was checked"
     assert all(ip in ("127.0.0.1", "::ffff:127.0.0.1") for ip, _ in found), found
+
+
+@pytest.mark.parametrize("queued", [0, 1, 32])
+def test_every_queue_bound_the_config_takes_is_one_serve_takes(queued):
+    """`serve.max_queued_requests: 0` passed the config and then Serve's own check refused the
+    deployment ("must be -1 (no limit) or a positive integer"); what the endpoint hands Serve
+    is checked here by Serve's own deployment config."""
+    from ray.serve._private.config import DeploymentConfig
+
+    from pipeline.config import parse_config
+    from serve.endpoint import serve_bounds
+
+    opts = parse_config({"target": {"model": "x"}, "serve": {"max_queued_requests": queued}})
+    bounds = serve_bounds(opts.serve.model_dump())
+    assert DeploymentConfig(**bounds).max_queued_requests == max(1, queued)
