@@ -13,7 +13,8 @@ pytest.importorskip("pydantic")
 
 from pipeline.run import job_runtime_env
 
-pytestmark = pytest.mark.ray_free
+# No Ray in this process (its job test starts a head in subprocesses), yet unmarked `ray_free`:
+# it runs in the first pytest, which had ~60 s less to do than the second (scripts/test_suite.py)
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(f"drafters/{d.name}/" for d in (REPO / "drafters").iterdir() if d.is_dir())

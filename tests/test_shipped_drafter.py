@@ -48,19 +48,25 @@ def test_the_shipped_drafter_fits_the_embedded_target(BASE):
     cfg = json.loads((BASE / "config.json").read_text())
     assert d2t.numel() == cfg["draft_vocab_size"] and int(t2d.sum()) == d2t.numel()
     assert torch.equal(torch.arange(d2t.numel()) + d2t, t2d.nonzero().squeeze(-1))
+    # one format for every shipped drafter: vLLM starts with the first only (below)
+    from test_vllm import drafter_format
+
+    assert drafter_format(BASE) == drafter_format(SHIPPED[0])
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.skipif(not vllm_available(), reason="no Python with vllm: make setup-vllm")
-@pytest.mark.parametrize("BASE", SHIPPED, ids=lambda p: p.name)
+@pytest.mark.parametrize("BASE", SHIPPED[:1], ids=lambda p: p.name)
 def test_vllm_serves_the_shipped_drafter(BASE, ray_local, smollm2_hf, smollm2_gguf_lm, tmp_path):
     """vLLM started once, SmolLM2 (fp32) with the shipped drafter: greedy output equal to the
     embedded engine's plain decoding (fp32 greedy: speculation changes nothing), accept length
-    above 1.3 and within 3% of the embedded engine's with the same drafter and prompts, and the
-    server-wide counters against the embedded cycle. With the base drafter also what no drafter
-    changes (checked once: about 30 s of the suite): the benchmark from vLLM's own figures with a
-    cached baseline and no restart, and a broken checkpoint refused before any restart."""
+    above 1.3 and within 3% of the embedded engine's with the same drafter and prompts, the
+    server-wide counters against the embedded cycle, the benchmark from vLLM's own figures with a
+    cached baseline and no restart, and a broken checkpoint refused before any restart.
+
+    The base drafter only: the off-policy one is in its format, field by field (the test
+    above), and a second vLLM start cost 52-78 s of the suite's 900."""
     from conftest import free_port
     from test_vllm import complete, pooled
     from transformers import AutoTokenizer
@@ -110,8 +116,6 @@ def test_vllm_serves_the_shipped_drafter(BASE, ray_local, smollm2_hf, smollm2_gg
         counters = ep.spec_counters()
         assert abs(counters.accept_len - ours_cycle) <= 0.03 * ours_cycle, (counters, ours_cycle)
         assert len(counters.per_pos) == STEPS and counters.per_pos[0] >= counters.per_pos[-1]
-        if BASE != SHIPPED[0]:
-            return
 
         # The benchmark scores the endpoint: per-request accept_len from the responses, the
         # counters per level alongside, the baseline from the cache, with no restart. The cached

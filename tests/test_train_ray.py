@@ -100,6 +100,14 @@ def small_data(sharp_target, tmp_path_factory):
     return sharp_target, data
 
 
+@pytest.fixture(scope="module")
+def weak(ray_module, target_and_data, tmp_path_factory):
+    """One epoch of training from scratch: the weak start two tests fine-tune from (one Ray
+    Train fit, not one each)."""
+    target, data = target_and_data
+    return run_train(config(target, epochs=1), [data], tmp_path_factory.mktemp("weak") / "weak")
+
+
 def config(target: Path, **train):
     t = dict(
         num_workers=2, epochs=8, lr=3e-3, ttt_length=3, tokens_per_batch=256, checkpoint_every=4,
@@ -450,7 +458,7 @@ def test_a_round_whose_training_only_hurts_exports_its_start_unchanged(
 
 @pytest.mark.slow
 def test_the_train_stage_evaluates_on_the_gate_set_and_its_gate_decides(
-    ray_module, target_and_data, tmp_path
+    ray_module, target_and_data, weak, tmp_path
 ):
     """With a gate set (`eval_dirs`, the run's data/gate/) every training sample is trained on
     and every evaluation scores the gate set. From a weak start, real training clears the
@@ -459,7 +467,6 @@ def test_the_train_stage_evaluates_on_the_gate_set_and_its_gate_decides(
     target, data = target_and_data
     gate = tmp_path / "gate"
     gm = capture_shards(target, gate, n=24, new_tokens=40, seed=7)
-    weak = run_train(config(target, epochs=1), [data], tmp_path / "weak")
     up = run_train(
         config(target, epochs=4, gate_z=2.0, eval_every=4), [data], tmp_path / "up",
         init=weak.drafter_dir, eval_dirs=[gate],
@@ -485,7 +492,7 @@ def test_the_train_stage_evaluates_on_the_gate_set_and_its_gate_decides(
 
 @pytest.mark.slow
 def test_a_round_after_a_kept_start_trains_on_from_its_last_state(
-    ray_module, target_and_data, tmp_path
+    ray_module, target_and_data, weak, tmp_path
 ):
     """`train.continue_kept`, through the loop's own `_train`: round 0 fine-tunes a drafter
     behind a gate no trained state can clear, so it keeps its start, and round 1 trains on from
@@ -497,7 +504,7 @@ def test_a_round_after_a_kept_start_trains_on_from_its_last_state(
     from pipeline.state import RoundState, RunState
 
     target, data = target_and_data
-    start = Path(run_train(config(target, epochs=1), [data], tmp_path / "weak").drafter_dir)
+    start = Path(weak.drafter_dir)
     cfg = parse_config({
         "target": {"model": str(target)}, "drafter": {"init": str(start)},
         "train": {"num_workers": 2, "epochs": 2, "ttt_length": 3, "tokens_per_batch": 256,
