@@ -193,13 +193,8 @@ def train_worker(config: dict[str, Any]) -> None:
                     _say(f"[train] early stop at step {step}: {stale} evaluations without a "
                          f"new best (best {best.score:.3f} at step {best.step})")  # fmt: skip
         probing = bool(tc.max_seconds) and not boxed
-        if (
-            step % tc.checkpoint_every == 0
-            or step == plan.total
-            or (
-                probing and step - first == PROBE_STEPS  # the box prices a checkpoint too
-            )
-        ):
+        probe_end = probing and step - first == PROBE_STEPS  # the box prices a checkpoint too
+        if step % tc.checkpoint_every == 0 or step == plan.total or probe_end:
             t_ckpt = time.perf_counter()
             _checkpoint(module, opt, sched, step, mlog.last)
             if probing:

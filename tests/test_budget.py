@@ -305,7 +305,7 @@ def test_a_machine_too_slow_for_the_smallest_work_is_refused_with_the_minutes_th
     assert z.work_share >= 0.4  # the minutes it names fit, with room to train
 
 
-# ---- the training time box (pipeline/time_box.py) --- ----------------------------------------
+# ---- the training time box (pipeline/time_box.py) -------------------------------------------
 
 
 def test_a_compiling_first_step_does_not_price_the_time_box():
