@@ -140,6 +140,13 @@ def _private_token_file(create: bool) -> None:
             f.write(secrets.token_hex(32))  # what Ray's own generator writes
 
 
+def cluster_gpus() -> float:
+    """GPUs of the Ray cluster this process is connected to (0 on a CPU cluster)."""
+    import ray
+
+    return float(ray.cluster_resources().get("GPU", 0.0))
+
+
 def reserved_device(num_gpus: float, field: str) -> str:
     """The torch device of a process that reserved `num_gpus` from Ray (`field` names the config
     field): "cuda" when it reserved any (Ray has set CUDA_VISIBLE_DEVICES to its share), "cpu"

@@ -112,9 +112,12 @@ class Rates:
     def measured(self, done: dict[str, dict], bench_requests: int, traffic_requests: int) -> Rates:
         """These rates updated by a round's stage records (`wall_s`); a stage it did not run
         (yet) keeps its rate. A benchmark that started the server (`serve_start_s`: the target
-        loads, 20 s on 2 cores) counts without it: later rounds swap the drafter only."""
+        loads, 20 s on 2 cores) counts without it where later rounds swap the drafter only, and
+        with it where the round stopped its server (`server_stopped`: a GPU server whose GPUs
+        the next round's stages need starts again in the next benchmark)."""
         bench = sum(float(done.get(k, {}).get("wall_s", 0.0)) for k in ("bench", "gate"))
-        bench -= float(done.get("bench", {}).get("serve_start_s", 0.0))
+        if not done.get("bench", {}).get("server_stopped"):
+            bench -= float(done.get("bench", {}).get("serve_start_s", 0.0))
         traffic = float(done.get("traffic", {}).get("wall_s", 0.0))
         return Rates(
             bench / bench_requests if bench and bench_requests else self.bench_s,

@@ -130,7 +130,11 @@ class TrainConfig(_Strict):
     num_workers: int = Field(2, ge=1)
     """Ray Train workers (DDP)."""
     use_gpu: bool = False
-    """One GPU per worker; NCCL when true, gloo on CPU."""
+    """One GPU per worker (`gpus_per_worker`); NCCL when true, gloo on CPU."""
+    gpus_per_worker: float = Field(1.0, gt=0)
+    """With `use_gpu`: the share of a GPU each worker reserves from Ray. Below 1, training
+    shares its GPU, with the embedded server among others, which can then stay up between rounds
+    (`Config.serves_through_rounds`)."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """Compute dtype of the training step; master weights and optimizer state stay fp32. `auto` =
     bf16 on GPUs and on CPUs with native bf16 matmul (AVX512-BF16 or AMX, ~2.3x faster there), fp32
@@ -319,6 +323,22 @@ class Config(_Strict):
             raise ValueError("; ".join(errs))
         return self
 
+    def serves_through_rounds(self, cluster_gpus: float) -> bool:
+        """Whether a GPU server stays up from one round's benchmark to the next: only when the
+        next round's data stage and training each fit on the cluster's GPUs beside it (Ray's
+        fractional GPUs: `serve.num_gpus`, `target.num_gpus_per_actor`,
+        `train.gpus_per_worker`), and only the embedded engine with the HF backend, whose memory
+        is the model's and its caches' (SGLang and vLLM take a fraction of the whole card). Else
+        it stops, and the next benchmark starts it again: on one H100 about 65 s a round."""
+        served = self.serve.num_gpus * self.serve.num_replicas
+        if served <= 0:
+            return True  # a CPU server holds no GPU
+        if self.serve.engine != "embedded" or self.target.backend != "hf":
+            return False
+        data = self.data.num_actors * self.target.num_gpus_per_actor
+        train = self.train.num_workers * self.train.gpus_per_worker if self.train.use_gpu else 0.0
+        return served + max(data, train) <= cluster_gpus + 1e-9
+
     def states(self) -> Literal["online", "offline"]:
         """`data.states` resolved: `auto` is online for an HF target trained on GPUs (each
         worker holds the target beside the drafter on its GPU), offline otherwise."""
@@ -333,8 +353,10 @@ class Config(_Strict):
     def digest(self) -> str:
         """Stable hash of the resolved config (recorded in manifests). `tracking`, `ray_host`
         and where the server answers (serve.app, serve.route_prefix) are left out: they do not
-        change results, and a run may move to another store, host or route."""
-        where = {"tracking": True, "ray_host": True, "serve": {"app", "route_prefix"}}
+        change results, and a run may move to another store, host or route. So is `stop`: it
+        decides when a run ends, not what its rounds make, and a finished climb goes on where a
+        later submit raises it (pipeline/loop.py `run_loop`)."""
+        where = {"tracking": True, "ray_host": True, "stop": True, "serve": {"app", "route_prefix"}}
         kept = self.model_dump(mode="json", exclude=where)
         return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 

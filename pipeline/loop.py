@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from actors.cluster import cluster_gpus
 from actors.prompt_keys import KEY_FILE, key_hash, write_key_file
 from actors.shards import ShardError
 from pipeline.budget import TRAIN_START_S, plan_vs_actual
@@ -59,6 +60,7 @@ from pipeline.rules import (
     promote,
     round_row,
     sim_vs_bench,
+    still_stopped,
     stop_reason,
 )
 from pipeline.state import Clock, RunState, write_json_atomic, write_text_atomic
@@ -84,6 +86,11 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
         state.parent_run_id = tracker.start_run(cfg.name, params=cfg.model_dump(mode="json"))
         state.tracking_uri = tracker.uri  # RunState.save masks a password in it
         state.save(run_dir)
+    elif state.stopped_because and not still_stopped(cfg.stop, state.rounds, state.elapsed_s):
+        # submitted again with its stop rules raised: on from its last round, same MLflow run
+        log.info("run extended (it stopped: %s): on from its last round", state.stopped_because)
+        state.stopped_because = None
+        tracker.reopen(state.parent_run_id)
     elif not state.stopped_because:
         tracker.reopen(state.parent_run_id)  # a failed earlier attempt resumes
     tracker.log_artifact(state.parent_run_id, RunDir(run_dir).config)
@@ -210,8 +217,10 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 _commit(state, clock, run_dir)
             if rs.is_done("plan"):
                 tracker.log(child, plan_vs_actual(rs.done["plan"], rs.done))
-            if cfg.serve.num_gpus > 0:  # the next round's stages need those GPUs
-                server = _stop_serving(server)
+            if server is not None and not cfg.serves_through_rounds(cluster_gpus()):
+                server = server.shutdown()  # the next round's stages need its GPUs; its
+                rs.done["bench"]["server_stopped"] = True  # plan prices the next start
+                _commit(state, clock, run_dir)
             tracker.finish(child)
         state.stopped_because = state.stopped_because or f"budget: {cfg.stop.max_rounds} rounds"
         _finish(cfg, state, run_dir, tracker)
@@ -222,7 +231,8 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
     finally:
         if early is not None:
             early.finish()
-        _stop_serving(server)
+        if server is not None:
+            server.shutdown()
     return _write_summary(state, run_dir)
 
 
@@ -504,11 +514,6 @@ def _serving_shape(state: RunState) -> dict | None:
     """The shape the champion's round's benchmark chose for it (None: no choice made)."""
     champ = state.champion
     return champ and state.rounds[champ["round"]].done["bench"].get("shape") or None
-
-
-def _stop_serving(server) -> None:
-    if server is not None:
-        server.shutdown()
 
 
 def _bench(

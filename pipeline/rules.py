@@ -181,6 +181,19 @@ def stop_reason(
     return None
 
 
+def still_stopped(stop: StopConfig, rounds: list[Any], elapsed_s: float) -> str | None:
+    """Why a finished run stays finished under these stop rules (None: they let it go on, as a
+    later submit that raises them asks): `stop_reason` over its rounds' records (`RunState`
+    rounds) as the loop judged them when it stopped."""
+    done = [rs for rs in rounds if rs.is_done("bench")]
+    rows = [round_row(rs.index, rs.done) for rs in done]
+    return (
+        stop_reason(stop, rows, done[-1].done["bench"], elapsed_s)
+        if done
+        else "no round benchmarked"
+    )
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     """One line per round: accept_len overall and per domain (held-out prompts), speed and
     speedup of the configured shape, the serving shape chosen and its speedup (`served`), the

@@ -125,7 +125,11 @@ def run_train(
     )  # fmt: skip
     atomic_write(out / "train_config.yaml", dump_config(cfg))
     tc = cfg.train
-    resources = {"CPU": tc.cpus_per_worker}  # use_gpu adds one GPU per worker
+    resources = {"CPU": tc.cpus_per_worker}
+    if (
+        tc.use_gpu
+    ):  # a share below 1 leaves the rest of the GPU to the server (serves_through_rounds)
+        resources["GPU"] = tc.gpus_per_worker
     from pipeline.rendezvous import LoopbackTorchConfig
 
     trainer = TorchTrainer(

@@ -44,6 +44,9 @@ def test_later_rounds_use_the_seconds_per_request_the_last_round_took():
     # the server's start is not a benchmark's cost where the next round swaps the drafter
     started = {**done, "bench": {"wall_s": 120.0, "serve_start_s": 20.0}}
     assert TWO_CORES.measured(started, bench_requests=26, traffic_requests=24) == rates
+    # ...and is, where the round stopped its server (a GPU server the next stages need)
+    stopped = {**done, "bench": {"wall_s": 120.0, "serve_start_s": 20.0, "server_stopped": True}}
+    assert TWO_CORES.measured(stopped, 26, 24) == Rates((120.0 + 4.0) / 26, 2.0)
     # a stage the round did not run keeps the rate it was planned with
     assert Rates(9.0, 3.0).measured({"bench": {"wall_s": 52.0}}, 26, 24) == Rates(2.0, 3.0)
 

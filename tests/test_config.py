@@ -199,3 +199,25 @@ def test_states_are_online_where_the_target_fits_beside_the_trainer():
     configs = Path(__file__).parent.parent / "configs"
     assert load_config(configs / "smollm2-1gpu-climb.yaml").states() == "online"
     assert load_config(configs / "smollm2-cpu.yaml").states() == "offline"
+
+
+def test_a_gpu_server_stays_between_rounds_only_where_the_next_stages_fit_beside_it():
+    """One GPU: a server on all of it stops after its round (the data stage and training need
+    the GPU) and the next benchmark starts it again; on a quarter, with the stages on the other
+    three quarters, it stays. SGLang and vLLM take a fraction of the whole card: they stop. A
+    CPU server holds no GPU. The climb configs share their GPU."""
+    gpu = {"target": {"num_gpus_per_actor": 1}, "train": {"use_gpu": True, "num_workers": 1},
+           "serve": {"num_gpus": 1}}  # fmt: skip
+    assert not parse_config(gpu).serves_through_rounds(1)
+    assert parse_config(gpu).serves_through_rounds(2)  # two GPUs: the stages take the other
+    shared = {"target": {"num_gpus_per_actor": 0.75},
+              "train": {"use_gpu": True, "num_workers": 1, "gpus_per_worker": 0.75},
+              "serve": {"num_gpus": 0.25}}  # fmt: skip
+    assert parse_config(shared).serves_through_rounds(1)
+    wide = {**shared, "train": {"use_gpu": True, "num_workers": 2, "gpus_per_worker": 0.75}}
+    assert not parse_config(wide).serves_through_rounds(1)  # training's 1.5 do not fit beside
+    assert not parse_config({**shared, "serve": {"num_gpus": 0.25, "engine": "vllm"}}).serves_through_rounds(1)  # fmt: skip
+    assert parse_config({}).serves_through_rounds(0)
+    configs = Path(__file__).parent.parent / "configs"
+    for name in ("smollm2-1gpu-climb.yaml", "smollm2-1gpu-climb-offpolicy.yaml"):
+        assert load_config(configs / name).serves_through_rounds(1), name
