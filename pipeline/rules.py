@@ -49,19 +49,27 @@ def round_row(index: int, done: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def costs(rows: list[dict[str, Any]], cpus: int, gpus: int) -> dict[str, Any]:
     """What each round's gain cost, and how well the simulated acceptance (held-out training
-    samples) predicted the served one. A round's gain is over the round before (round 0: over
-    no drafter, 1.0); cost is its wall time times the machine's CPUs (or GPUs, when it has any)."""
+    samples) predicted the served one. A round's gain is over the round before; round 0's over
+    no drafter (1.0) where it trained from scratch, and None where it started from a trained
+    drafter the run never benchmarked (a fine-tune, or `train.first_round: skip`): counting
+    from 1.0 there credited a climb's first round with the whole of its start. Cost is the
+    round's wall time times the machine's CPUs (or GPUs, when it has any)."""
     per_round, prev = [], 1.0
     for r in rows:
-        gain = r["accept_len"] - prev
+        unmeasured = r["round"] == rows[0]["round"] and (
+            r.get("predicted_start_accept_len") is not None or not r["train_tokens"]
+        )
+        gain = None if unmeasured else r["accept_len"] - prev
         minutes = r["wall_s"] / 60.0
-        item = {"round": r["round"], "gain": round(gain, 4), "wall_min": round(minutes, 2)}
+        item = {"round": r["round"], "gain": gain and round(gain, 4), "wall_min": round(minutes, 2)}
         if gpus:
             item["gain_per_gpu_hour"] = (
-                round(gain / (minutes / 60.0 * gpus), 4) if minutes else None
+                round(gain / (minutes / 60.0 * gpus), 4) if minutes and gain is not None else None
             )
         else:
-            item["gain_per_cpu_minute"] = round(gain / (minutes * cpus), 5) if minutes else None
+            item["gain_per_cpu_minute"] = (
+                round(gain / (minutes * cpus), 5) if minutes and gain is not None else None
+            )
         per_round.append(item)
         prev = max(prev, r["accept_len"]) if r.get("promoted", True) else prev
     pairs = [

@@ -196,6 +196,27 @@ def test_the_curve_puts_each_rounds_accept_len_against_its_data_and_the_minutes_
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_each_rounds_gain_counts_from_what_the_run_measured_before_it():
+    """From scratch round 0 gains over no drafter (1.0); a climb from a trained drafter never
+    benchmarked its start, so its round 0 has no gain (the base climb of 2026-12-06 credited its
+    round 0 with 1.797, the start's whole acceptance). Later rounds gain over the best promoted."""
+    from pipeline.rules import costs
+
+    def row(i, a, start=None, tokens=100, promoted=True):
+        return {"round": i, "accept_len": a, "wall_s": 600.0, "train_tokens": tokens,
+                "predicted_start_accept_len": start, "promoted": promoted}  # fmt: skip
+
+    scratch = costs([row(0, 2.0), row(1, 2.5)], cpus=2, gpus=0)["per_round"]
+    assert [r["gain"] for r in scratch] == [1.0, 0.5]
+    assert scratch[0]["gain_per_cpu_minute"] == pytest.approx(1.0 / 20)
+    climb = costs([row(0, 2.797, start=2.71), row(1, 2.70, start=2.77, promoted=False),
+                   row(2, 2.902, start=2.77)], cpus=16, gpus=1)["per_round"]  # fmt: skip
+    assert climb[0]["gain"] is None and climb[0]["gain_per_gpu_hour"] is None
+    assert [r["gain"] for r in climb[1:]] == [pytest.approx(-0.097), pytest.approx(0.105)]
+    skipped = costs([row(0, 2.2, tokens=0), row(1, 2.3)], cpus=2, gpus=0)["per_round"]
+    assert skipped[0]["gain"] is None and skipped[1]["gain"] == pytest.approx(0.1)
+
+
 def test_the_off_policy_climb_stops_on_the_bases_own_held_out_figure():
     """configs/smollm2-1gpu-climb-offpolicy.yaml starts from the drafter that does not fit and
     stops when it accepts what the on-policy base does on the same benchmark (its record)."""
