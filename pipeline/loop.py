@@ -218,8 +218,8 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
             if rs.is_done("plan"):
                 tracker.log(child, plan_vs_actual(rs.done["plan"], rs.done))
             if server is not None and not cfg.serves_through_rounds(cluster_gpus()):
-                server = server.shutdown()  # the next round's stages need its GPUs; its
-                rs.done["bench"]["server_stopped"] = True  # plan prices the next start
+                server.shutdown()  # the next round's stages need its GPUs
+                server, rs.done["bench"]["server_stopped"] = None, True  # priced in its plan
                 _commit(state, clock, run_dir)
             tracker.finish(child)
         state.stopped_because = state.stopped_because or f"budget: {cfg.stop.max_rounds} rounds"
