@@ -61,7 +61,8 @@ def costs(rows: list[dict[str, Any]], cpus: int, gpus: int) -> dict[str, Any]:
         )
         gain = None if unmeasured else r["accept_len"] - prev
         minutes = r["wall_s"] / 60.0
-        item = {"round": r["round"], "gain": gain and round(gain, 4), "wall_min": round(minutes, 2)}
+        item = {"round": r["round"], "gain": None if gain is None else round(gain, 4),
+                "wall_min": round(minutes, 2)}  # fmt: skip
         if gpus:
             item["gain_per_gpu_hour"] = (
                 round(gain / (minutes / 60.0 * gpus), 4) if minutes and gain is not None else None

@@ -126,9 +126,8 @@ def run_train(
     atomic_write(out / "train_config.yaml", dump_config(cfg))
     tc = cfg.train
     resources = {"CPU": tc.cpus_per_worker}
-    if (
-        tc.use_gpu
-    ):  # a share below 1 leaves the rest of the GPU to the server (serves_through_rounds)
+    # a share below 1 leaves the rest of the GPU to the server (Config.serves_through_rounds)
+    if tc.use_gpu:
         resources["GPU"] = tc.gpus_per_worker
     from pipeline.rendezvous import LoopbackTorchConfig
 
