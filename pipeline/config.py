@@ -356,9 +356,47 @@ class Config(_Strict):
         change results, and a run may move to another store, host or route. So is `stop`: it
         decides when a run ends, not what its rounds make, and a finished climb goes on where a
         later submit raises it (pipeline/loop.py `run_loop`)."""
-        where = {"tracking": True, "ray_host": True, "stop": True, "serve": {"app", "route_prefix"}}
-        kept = self.model_dump(mode="json", exclude=where)
+        kept = self.model_dump(mode="json", exclude=DIGEST_LEAVES_OUT)
         return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+
+    def changes_from(self, stored: dict[str, Any]) -> list[str]:
+        """Where this config differs from a run's stored resolved config (its
+        config.resolved.yaml, as `dump_config` wrote it), as `field: was -> now`, over what the
+        digest covers. A field the stored one lacks and this one holds at its default is no
+        change (a newer release added it), nor is a secret the stored one masks: a run made by an
+        earlier release resumes under this one where it set nothing new (RunState.load_or_new)."""
+        from pipeline.redact import MASK
+
+        now = _flat(self.model_dump(mode="json", exclude=DIGEST_LEAVES_OUT))
+        default = _flat(Config().model_dump(mode="json", exclude=DIGEST_LEAVES_OUT))
+        was = _flat(stored)
+        return [
+            f"{k}: {was.get(k, '(absent)')!r} -> {v!r}"
+            for k, v in sorted(now.items())
+            if (k in was and was[k] != v and was[k] != MASK)
+            or (k not in was and v != default.get(k))
+        ]
+
+
+# what neither the digest nor a resume compares: where a run logs, runs and answers, and when it
+# stops (`stop`: a finished climb goes on where a later submit raises it)
+DIGEST_LEAVES_OUT = {
+    "tracking": True,
+    "ray_host": True,
+    "stop": True,
+    "serve": {"app", "route_prefix"},
+}
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}` (lists and other values stay whole)."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def parse_config(data: dict[str, Any], source: str = "config") -> Config:

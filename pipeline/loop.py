@@ -75,9 +75,9 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
     preflight(cfg)  # seconds, before any MLflow run or GPU time (run.py: before Ray starts too)
     _claim_serving(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    state = RunState.load_or_new(run_dir, cfg.digest(), cfg.changes_from)  # before it is rewritten
     write_text_atomic(RunDir(run_dir).config, dump_config(cfg))
     detail.info("resolved config:\n%s", dump_config(cfg))
-    state = RunState.load_or_new(run_dir, cfg.digest())
     tracker = Tracker(cfg.tracking, run_dir)  # default store: <run_dir>/mlflow.db
     if page := runs_page(tracker.uri, tracker.experiment_id):
         log.info("MLflow runs: %s", page)

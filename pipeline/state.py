@@ -15,11 +15,13 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from actors.files import atomic_write
 from pipeline.layout import RunDir
@@ -78,7 +80,12 @@ class RunState:
         return ids
 
     @classmethod
-    def load_or_new(cls, run_dir: Path, digest: str) -> RunState:
+    def load_or_new(
+        cls, run_dir: Path, digest: str, changes: Callable[[dict], list[str]] | None = None
+    ) -> RunState:
+        """The run directory's state, or a new one. One made with another config digest is
+        refused, naming what changed, unless `changes` (Config.changes_from) finds nothing in the
+        stored config.resolved.yaml: then an earlier release made it, and it resumes."""
         path = RunDir(run_dir).state
         if not path.exists():
             return cls(config_digest=digest)
@@ -86,10 +93,17 @@ class RunState:
         if raw is None:
             return cls(config_digest=digest)
         if raw["config_digest"] != digest:
-            raise ValueError(
-                f"{path}: this run directory was made with another config (digest "
-                f"{raw['config_digest']} != {digest}); use a new --run-dir or restore the config"
-            )
+            stored = RunDir(run_dir).config
+            diff = ["(no config.resolved.yaml to compare)"]
+            if changes is not None and stored.is_file():
+                diff = changes(yaml.safe_load(stored.read_text()) or {})
+            if diff:
+                raise ValueError(
+                    f"{path}: this run directory was made with another config ({'; '.join(diff[:6])}"
+                    f"{'; ...' if len(diff) > 6 else ''}); use a new --run-dir or restore the config"
+                )
+            log.warning("%s: made by an earlier release, with this config: it resumes", path)
+            raw["config_digest"] = digest
         here = str(Path(run_dir).resolve())
         if (was := raw.get("run_dir")) and was != here:
             # copied or moved (another machine, another mount): every path it names under its old

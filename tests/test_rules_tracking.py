@@ -102,6 +102,28 @@ def test_state_refuses_other_config(tmp_path):
         RunState.load_or_new(tmp_path, "zzz")
 
 
+def test_a_run_from_an_earlier_release_resumes_and_a_changed_field_is_named(tmp_path):
+    """A run directory whose state carries another digest resumes where its stored resolved
+    config says the same: a field it lacks (a newer release added it) at its default, a secret
+    it masks, another stop rule. Any other difference is refused, naming the field."""
+    import yaml
+
+    from pipeline.config import dump_config, parse_config
+
+    given = {"data": {"batch_size": 8}, "runtime_env": {"env_vars": {"HF_TOKEN": "hf_secret"}}}
+    RunState.load_or_new(tmp_path, "an-earlier-releases-digest").save(tmp_path)
+    stored = yaml.safe_load(dump_config(parse_config(given)))
+    assert stored["runtime_env"]["env_vars"]["HF_TOKEN"] != "hf_secret"  # written masked
+    del stored["train"]["gpus_per_worker"]  # as a release before the field wrote it
+    (tmp_path / "config.resolved.yaml").write_text(yaml.safe_dump(stored))
+    same = parse_config({**given, "stop": {"max_rounds": 9}})
+    st = RunState.load_or_new(tmp_path, same.digest(), same.changes_from)
+    assert st.config_digest == same.digest()
+    other = parse_config({**given, "data": {"batch_size": 16}, "train": {"gpus_per_worker": 0.5}})
+    with pytest.raises(ValueError, match=r"data.batch_size: 8 -> 16; train.gpus_per_worker: '\(absent\)' -> 0.5\)"):  # fmt: skip
+        RunState.load_or_new(tmp_path, other.digest(), other.changes_from)
+
+
 def test_tracker_with_an_outer_run_active(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     mlflow.set_tracking_uri(uri)
