@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from pipeline.config import TrainConfig
 
 PROBE_STEPS = 8  # steps timed before a time-boxed run fixes its step count
 BOXED = "boxed_total.json"
+PHASES = "phases.json"
 
 
 def _rank0() -> bool:
@@ -96,3 +98,21 @@ def stop_early(step: int, out: Path) -> int:
     if _rank0():
         atomic_write(out / BOXED, json.dumps({"total": step, "early_stop": True}))
     return step
+
+
+class Phases:
+    """Where a worker's seconds go, phase by phase (`mark` ends one), kept by rank 0 in
+    <out>/phases.json with the wall clock it entered at: the driver's `[train] done` line puts
+    them beside Ray Train's start (pipeline/train.py `phases_line`). On one H100 a round's
+    training spent about 80 s around 35 s of steps, and the steps were all a box could price."""
+
+    def __init__(self) -> None:
+        self.entered, self.t, self.s = time.time(), time.perf_counter(), {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.s[name], self.t = round(now - self.t, 2), now
+
+    def save(self, out: Path) -> None:
+        if _rank0():
+            atomic_write(out / PHASES, json.dumps({"entered": self.entered, **self.s}))

@@ -149,15 +149,28 @@ def run_train(
             worker_runtime_env=worker_env(tc),
         ),
     )
-    t0 = time.perf_counter()
+    t0, began = time.perf_counter(), time.time()
     result = trainer.fit()  # raises TrainingFailedError once max_failures is spent
     _prune_checkpoints(result)
     rec = json.loads((out / "result.json").read_text())
     print(
-        f"[train] done in {time.perf_counter() - t0:.0f}s: {rec['steps']} steps, {rec['tok_per_s']:.0f} tok/s, drafter {rec['drafter_dir']}",
+        f"[train] done in {time.perf_counter() - t0:.0f}s{phases_line(out, began)}: {rec['steps']} steps, {rec['tok_per_s']:.0f} tok/s, drafter {rec['drafter_dir']}",
         flush=True,
     )
     return TrainResult(**{**rec, "resumed_from": tuple(rec["resumed_from"])})
+
+
+def phases_line(out: Path, began: float) -> str:
+    """` (Ray Train start 19 s, load 12 s, ...)`: where a fit's seconds went, from the worker's
+    <out>/phases.json (pipeline/time_box.py `Phases`) and when the fit began; "" without it."""
+    from pipeline.time_box import PHASES
+
+    if not (out / PHASES).is_file():
+        return ""
+    p = json.loads((out / PHASES).read_text())
+    parts = [f"Ray Train start {p.pop('entered') - began:.0f} s"]
+    parts += [f"{k.replace('_', ' ')} {v:.0f} s" for k, v in p.items()]
+    return f" ({', '.join(parts)})"
 
 
 def worker_env(tc: TrainConfig) -> dict[str, Any]:

@@ -53,7 +53,14 @@ from pipeline.config import (
     TrainConfig,
 )
 from pipeline.continued import load_continued, write_last
-from pipeline.time_box import PROBE_STEPS, boxed_total, fix_total, stop_early, warm_s
+from pipeline.time_box import (
+    PROBE_STEPS,
+    Phases,
+    boxed_total,
+    fix_total,
+    stop_early,
+    warm_s,
+)
 
 log = logging.getLogger("pipeline.train")
 
@@ -93,6 +100,7 @@ def train_worker(config: dict[str, Any]) -> None:
 
     from eagle3.target_weights import load_target_tensors
 
+    phases = Phases()
     job = TrainJob(**config["job"])
     tc = TrainConfig(**job.train)
     ctx = ray.train.get_context()
@@ -126,6 +134,7 @@ def train_worker(config: dict[str, Any]) -> None:
     )
     if rank == 0:
         _say(plan.describe(tc, world, step, device, dt))
+    phases.mark("load")  # the target's tensors, the drafter, the states' target, the data
 
     best = Best(Path(job.out_dir), rank == 0, device, len(plan.eval_bins), tc.gate_z)
     stale = 0  # evaluations since the last new best (a resumed attempt starts counting afresh)
@@ -143,6 +152,7 @@ def train_worker(config: dict[str, Any]) -> None:
                  f"over {len(plan.eval_bins)} eval batches")  # fmt: skip
     if job.continue_from and step == 0:  # the start is judged; training goes on from here
         load_continued(module, Path(job.continue_from))
+    phases.mark("step0_eval")
     # After the step-0 evaluation: the time box's probe times training steps only.
     start, first = time.perf_counter(), step
     step_s: list[float] = []  # wall time of each step since `first`: load, step, metrics
@@ -201,7 +211,10 @@ def train_worker(config: dict[str, Any]) -> None:
                 ckpt_s.append(time.perf_counter() - t_ckpt)
         if job.crash_at_step == step and rank == world - 1:
             _crash_once(Path(job.out_dir), step)
+    phases.mark("steps")
     _export(module, drafter, Path(job.out_dir), rank, mlog, plan, best, job, tc.continue_kept)
+    phases.mark("export")
+    phases.save(Path(job.out_dir))
 
 
 @dataclass

@@ -137,6 +137,7 @@ class SpecServer:
             torch.set_num_threads(int(options["torch_threads"]))
         # on the GPU the replica reserved: the engine's static runner then runs CUDA graphs
         device = reserved_device(float((actor or {}).get("num_gpus", 0.0)), "serve.num_gpus")
+        t0 = time.perf_counter()  # the replica's start is most of a first benchmark's: its parts
         lm, self.tokenizer = load_target(
             target["model"],
             target.get("gguf_file"),
@@ -148,6 +149,7 @@ class SpecServer:
         stop = eos_ids(lm) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
+        t_load = time.perf_counter()
         self.engine = SpecEngine(
             lm,
             steps=int(options.get("steps", 3)),
@@ -179,8 +181,9 @@ class SpecServer:
         self.traffic = _traffic_log(options.get("traffic"), self.tokenizer)
         self._run.set_max_batch_size(int(options.get("max_batch_size", 8)))
         self._run.set_batch_wait_timeout_s(float(options.get("batch_wait_s", 0.01)))
-        layers = self.engine.target.num_layers
-        log.info("SpecServer: target %s loaded (%d layers)", target["model"], layers)
+        layers, t_end = self.engine.target.num_layers, time.perf_counter()
+        log.info("SpecServer: target %s loaded (%d layers) in %.1f s, its engine built in %.1f s",
+                 target["model"], layers, t_load - t0, t_end - t_load)  # fmt: skip
 
     @property
     def limits(self) -> Limits:
@@ -216,6 +219,7 @@ class SpecServer:
                 self.engine.set_drafter(None)
             self.drafter_path, self.drafter_digest, self.swap_error = None, None, None
             return
+        t0 = time.perf_counter()
         try:
             drafter = load_eagle(path, self.engine.target.model)
         except Exception as e:  # noqa: BLE001 - any load failure refuses the swap
@@ -231,7 +235,7 @@ class SpecServer:
             self.engine.set_drafter(drafter)
         self.drafter_path, self.drafter_digest, self.swap_error = path, digest, refused
         self.swaps += 1
-        log.info("drafter now %s (swap %d)", path, self.swaps)
+        log.info("drafter now %s (swap %d, %.1f s)", path, self.swaps, time.perf_counter() - t0)
 
     def _set_shape(self, fields: dict[str, Any]) -> None:
         """Requests that name no shape draft this one (plain: do not draft at all)."""

@@ -155,26 +155,29 @@ def test_round_1_makes_the_gate_set_once_and_its_training_is_judged_on_it(base_r
 
 
 def test_a_finished_run_goes_on_where_a_later_submit_raises_its_stop_rules(base_run):
-    """The run stopped on `budget: 2 rounds`. Submitted again as it was, it stays finished;
+    """The run stopped on `budget: 2 rounds`. Under its own stop rules it stays finished;
     submitted with stop.max_rounds=3 (the config digest leaves `stop` out: it decides when a run
     ends, not what its rounds make) it runs round 2 from its records, in the same MLflow parent
-    run, and stops on the new budget. Last in this module: it adds a round to the shared run."""
+    run, and stops on the new rules. Last in this module: it adds a round to the shared run."""
+    from pipeline.config import load_config
+    from pipeline.rules import still_stopped
+    from pipeline.state import RunState
+
     run_dir, _ = base_run
     state0 = json.loads((run_dir / "state.json").read_text())
+    st = RunState.load_or_new(run_dir, state0["config_digest"])
+    given = run_dir.parent / "first.yaml"
+    assert still_stopped(load_config(given).stop, st.rounds, st.elapsed_s) == "budget: 2 rounds"
+    assert still_stopped(load_config(given, ["stop.max_rounds=3"]).stop, st.rounds, 0.0) is None
 
-    def submit(*sets: str) -> str:
-        args = ["--set", *sets] if sets else []
-        done = subprocess.run(
-            [sys.executable, str(REPO / "pipeline/run.py"), "--config", "first.yaml",
-             "--run-dir", "run", *args], cwd=run_dir.parent, capture_output=True, text=True,
-            timeout=1500,
-        )  # fmt: skip
-        out = done.stdout + done.stderr
-        assert done.returncode == 0, out[-4000:]
-        return out
-
-    assert "run already finished: budget: 2 rounds" in submit()
-    assert "run extended (it stopped: budget: 2 rounds)" in submit("stop.max_rounds=3")
+    done = subprocess.run(
+        [sys.executable, str(REPO / "pipeline/run.py"), "--config", "first.yaml", "--run-dir",
+         "run", "--set", "stop.max_rounds=3"], cwd=run_dir.parent, capture_output=True,
+        text=True, timeout=1500,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert "run extended (it stopped: budget: 2 rounds)" in out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [r["round"] for r in summary["rounds"]] == [0, 1, 2]
     assert summary["stopped_because"] != "budget: 2 rounds"  # the new rules' verdict on round 2

@@ -22,7 +22,7 @@ from eagle3.model import Eagle3Drafter, drafter_from_state
 from eagle3.target_weights import load_target_tensors
 from eagle3.train_step import SoftTargets
 from pipeline.config import parse_config
-from pipeline.train import TrainInputError, prepare, run_train
+from pipeline.train import TrainInputError, phases_line, prepare, run_train
 from pipeline.train_worker import read_metrics
 
 # On a Ray of its own (ray_module), so scripts/test_suite.py runs this module beside the
@@ -410,6 +410,12 @@ def test_online_states_train_from_ids_only_shards(ray_module, target_and_data, t
     assert res.steps == len(lines) > 4 and Path(res.drafter_dir, "config.json").is_file()
     first, last = lines[0]["loss"], lines[-1]["loss"]
     assert last < 0.9 * first, (first, last)
+    # where the fit's seconds went (the `[train] done` line shows them beside Ray Train's start)
+    phases = json.loads((tmp_path / "out" / "phases.json").read_text())
+    assert list(phases) == ["entered", "load", "step0_eval", "steps", "export"]
+    assert phases["steps"] > 0 and phases_line(tmp_path / "out", phases["entered"] - 5).startswith(
+        " (Ray Train start 5 s, load "
+    )
 
 
 @pytest.mark.gpu
