@@ -10,7 +10,9 @@ shared-Ray run was ~240 s longer (1375 s against 1135 s on a 2-core machine), it
 alone on the two cores. Since the own-cluster tests grew, the longest Ray-free modules (pool,
 tracking store, budget, gate, prompts: about 90 s) stay unmarked, in the first pytest (before:
 390 s against 844 s on a 2-core machine, 2026-12-05), and so does test_job_upload (a job on a
-head of its own, ~30 s: 862 s against 924 s in a clean clone's CI run, 2026-12-06).
+head of its own, ~30 s: 862 s against 924 s in a clean clone's CI run, 2026-12-06), and so do
+test_cli, test_compat and test_fit (~20 s: 836 s against 909 s in a clean clone's CI run, later
+on 2026-12-06).
 
   python scripts/test_suite.py [-m "not gpu and not sglang"] [pytest args...]
 

@@ -30,7 +30,6 @@ def small_config(tiny_target: Path, tmp: Path, **sections) -> Path:
     return path
 
 
-@pytest.mark.ray_free
 def test_the_console_script_is_declared():
     """`make setup` (pip install -e '.[dev]') installs what pyproject.toml declares."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
@@ -38,7 +37,6 @@ def test_the_console_script_is_declared():
     assert meta["project"]["scripts"] == {"eagle-loop": "pipeline.cli:main"}
 
 
-@pytest.mark.ray_free
 def test_top_level_help_lists_every_command_and_the_exit_codes(capsys):
     assert main(["--help"]) == OK
     out = capsys.readouterr().out
@@ -49,7 +47,6 @@ def test_top_level_help_lists_every_command_and_the_exit_codes(capsys):
     assert capsys.readouterr().out.startswith("eagle-loop ")
 
 
-@pytest.mark.ray_free
 @pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_every_command_help_exits_0_with_an_example(name, capsys):
     assert main([name, "--help"]) == OK
@@ -59,7 +56,6 @@ def test_every_command_help_exits_0_with_an_example(name, capsys):
     assert out.count("example:") == 1
 
 
-@pytest.mark.ray_free
 @pytest.mark.parametrize(
     "argv", [[], ["nope"], ["run"], ["runtime-env"], ["node-env"], ["plan", "--verify-ms", "x"]]
 )
@@ -68,7 +64,6 @@ def test_a_wrong_command_line_is_a_usage_error(argv, capsys):
     assert "usage:" in capsys.readouterr().err
 
 
-@pytest.mark.ray_free
 def test_run_py_keeps_its_script_form():
     """`ray job submit ... -- python pipeline/run.py` and scripts/demo.sh's `runtime-env`:
     the script still runs from its path; without a config it is a usage error, not IndexError."""
@@ -86,7 +81,6 @@ def test_run_py_keeps_its_script_form():
     assert done.returncode == OK and "runtime-env CONFIG" in done.stdout
 
 
-@pytest.mark.ray_free
 def test_a_bad_config_is_a_config_error(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\ntrain:\n  epochz: 2\n")
@@ -96,7 +90,6 @@ def test_a_bad_config_is_a_config_error(tmp_path, capsys):
         assert "train.epochz" in capsys.readouterr().err or "none.yaml" in argv[-1]
 
 
-@pytest.mark.ray_free
 def test_a_refused_preflight_is_a_config_error(tiny_target, tmp_path, capsys):
     path = small_config(tiny_target, tmp_path, target={"aux_layer_ids": [0, 1, 9]})
     assert main(["preflight", "--config", str(path)]) == CONFIG
@@ -105,7 +98,6 @@ def test_a_refused_preflight_is_a_config_error(tiny_target, tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.ray_free
 def test_a_missing_engine_is_a_config_error(capsys):
     import importlib.util
 
@@ -115,7 +107,6 @@ def test_a_missing_engine_is_a_config_error(capsys):
     assert "pip install -e '.[sglang]'" in capsys.readouterr().err
 
 
-@pytest.mark.ray_free
 def test_a_busy_run_dir(tiny_target, tmp_path, monkeypatch, capsys):
     """Another driver's lock on the run directory (a real flock, held here): BUSY, at once
     rather than after the 180 s a driver waits for the one before it."""
@@ -142,7 +133,6 @@ def test_a_run_that_stops_is_failed(ray_local, tiny_target, tmp_path, capsys):
     assert "does not have: parent " + "0" * 32 in (run_dir / "logs" / "driver.log").read_text()
 
 
-@pytest.mark.ray_free
 def test_bench_defaults_to_the_loops_heldout_real_prompts(tmp_path, capsys):
     """Without --prompts-jsonl: the held-out split of real prompts the loop judges rounds on
     (a config's data section, or data.source real), never the built-in generated set."""
@@ -165,7 +155,6 @@ def test_bench_defaults_to_the_loops_heldout_real_prompts(tmp_path, capsys):
     assert "3 prompts, the held-out split of" in capsys.readouterr().err
 
 
-@pytest.mark.ray_free
 def test_bench_suite_says_what_it_needs_first(capsys):
     import importlib.util
 
@@ -179,7 +168,6 @@ def test_bench_suite_says_what_it_needs_first(capsys):
     assert main(["bench", "--url", "http://127.0.0.1:9", "--suite", "nope"]) == USAGE
 
 
-@pytest.mark.ray_free
 @pytest.mark.parametrize("shape", ["5,4", "5,x,12", "0,1,2", "5,4,1"])
 def test_bench_refuses_a_bad_shape_naming_the_flag(shape, capsys):
     """`serve.cli bench --shape`: a malformed shape is a usage error naming the flag and the

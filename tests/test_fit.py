@@ -30,7 +30,7 @@ from eagle3.target_weights import resolve_target
 from pipeline.config import parse_config
 from serve.engine import _check_aux_ids, check_drafter_for_target
 
-pytestmark = pytest.mark.ray_free  # no Ray: `make test` runs it in the second pytest
+# no Ray, unmarked: `make test` runs it in the first pytest, which ends sooner (scripts/test_suite.py)
 
 N = 30  # SmolLM2-135M's depth: valid ids 0..28
 CASES = {
