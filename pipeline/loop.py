@@ -58,7 +58,7 @@ from pipeline.rules import (
     curve,
     format_table,
     promote,
-    round_row,
+    rows_of,
     sim_vs_bench,
     still_stopped,
     stop_reason,
@@ -188,7 +188,7 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 rs.done["gate"] = _gate(cfg, state, r, server, tracker, child)
                 _commit(state, clock, run_dir)
             reason = stop_reason(
-                cfg.stop, _rows(state)[: r + 1], rs.done["bench"], clock.elapsed(),
+                cfg.stop, rows_of(state.rounds)[: r + 1], rs.done["bench"], clock.elapsed(),
                 next_round_refusal(cfg, state, r, clock),
             )  # fmt: skip
             _write_summary(state, run_dir)
@@ -614,7 +614,7 @@ def _simulate(cfg: Config, plan, r: int, server, tracker: Tracker, child: str, r
 
 
 def _finish(cfg: Config, state: RunState, run_dir: Path, tracker: Tracker) -> None:
-    rows = _rows(state)
+    rows = rows_of(state.rounds)
     summary = _write_summary(state, run_dir)
     if rows and state.champion:
         rid = state.rounds[state.champion["round"]].mlflow_run_id
@@ -680,12 +680,8 @@ def _read_metrics(path: Path):
         yield step, {k: v for k, v in m.items() if isinstance(v, int | float)}
 
 
-def _rows(state: RunState) -> list[dict[str, Any]]:
-    return [round_row(rs.index, rs.done) for rs in state.rounds if rs.is_done("bench")]
-
-
 def _write_summary(state: RunState, run_dir: Path) -> dict[str, Any]:
-    rows, (cpus, gpus) = _rows(state), machine()
+    rows, (cpus, gpus) = rows_of(state.rounds), machine()
     summary = {"rounds": rows, "stopped_because": state.stopped_because, "champion": state.champion,
                "elapsed_s": round(state.elapsed_s, 1), "costs": costs(rows, cpus, gpus),
                "sim_vs_bench": sim_vs_bench(rows), "curve": curve(rows, gpus),

@@ -47,6 +47,11 @@ def round_row(index: int, done: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def rows_of(rounds: list[Any]) -> list[dict[str, Any]]:
+    """The summary rows (`round_row`) of the benchmarked rounds among `RunState.rounds`."""
+    return [round_row(rs.index, rs.done) for rs in rounds if rs.is_done("bench")]
+
+
 def costs(rows: list[dict[str, Any]], cpus: int, gpus: int) -> dict[str, Any]:
     """What each round's gain cost, and how well the simulated acceptance (held-out training
     samples) predicted the served one. A round's gain is over the round before; round 0's over
@@ -195,12 +200,9 @@ def still_stopped(stop: StopConfig, rounds: list[Any], elapsed_s: float) -> str 
     later submit that raises them asks): `stop_reason` over its rounds' records (`RunState`
     rounds) as the loop judged them when it stopped."""
     done = [rs for rs in rounds if rs.is_done("bench")]
-    rows = [round_row(rs.index, rs.done) for rs in done]
-    return (
-        stop_reason(stop, rows, done[-1].done["bench"], elapsed_s)
-        if done
-        else "no round benchmarked"
-    )
+    if not done:
+        return "no round benchmarked"
+    return stop_reason(stop, rows_of(rounds), done[-1].done["bench"], elapsed_s)
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

@@ -94,7 +94,7 @@ class RunState:
             return cls(config_digest=digest)
         if raw["config_digest"] != digest:
             stored = RunDir(run_dir).config
-            diff = ["(no config.resolved.yaml to compare)"]
+            diff = [f"digest {raw['config_digest']} != {digest}, no {stored.name} to compare"]
             if changes is not None and stored.is_file():
                 diff = changes(yaml.safe_load(stored.read_text()) or {})
             if diff:
