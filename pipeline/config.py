@@ -378,13 +378,17 @@ class Config(_Strict):
         ]
 
 
-# what neither the digest nor a resume compares: where a run logs, runs and answers, and when it
-# stops (`stop`: a finished climb goes on where a later submit raises it)
+# what neither the digest nor a resume compares: where a run logs, runs and answers, when it
+# stops (`stop`: a finished climb goes on where a later submit raises it), and the share of a
+# machine each process reserves (a climb moves to a machine of another size and goes on: the
+# shares decide where a stage runs, not what it makes)
 DIGEST_LEAVES_OUT = {
     "tracking": True,
     "ray_host": True,
     "stop": True,
-    "serve": {"app", "route_prefix"},
+    "serve": {"app", "route_prefix", "num_gpus", "num_cpus"},
+    "target": {"num_gpus_per_actor"},
+    "train": {"gpus_per_worker", "cpus_per_worker"},
 }
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from actors.cluster import cluster_gpus
 from actors.prompt_keys import KEY_FILE, key_hash, write_key_file
 from actors.shards import ShardError
-from pipeline.budget import TRAIN_START_S, plan_vs_actual
+from pipeline.budget import plan_vs_actual
 from pipeline.config import Config, dump_config
 from pipeline.console import (
     bench_line,
@@ -50,6 +50,7 @@ from pipeline.round_plan import (
     size_once,
     sized_config,
     stage_seconds,
+    train_overhead_s,
 )
 from pipeline.rules import (
     AcceptanceCollapsed,
@@ -155,9 +156,10 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                     st.result = data_line(rs.done["generate"])
                 _commit(state, clock, run_dir)
             if not rs.is_done("train"):
-                t0, box = clock.elapsed(), stage_seconds(rs, "train", clock)
-                what = f"time box {box:.0f} s of steps" if box else "no time box"
-                with stage(f"round {r} train", box and box + TRAIN_START_S, what,
+                around = train_overhead_s(state, r, run_dir)
+                t0, box = clock.elapsed(), stage_seconds(rs, "train", clock, around)
+                what = f"time box {box:.0f} s of steps, {around:.0f} s around them" if box else "no time box"  # fmt: skip
+                with stage(f"round {r} train", box and box + around, what,
                            train_note(RunDir(run_dir).train(r))) as st:  # fmt: skip
                     try:
                         rs.done["train"] = _train(cfg, run_dir, state, r, tracker, child, box)
@@ -422,8 +424,8 @@ def _train(
     rec["prompt_keys"] = _write_prompt_keys(Path(rec["drafter_dir"]), init, data_dirs, rec, cont)
     if rec.get("last_dir"):  # what the kept-out state trained on, should a later round export it
         _write_prompt_keys(Path(rec["last_dir"]), init, data_dirs, {}, cont)
-    for step, metrics in _read_metrics(Path(rec["metrics_file"])):
-        tracker.log(child, {f"train/{k}": v for k, v in metrics.items()}, step=step)
+    curve = _read_metrics(Path(rec["metrics_file"]))
+    tracker.log_steps(child, ((s, {f"train/{k}": v for k, v in m.items()}) for s, m in curve))
     tracker.log(child, {f"train/final_{k}": v for k, v in (rec.get("final_metrics") or {}).items()})
     tracker.log(child, {f"train/eval_{k}": v for k, v in (rec.get("eval_metrics") or {}).items()})
     start = rec.get("start_eval_metrics") or {}

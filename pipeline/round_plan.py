@@ -6,6 +6,7 @@ pipeline/measure.py's."""
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -232,16 +233,35 @@ def bench_mix(cfg: Config, r: int) -> tuple[int, int]:
     return spec * len(b.concurrency) + batched, plain * len(b.concurrency)
 
 
-def stage_seconds(rs, stage: str, clock: Clock) -> float | None:
+def stage_seconds(rs, stage: str, clock: Clock, train_overhead: float = 0.0) -> float | None:
     """Seconds `stage` ("data" or "train") may still spend by the round's plan (None: no plan).
-    Time the data stage did not use goes to training."""
+    Time the data stage did not use goes to training. The training box holds the steps only:
+    `train_overhead` (`train_overhead_s`) comes out of it."""
     p = rs.done.get("plan")
     if not p:
         return None
     end = p["start_s"] + p["data_s"] + (p["train_s"] if stage == "train" else 0.0)
-    # the box holds the training steps; Ray Train's start-up and the export come on top
-    overhead = TRAIN_START_S if stage == "train" else 0.0
+    overhead = train_overhead if stage == "train" else 0.0
     return max(MIN_STAGE_S, end - clock.elapsed() - overhead)
+
+
+def train_overhead_s(state: RunState, r: int, run_dir: Path) -> float:
+    """Seconds a round's training stage spends around its box of steps: Ray Train's start, the
+    loads, step 0's evaluation, the first step's compile, the export, the driver's records. As
+    the last round before r that trained measured it (its stage's wall_s less its steps'
+    seconds, train/round-N/phases.json); TRAIN_START_S before any did. On one H100 it was about
+    80 s around 35 s of steps (2026-12-06), where TRAIN_START_S (2 cores) priced 25 s and each
+    round ran that much past its plan."""
+    from pipeline.time_box import PHASES
+
+    for i in range(r - 1, -1, -1):
+        wall = (state.rounds[i].done.get("train") or {}).get("wall_s")
+        phases = RunDir(run_dir).train(i) / PHASES
+        if wall is not None and phases.is_file():
+            steps = json.loads(phases.read_text()).get("steps")
+            if steps is not None:
+                return max(0.0, float(wall) - float(steps))
+    return TRAIN_START_S
 
 
 def disk_plan(cfg: Config, state: RunState, r: int, run_dir: Path, prompts: list) -> dict:

@@ -342,3 +342,29 @@ def test_the_time_box_prices_the_checkpoints_it_will_make():
     priced = box_total(4000, PROBE_STEPS, 0.03, 2.0, 0.0, tc, ckpt_s=2.0)
     assert unpriced == PROBE_STEPS + int(6.0 / 0.03)
     assert priced == PROBE_STEPS + int((8.0 - 2.0 - 2.0) / (0.03 + 2.0 / 4)) == PROBE_STEPS + 7
+
+
+def test_the_training_box_leaves_out_what_the_last_round_spent_around_its_steps(tmp_path):
+    """The box holds the steps only: a round's training stage also starts Ray Train, loads,
+    evaluates step 0 and exports, 80 s around 35 s of steps on one H100. Round 1's box leaves
+    out what round 0 measured around its steps (phases.json); round 0 has TRAIN_START_S."""
+    import json
+
+    from pipeline.budget import TRAIN_START_S
+    from pipeline.layout import RunDir
+    from pipeline.round_plan import stage_seconds, train_overhead_s
+    from pipeline.state import Clock, RunState
+    from pipeline.time_box import PHASES
+
+    state = RunState(config_digest="d")
+    assert train_overhead_s(state, 0, tmp_path) == TRAIN_START_S
+    state.round(0).done["train"] = {"wall_s": 113.0}
+    out = RunDir(tmp_path).train(0)
+    out.mkdir(parents=True)
+    (out / PHASES).write_text(json.dumps({"entered": 0.0, "load": 9.0, "steps": 34.0}))
+    assert train_overhead_s(state, 1, tmp_path) == pytest.approx(79.0)
+    rs = state.round(1)
+    rs.done["plan"] = {"start_s": 0.0, "data_s": 100.0, "train_s": 200.0}
+    clock = Clock(state)  # elapsed ~0: the data stage spent nothing yet
+    box = stage_seconds(rs, "train", clock, train_overhead_s(state, 1, tmp_path))
+    assert box == pytest.approx(300.0 - 79.0, abs=0.5)

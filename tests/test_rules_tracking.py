@@ -105,7 +105,8 @@ def test_state_refuses_other_config(tmp_path):
 def test_a_run_from_an_earlier_release_resumes_and_a_changed_field_is_named(tmp_path):
     """A run directory whose state carries another digest resumes where its stored resolved
     config says the same: a field it lacks (a newer release added it) at its default, a secret
-    it masks, another stop rule. Any other difference is refused, naming the field."""
+    it masks, another stop rule, other shares of a machine (a climb moved to another machine).
+    Any other difference is refused, naming the field."""
     import yaml
 
     from pipeline.config import dump_config, parse_config
@@ -114,13 +115,14 @@ def test_a_run_from_an_earlier_release_resumes_and_a_changed_field_is_named(tmp_
     RunState.load_or_new(tmp_path, "an-earlier-releases-digest").save(tmp_path)
     stored = yaml.safe_load(dump_config(parse_config(given)))
     assert stored["runtime_env"]["env_vars"]["HF_TOKEN"] != "hf_secret"  # written masked
-    del stored["train"]["gpus_per_worker"]  # as a release before the field wrote it
+    del stored["train"]["continue_kept"]  # as a release before the field wrote it
     (tmp_path / "config.resolved.yaml").write_text(yaml.safe_dump(stored))
-    same = parse_config({**given, "stop": {"max_rounds": 9}})
+    moved = {"target": {"num_gpus_per_actor": 0.75}, "serve": {"num_gpus": 0.25, "num_cpus": 4}}
+    same = parse_config({**given, **moved, "stop": {"max_rounds": 9}, "train": {"gpus_per_worker": 0.5}})  # fmt: skip
     st = RunState.load_or_new(tmp_path, same.digest(), same.changes_from)
     assert st.config_digest == same.digest()
-    other = parse_config({**given, "data": {"batch_size": 16}, "train": {"gpus_per_worker": 0.5}})
-    with pytest.raises(ValueError, match=r"data.batch_size: 8 -> 16; train.gpus_per_worker: '\(absent\)' -> 0.5\)"):  # fmt: skip
+    other = parse_config({**given, "data": {"batch_size": 16}, "train": {"ttt_length": 3}})
+    with pytest.raises(ValueError, match=r"data.batch_size: 8 -> 16; train.ttt_length: 7 -> 3\)"):  # fmt: skip
         RunState.load_or_new(tmp_path, other.digest(), other.changes_from)
 
 
@@ -144,6 +146,23 @@ def test_tracker_with_an_outer_run_active(tmp_path):
     p = t.client.get_run(parent)
     assert p.data.params["train.lr"] == "0.1" and p.data.params["hf_token"] == "***"
     assert t.client.get_model_version_by_alias("m", "champion").run_id == child
+
+
+def test_a_training_curve_reaches_mlflow_whole_in_batches(tmp_path):
+    """A round's curve goes in requests of up to MLflow's 1,000 metrics, not one a step: every
+    step of every metric arrives, across a batch's edge, and a NaN is left out."""
+    t = Tracker(TrackingConfig(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", experiment="e"))
+    run = t.start_run("round-0")
+    calls = []
+    log_batch = t.client.log_batch
+    t.client.log_batch = lambda run_id, metrics: calls.append(len(metrics)) or log_batch(run_id, metrics=metrics)  # fmt: skip
+    curve = [(s, {"train/loss": 1.0 / (s + 1), "train/lr": float("nan") if s == 7 else 1e-4})
+             for s in range(1, 601)]  # fmt: skip
+    t.log_steps(run, curve)
+    assert calls == [1000, 199]
+    loss = t.client.get_metric_history(run, "train/loss")
+    assert sorted(m.step for m in loss) == list(range(1, 601))
+    assert len(t.client.get_metric_history(run, "train/lr")) == 599
 
 
 def test_the_experiment_opens_on_its_runs_and_a_kind_set_by_hand_stays(tmp_path):
