@@ -5,13 +5,14 @@ rebuilt from the config and the code that built it (both deterministic for the i
     python benchmarks/drafter_prompt_keys.py --check    # fails when a shipped file differs
 
 - `smollm2-135m-base`: its previous build, round 0 of configs/smollm2-base-1gpu.yaml (f9be60e),
-  then the two rounds of the base climb that fine-tuned it (configs/smollm2-1gpu-climb.yaml,
-  2026-12-06, DATA_CARD.md). The build drew its 13,197 prompts by the `real` mix's weights: the
-  first 11,217 of the 12,749 ShareGPT training prompts, and HumanEval's 135 and lm_eval's 313
-  over and over (660 and 1,320 draws): 11,665 distinct prompts. The climb's pool left those out
-  and its rounds drew the first 10,503 chat, 5,294 coding and 587 math prompts of the pool's
-  seeded orders (the runs' data/round-N/slice.json): 16,384 more, 28,049 in all. (Round 1's data
-  stage regenerated 5,120 of its 8,192 before its deadline; the key file lists all it drew.)
+  then the three rounds of the base climb that fine-tuned it (configs/smollm2-1gpu-climb.yaml,
+  2026-12-06, two machine runs, DATA_CARD.md). The build drew its 13,197 prompts by the `real`
+  mix's weights: the first 11,217 of the 12,749 ShareGPT training prompts, and HumanEval's 135
+  and lm_eval's 313 over and over (660 and 1,320 draws): 11,665 distinct prompts. The climb's
+  pool left those out and its rounds drew the first 18,695 chat, 5,294 coding and 587 math
+  prompts of the pool's seeded orders (the run's data/round-N/slice.json): 24,576 more, 36,241
+  in all. (Round 1's data stage regenerated 5,120 of its 8,192 before its deadline; the key file
+  lists all it drew.)
 - `smollm2-135m-offpolicy`: the training split of configs/smollm2-cpu.yaml that has a ShareGPT
   reply (benchmarks/demo_prompts.py, then `base_drafter.py gen --replies dataset`): 12,733
   prompts, its 256 evaluation samples included. A prompt whose reply the chat template renders
@@ -42,8 +43,8 @@ BUILT_WITH = ["data.gate_prompts=0"]
 OFFPOLICY_SPLIT = [*BUILT_WITH, "data.source={real: 0.75, traffic: 0.25}", "data.user_prompts=256"]
 
 
-# where the base climb's two rounds' slices of the pool's per-domain orders ended
-CLIMB_DRAWN = {"chat": 10_503, "coding": 5_294, "math": 587}
+# where the base climb's three rounds' slices of the pool's per-domain orders ended
+CLIMB_DRAWN = {"chat": 18_695, "coding": 5_294, "math": 587}
 
 
 def base_prompts() -> list[Conversation]:

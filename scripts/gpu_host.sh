@@ -59,7 +59,12 @@ PY
     cat /tmp/carry/bundle.part.* | tar -C /tmp/wheels -xf -
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$SITE" /tmp/wheels/*.whl
-    echo "installed $(ls /tmp/wheels | wc -l) wheels into $SITE" ;;
+    echo "installed $(ls /tmp/wheels | wc -l) wheels into $SITE"
+    # what the job imports first, checked here: a wheel the host's packages refuse (a
+    # grpcio-reflection newer than its grpcio) failed a job on `from ray import serve` only after
+    # Ray, MLflow and the upload had started (2026-12-06, twice)
+    PYTHONPATH=$SITE python3 -c "import ray.serve, ray.train, mlflow" \
+      || { echo "the bundle does not import on this host: rebuild it with \`$0 wheels\`"; exit 1; } ;;
   env)
     echo "export PYTHONPATH=$SITE PATH=$SITE/bin:\$PATH RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0" ;;
   *) echo "usage: $0 wheels WHEEL_DIR [HOST_PACKAGES] | bundle WHEEL_DIR OUT_DIR [PART_MB] | stash DIR | install | env" >&2; exit 2 ;;
