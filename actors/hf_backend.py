@@ -35,6 +35,7 @@ from eagle3.fit import (  # noqa: F401  (resolve_aux_layer_ids re-exported: the 
     resolve_aux_layer_ids,
     resolve_capture_layers,
 )
+from eagle3.hf_folder import local_target
 from eagle3.target_weights import TargetInfo, resolve_target, target_info_from_dict
 from eagle3.train_step import target_dtype
 
@@ -60,9 +61,10 @@ def resolve_model(cfg: TargetConfig) -> tuple[str, str | None]:
     return resolve_target(cfg.model, cfg.gguf_file)
 
 
-def load_tokenizer(cfg: TargetConfig) -> Any:
-    """The target's tokenizer (with its chat template)."""
-    path, gguf = resolve_model(cfg)
+def load_tokenizer(cfg: TargetConfig, where: tuple[str, str | None] | None = None) -> Any:
+    """The target's tokenizer (with its chat template), from `where` (path, gguf file) when the
+    caller resolved it already (a GGUF's converted folder: eagle3.hf_folder.local_target)."""
+    path, gguf = where or resolve_model(cfg)
     kw: dict[str, Any] = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
     if gguf:
         kw["gguf_file"] = gguf
@@ -141,20 +143,20 @@ class HFTarget:
             torch.set_num_threads(max(1, int(num_threads)))
         if cfg is None:  # from_model() fills the fields in
             return
-        path, gguf = resolve_model(cfg)
+        self.device = torch.device(
+            reserved_device(cfg.num_gpus_per_actor, "target.num_gpus_per_actor")
+        )
+        dtype = target_dtype(cfg.dtype, self.device.type)
+        path, gguf = local_target(cfg.model, cfg.gguf_file, dtype)  # a GGUF: converted once
         kw: dict[str, Any] = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
         if gguf:
             kw["gguf_file"] = gguf
-        self.tokenizer = load_tokenizer(cfg)
+        self.tokenizer = load_tokenizer(cfg, (path, gguf))
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(
                 f"target.model: {cfg.model!r} has no chat template in its tokenizer; use an instruct/chat "
                 "model or add a chat_template to its tokenizer_config.json"
             )
-        self.device = torch.device(
-            reserved_device(cfg.num_gpus_per_actor, "target.num_gpus_per_actor")
-        )
-        dtype = target_dtype(cfg.dtype, self.device.type)
         self.model = (
             AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).to(self.device).eval()
         )

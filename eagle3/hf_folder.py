@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STAMP = "eagle-loop-conversion.json"  # what a folder was converted from, to reuse it safely
+CACHE_ENV = "EAGLE_LOOP_CACHE"  # where converted GGUF targets are kept (~/.cache/eagle-loop)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -79,6 +84,47 @@ def gguf_to_hf(
     AutoTokenizer.from_pretrained(path, gguf_file=gguf).save_pretrained(out)
     (out / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
     return out
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "eagle-loop")
+
+
+def local_target(model: str, gguf_file: str | None, dtype: torch.dtype) -> tuple[str, str | None]:
+    """(path, gguf file) to load `model` from in `dtype`: for a GGUF file on this machine, its HF
+    folder, converted once (`gguf_to_hf`) under `cache_root()/gguf` and reused by every later
+    load; anything else as `resolve_target` gives it. transformers parses a GGUF's metadata (for
+    SmolLM2, a 49k-token vocabulary) for the config, again for the tokenizer and again for the
+    weights: 18 s on one core, in every data actor, trainer and server a round starts, where the
+    folder loads in under a second with the same tensors and tokenizer (tests/test_hf_folder.py).
+    The folder is written under a temporary name and renamed into place, so processes that load
+    at once never read a half-written one; its name carries the source file's path, size and
+    mtime, the dtype and the transformers version, so a changed file or release converts anew."""
+    import transformers
+
+    from eagle3.target_weights import resolve_target
+
+    path, gguf = resolve_target(model, gguf_file)
+    src = Path(path) / gguf if gguf else None
+    if src is None or not src.is_file():  # not a GGUF, or one on the Hub: transformers loads it
+        return path, gguf
+    src, name = src.resolve(), next(k for k, v in DTYPES.items() if v == dtype)
+    ident = [str(src), src.stat().st_size, src.stat().st_mtime_ns, name, transformers.__version__]
+    key = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
+    out = cache_root() / "gguf" / f"{src.stem}-{name}-{key}"
+    if not (out / STAMP).is_file():  # written last: the folder is whole
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+        try:
+            gguf_to_hf(str(src.parent), tmp, gguf_file=src.name, dtype=name)
+            try:
+                tmp.rename(out)
+            except OSError:  # another process put its conversion in place first
+                if not (out / STAMP).is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(out), None
 
 
 def tiny_llama(

@@ -60,3 +60,33 @@ def test_tiny_llama_has_vllm_cpu_head_size(tmp_path):
     base = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).lm_head.weight
     torch.testing.assert_close(scaled, base * 10.0)
     assert AutoTokenizer.from_pretrained(out).chat_template
+
+
+@pytest.mark.slow
+def test_a_gguf_target_loads_from_its_folder_converted_once(
+    tmp_path, monkeypatch, smollm2_gguf_lm, tiny_target
+):
+    """Every process that loads the GGUF target (data actors, trainers' online states, servers)
+    loads its HF folder, converted once per machine: the same tensors and the same tokenizer
+    (shards record its hash), in under a second where parsing the GGUF took 18 s. A second load
+    converts nothing; a target that is not a GGUF file is loaded as it is."""
+    import torch as t
+
+    from actors.config import TargetConfig
+    from actors.hf_backend import HFTarget, tokenizer_hash
+    from eagle3.hf_folder import CACHE_ENV, local_target
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    target = HFTarget(TargetConfig(model="smollm2", dtype="float32"))
+    (folder,) = (tmp_path / "gguf").iterdir()  # one folder, no temporary one left behind
+    assert (folder / STAMP).is_file()
+    ref, got = smollm2_gguf_lm.state_dict(), target.model.state_dict()
+    assert ref.keys() == got.keys()
+    for k in ref:
+        assert t.equal(ref[k], got[k]), k
+    tok_ref = AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF)
+    assert tokenizer_hash(target.tokenizer) == tokenizer_hash(tok_ref)
+    mtime = (folder / "model.safetensors").stat().st_mtime_ns
+    assert local_target("smollm2", None, t.float32) == (str(folder), None)
+    assert (folder / "model.safetensors").stat().st_mtime_ns == mtime
+    assert local_target(str(tiny_target), None, t.float32) == (str(tiny_target), None)

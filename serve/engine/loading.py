@@ -31,16 +31,15 @@ def load_target(
     static-cache, CUDA-graph runner."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eagle3.target_weights import resolve_target
+    from eagle3.hf_folder import local_target
+    from eagle3.train_step import target_dtype
 
-    path, gguf = resolve_target(model, gguf_file)
+    dt = target_dtype(dtype, torch.device(device).type if device else "cpu")
+    path, gguf = local_target(model, gguf_file, dt)  # a GGUF: its folder, converted once
     kw: dict[str, Any] = {"revision": revision, "trust_remote_code": trust_remote_code}
     if gguf:
         kw["gguf_file"] = gguf
     tok = AutoTokenizer.from_pretrained(path, **kw)
-    from eagle3.train_step import target_dtype
-
-    dt = target_dtype(dtype, torch.device(device).type if device else "cpu")
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=dt, **kw).eval()
     return (lm.to(device) if device else lm), tok
 
