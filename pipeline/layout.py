@@ -51,6 +51,12 @@ class RunDir:
         return self.root / "summary.json"
 
     @property
+    def start_keys(self) -> Path:
+        """The prompt keys the run's starting drafter was trained on, as they were when the run
+        began (pipeline/loop.py `_prompts`)."""
+        return self.root / "start_prompt_keys.txt.gz"
+
+    @property
     def serve(self) -> Path:
         return self.root / "serve"
 

@@ -39,7 +39,7 @@ from pipeline.gate_set import gate_dirs, gate_due, make_gate_set
 from pipeline.layout import RunDir, round_tag
 from pipeline.measure import machine
 from pipeline.preflight import preflight
-from pipeline.round_data import fresh_prompts, replied_batches, start_early
+from pipeline.round_data import fresh_prompts, replied_batches, run_prompts, start_early
 from pipeline.round_plan import (
     data_bytes,
     disk_plan,
@@ -99,7 +99,7 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
         log.info("run already finished: %s", state.stopped_because)
         return _write_summary(state, run_dir)
 
-    plan = _prompts(cfg)
+    plan = run_prompts(cfg, run_dir)
     evalset = _eval_set(cfg, plan)
     clock, server, early = Clock(state), None, None
     try:
@@ -116,7 +116,11 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
             _commit(state, clock, run_dir)
         if (sized := sized_config(cfg, state)) is not cfg:  # as measured (a resume: as it began)
             # a gate set cut down is re-carved; the held-out and users' splits come first
-            plan = plan if sized.data.gate_prompts == cfg.data.gate_prompts else _prompts(sized)
+            plan = (
+                plan
+                if sized.data.gate_prompts == cfg.data.gate_prompts
+                else run_prompts(sized, run_dir)
+            )
             cfg = sized
         for r in range(cfg.stop.max_rounds):
             rs = state.round(r)
@@ -239,17 +243,6 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
 
 
 # ---- stages ------------------------------------------------------------------------------------
-
-
-def _prompts(cfg: Config):
-    from actors.prompts import init_trained_hashes, plan_prompts
-
-    # the pool leaves out what the starting drafter learned (its key file); later rounds take
-    # slices after round 0's, so they never repeat one either
-    trained = frozenset()
-    if "pool" in cfg.data.sources():
-        trained = init_trained_hashes(cfg.drafter.resolved_init())
-    return plan_prompts(cfg.data, eval_files=cfg.bench.eval_files or [], trained=trained)
 
 
 def _eval_set(cfg: Config, plan) -> tuple[list, list[str]]:

@@ -30,6 +30,31 @@ log = logging.getLogger("eagle_loop")
 SLICE = "slice.json"
 
 
+def run_prompts(cfg: Config, run_dir: Path | None = None):
+    """The run's prompt plan (actors/prompts.py `plan_prompts`): held-out, users', gate and
+    training prompts; a pool without what the starting drafter was trained on, as its key file
+    was when the run began (`RunDir.start_keys`, pinned then)."""
+    from actors.prompt_keys import read_key_file, write_key_file
+    from actors.prompts import init_trained_hashes, plan_prompts
+
+    # the pool leaves out what the starting drafter learned (its key file); later rounds take
+    # slices after round 0's, so they never repeat one either
+    trained = frozenset()
+    if "pool" in cfg.data.sources():
+        pin = RunDir(run_dir).start_keys if run_dir else None
+        if pin and pin.is_file():
+            trained = read_key_file(pin)
+        else:
+            trained = init_trained_hashes(cfg.drafter.resolved_init())
+        if pin and not pin.is_file():
+            # pinned: each round's slice is recorded as offsets into this pool, and the start's
+            # own key file grows when a climb's champion is shipped in its place (the base
+            # climb's resume on a second machine found 16,384 more keys there)
+            pin.parent.mkdir(parents=True, exist_ok=True)
+            write_key_file(pin, trained, "the run's starting drafter's prompt keys, at its start")
+    return plan_prompts(cfg.data, eval_files=cfg.bench.eval_files or [], trained=trained)
+
+
 def fresh_prompts(
     cfg: Config, state: RunState, r: int, plan, out: Path, traffic: int
 ) -> tuple[list, list, dict[str, list[int]]]:

@@ -284,12 +284,13 @@ def untrained(live, tmp_path_factory, two_token_target) -> dict:
     """The benchmark record of an untrained (random) drafter on the live server, through the
     loop's own benchmark on the rounds' prompts and settings: what a trainer that learns nothing
     serves. The champion serves again afterwards."""
-    from pipeline.loop import _eval_set, _prompts
+    from pipeline.loop import _eval_set
+    from pipeline.round_data import run_prompts
 
     cfg, ep, state = live
     tmp = tmp_path_factory.mktemp("untrained")
     drafter = _random_drafter(two_token_target, tmp / "random", seed=0)
-    evalset = _eval_set(cfg, _prompts(cfg))
+    evalset = _eval_set(cfg, run_prompts(cfg))
     try:
         rs, r, _, _ = _candidate_round(cfg, state, drafter, 1.0, tmp, evalset, ep)
     finally:
@@ -298,12 +299,13 @@ def untrained(live, tmp_path_factory, two_token_target) -> dict:
 
 
 def test_gate_keeps_the_serving_drafter_when_the_new_one_is_worse(live, tmp_path, two_token_target):
-    from pipeline.loop import _eval_set, _gate, _prompts
+    from pipeline.loop import _eval_set, _gate
+    from pipeline.round_data import run_prompts
 
     cfg, ep, state = live
     champion = state["champion"]
     broken = _random_drafter(two_token_target, tmp_path / "random", seed=7)
-    evalset = _eval_set(cfg, _prompts(cfg))
+    evalset = _eval_set(cfg, run_prompts(cfg))
     rs, r, tracker, child = _candidate_round(cfg, state, broken, 1.0, tmp_path, evalset, ep)
     assert rs.rounds[r].done["bench"]["accept_len"] < champion["accept_len"]
     rec = _gate(cfg, rs, r, ep, tracker, child)
@@ -313,7 +315,8 @@ def test_gate_keeps_the_serving_drafter_when_the_new_one_is_worse(live, tmp_path
 
 
 def test_collapsed_acceptance_is_an_error_naming_the_drafter(live, tmp_path):
-    from pipeline.loop import _eval_set, _gate, _prompts
+    from pipeline.loop import _eval_set, _gate
+    from pipeline.round_data import run_prompts
     from pipeline.rules import AcceptanceCollapsed
 
     cfg, ep, state = live
@@ -331,7 +334,7 @@ def test_collapsed_acceptance_is_an_error_naming_the_drafter(live, tmp_path):
         "sim_accept_len"
     ]
     assert predicted >= cfg.bench.collapse_predicted  # the trained figures promise acceptance
-    evalset = _eval_set(cfg, _prompts(cfg))
+    evalset = _eval_set(cfg, run_prompts(cfg))
     rs, r, tracker, child = _candidate_round(cfg, state, str(dropped), predicted, tmp_path, evalset, ep)  # fmt: skip
     with pytest.raises(AcceptanceCollapsed, match=f"acceptance collapsed: drafter {dropped}"):
         _gate(cfg, rs, r, ep, tracker, child)

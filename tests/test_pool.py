@@ -171,7 +171,7 @@ def test_the_pool_never_yields_a_prompt_the_starting_drafter_was_trained_on():
     loop's plan not reading drafter.init's key file): 10,837 of the first build's were in it."""
     from actors.prompt_keys import KEY_FILE, key_hash, read_key_file
     from benchmarks.drafter_prompt_keys import SHIPPED, base_prompts
-    from pipeline.loop import _prompts
+    from pipeline.round_data import run_prompts
 
     cfg = load_config(REPO / "configs" / "smollm2-1gpu-climb.yaml")
     assert Path(cfg.drafter.resolved_init()) == REPO / "drafters" / "smollm2-135m-base"
@@ -181,7 +181,7 @@ def test_the_pool_never_yields_a_prompt_the_starting_drafter_was_trained_on():
     for name, prompts in SHIPPED.items():
         shipped = read_key_file(REPO / "drafters" / name / KEY_FILE)
         assert shipped == {key_hash(c) for c in prompts()}, f"{name}: stale {KEY_FILE}"
-    plan = _prompts(cfg)  # the loop's own plan: it reads drafter.init's key file
+    plan = run_prompts(cfg)  # the loop's own plan: it reads drafter.init's key file
     pool = {prompt_key(c) for d in plan.train.values() for c in d}
     assert len(pool) > 15_000  # 15,760 chat prompts
     assert not pool & base
@@ -237,3 +237,26 @@ def test_an_exported_drafter_lists_its_starts_prompts_and_its_rounds(tmp_path):
     # from scratch: the round's prompts only; the bytes depend on the keys alone
     _write_prompt_keys(out, "scratch", [data], {})
     assert (out / KEY_FILE).read_bytes() == (data / KEY_FILE).read_bytes()
+
+
+def test_a_resumed_run_keeps_the_pool_it_began_with_when_its_start_is_reshipped(tmp_path):
+    """The pool a run draws from leaves out what its starting drafter was trained on as its key
+    file was when the run began (pinned in the run dir): each round's slice is recorded as
+    offsets into that pool, and a climb's champion shipped in its start's place meanwhile lists
+    the climb's own prompts too. A new run from the re-shipped drafter leaves those out."""
+    from actors.prompt_keys import KEY_FILE, key_hash, write_key_file
+    from pipeline.layout import RunDir
+    from pipeline.round_data import run_prompts
+
+    start = tmp_path / "drafter"
+    start.mkdir()
+    write_key_file(start / KEY_FILE, [key_hash([{"role": "user", "content": "hello"}])])
+    cfg = load_config(GPU_CONFIG, ["data.source=pool", f"drafter.init={start}"])
+    run = tmp_path / "run"
+    began = run_prompts(cfg, run)
+    assert RunDir(run).start_keys.is_file()
+    learned = [key_hash(c) for c in began.train["chat"][:100]]  # the climb's first slice
+    write_key_file(start / KEY_FILE, learned)  # its champion, shipped as the start
+    assert run_prompts(cfg, run).train == began.train  # the recorded offsets: the same prompts
+    fresh = run_prompts(cfg, tmp_path / "new-run")
+    assert not {key_hash(c) for d in fresh.train.values() for c in d} & set(learned)
