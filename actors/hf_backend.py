@@ -62,8 +62,7 @@ def resolve_model(cfg: TargetConfig) -> tuple[str, str | None]:
 
 
 def load_tokenizer(cfg: TargetConfig, where: tuple[str, str | None] | None = None) -> Any:
-    """The target's tokenizer (with its chat template), from `where` (path, gguf file) when the
-    caller resolved it already (a GGUF's converted folder: eagle3.hf_folder.local_target)."""
+    """The target's tokenizer (with its chat template), from `where` (path, gguf) if given."""
     path, gguf = where or resolve_model(cfg)
     kw: dict[str, Any] = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
     if gguf:

@@ -529,6 +529,10 @@ def test_a_round_after_a_kept_start_trains_on_from_its_last_state(
         def log(self, child, metrics, step=None):
             self.logged.update(metrics)
 
+        def log_steps(self, child, steps):
+            for _, metrics in steps:
+                self.logged.update(metrics)
+
         def log_artifact(self, child, path, name):
             pass
 
