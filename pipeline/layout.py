@@ -53,7 +53,7 @@ class RunDir:
     @property
     def start_keys(self) -> Path:
         """The prompt keys the run's starting drafter was trained on, as they were when the run
-        began (pipeline/loop.py `_prompts`)."""
+        began (pipeline/round_data.py `run_prompts`)."""
         return self.root / "start_prompt_keys.txt.gz"
 
     @property

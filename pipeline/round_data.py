@@ -46,12 +46,14 @@ def run_prompts(cfg: Config, run_dir: Path | None = None):
             trained = read_key_file(pin)
         else:
             trained = init_trained_hashes(cfg.drafter.resolved_init())
-        if pin and not pin.is_file():
-            # pinned: each round's slice is recorded as offsets into this pool, and the start's
-            # own key file grows when a climb's champion is shipped in its place (the base
-            # climb's resume on a second machine found 16,384 more keys there)
-            pin.parent.mkdir(parents=True, exist_ok=True)
-            write_key_file(pin, trained, "the run's starting drafter's prompt keys, at its start")
+            if pin:
+                # pinned: each round's slice is recorded as offsets into this pool, and the
+                # start's own key file grows when a climb's champion is shipped in its place
+                # (the base climb's resume on a second machine found 16,384 more keys there)
+                pin.parent.mkdir(parents=True, exist_ok=True)
+                write_key_file(
+                    pin, trained, "the run's starting drafter's prompt keys, at its start"
+                )
     return plan_prompts(cfg.data, eval_files=cfg.bench.eval_files or [], trained=trained)
 
 
