@@ -121,6 +121,10 @@ def test_the_run_stopped_in_round_1s_training_resumes_to_a_whole_run(closed_run,
     assert {"generate", "train", "bench", "gate", "traffic"} <= set(at_kill["rounds"][0]["done"])
     assert "train" not in at_kill["rounds"][1]["done"], "the job finished before it was stopped"
     assert _manifests(run_dir) == closed_run["shards_at_kill"]  # no shard regenerated
+    # the resumed job served round 0's champion before going on: round 1's benchmark swapped
+    # the drafter on a live server, as in an uninterrupted run, instead of starting one
+    bench = [r["done"]["bench"] for r in _state(run_dir)["rounds"]]
+    assert "serve_start_s" in bench[0] and "serve_start_s" not in bench[1], bench
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = summary["rounds"]
     assert [r["round"] for r in rows] == [0, 1]

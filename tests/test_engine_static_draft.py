@@ -240,14 +240,12 @@ def test_capture_at_start_up_covers_the_requests():
     assert engine.drafter.graph_keys() == draft_keys
 
 
-def test_drafter_graph_bookkeeping_with_a_stand_in_graph(target, prompts):
-    """The graph path of `StaticEagleDraft` on CPU, with `_capture` replaced by a stand-in whose
-    replay reruns the function on the static inputs: the capture covers every key the shapes'
-    requests use (no new key afterwards), and inputs copied in at each replay give the eager
-    drafter's drafts. (The real capture is CUDA's: the `gpu` tests.)"""
+def stand_in_graphs(d: StaticEagleDraft) -> None:
+    """`d` on the graph path on CPU: its `_capture` replaced by a stand-in whose replay reruns
+    the function on the static inputs (the real capture is CUDA's: the `gpu` tests)."""
     from serve.engine.static_draft import _Graph
 
-    def stand_in(self, fn, args):
+    def stand_in(fn, args):
         g = _Graph(None, tuple(a.clone() for a in args), None)
 
         class Replay:
@@ -257,6 +255,14 @@ def test_drafter_graph_bookkeeping_with_a_stand_in_graph(target, prompts):
         g.graph = Replay()
         return g
 
+    d.use_graphs, d.min_bucket, d._capture = True, 32, stand_in
+
+
+def test_drafter_graph_bookkeeping_with_a_stand_in_graph(target, prompts):
+    """The graph path of `StaticEagleDraft` on CPU, with `_capture` replaced by a stand-in whose
+    replay reruns the function on the static inputs: the capture covers every key the shapes'
+    requests use (no new key afterwards), and inputs copied in at each replay give the eager
+    drafter's drafts. (The real capture is CUDA's: the `gpu` tests.)"""
     logs = []
     for graphs in (False, True):
         engine = SpecEngine(target, steps=3, topk=2, num_draft_tokens=6, runner="static",
@@ -264,8 +270,7 @@ def test_drafter_graph_bookkeeping_with_a_stand_in_graph(target, prompts):
         engine.set_drafter(drafter(target))
         d = engine.drafter
         if graphs:
-            d.use_graphs, d.min_bucket = True, 32
-            d._capture = stand_in.__get__(d)
+            stand_in_graphs(d)
             assert engine.capture() == {"drafter": len(d.graph_keys())}
             keys = d.graph_keys()
             assert {k[-1] for k in keys} == {32, 64, 96} and d.captures == len(keys)
@@ -278,3 +283,64 @@ def test_drafter_graph_bookkeeping_with_a_stand_in_graph(target, prompts):
             engine.generate(prompts[:1], GenParams(max_tokens=8, steps=2, topk=1))  # not captured
             assert engine.late_captures() > 0  # the chain of 2 at each span it reached
     assert logs[0] == logs[1]
+
+
+def test_a_swap_to_the_same_architecture_keeps_the_graphs(target, prompts):
+    """The loop's swap between rounds' drafters (one architecture) copies the new weights into
+    the graphed drafter's own tensors: no graph is captured again, and its replays draft what a
+    fresh engine with the new drafter drafts. A drafter of another architecture is built anew."""
+    shape = dict(steps=3, topk=2, num_draft_tokens=6, runner="static", static_capacity=96,
+                 capture_chains=(1, 3))  # fmt: skip
+    params = GenParams(max_tokens=24)
+    engine = SpecEngine(target, **shape)
+    engine.set_drafter(drafter(target, seed=5))
+    d = engine.drafter
+    stand_in_graphs(d)
+    engine.capture()
+    n = d.captures
+    engine.set_drafter(drafter(target, seed=6))
+    assert engine.drafter is d and d.captures == n
+    fresh = SpecEngine(target, **shape)
+    fresh.set_drafter(drafter(target, seed=6))
+    runs = []
+    for e in (engine, fresh):
+        log = record(e.drafter)
+        runs.append((log, [g.token_ids for g in e.generate(prompts, params)]))
+    assert runs[0] == runs[1] and len(runs[0][0]) > len(prompts)
+    assert d.captures == n and engine.late_captures() == 0
+    engine.set_drafter(random_drafter(target, draft_vocab_size=1000, aux_layer_ids=AUX, seed=7))
+    assert engine.drafter is not d and isinstance(engine.drafter, StaticEagleDraft)
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_swap_keeps_the_cuda_graphs_and_drafts_the_new_weights():
+    """fp32 on the GPU (TF32 off): after a swap to a drafter of the same architecture the
+    captured graphs replay the new weights: the same drafts as that drafter without graphs, and
+    no graph captured by the swap or by the requests after it."""
+    from test_gpu_perf_paths import tiny_llama
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_llama("cuda")
+    g = torch.Generator().manual_seed(1)
+    ps = [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in (3, 11, 40, 7)]
+
+    def new(seed: int) -> EagleDraft:
+        d = random_drafter(model, draft_vocab_size=256, aux_layer_ids=[2, 0, 1], seed=seed)
+        d.model.to("cuda")
+        return d
+
+    engine = SpecEngine(model, new(1), steps=3, topk=2, num_draft_tokens=6, stop_ids=set(),
+                        static_capacity=128)  # fmt: skip
+    graphed, n = engine.drafter, engine.drafter.captures
+    engine.set_drafter(new(2))
+    assert engine.drafter is graphed and graphed.captures == n
+    ref = SpecEngine(model, steps=3, topk=2, num_draft_tokens=6, stop_ids=set(),
+                     static_capacity=128)  # fmt: skip
+    ref.set_drafter(StaticEagleDraft(new(2).model, 128, graphs=False))
+    runs = []
+    for e in (engine, ref):
+        log = record(e.drafter)
+        runs.append((log, [r.token_ids for r in e.generate(ps, GenParams(max_tokens=24))]))
+    assert runs[0] == runs[1]
+    assert engine.late_captures() == 0 and graphed.captures == n

@@ -226,7 +226,15 @@ class SpecEngine:
         if self.static_draft and isinstance(drafter, EagleDraft):
             if self.drafter_dtype == "serving" and self.device.type == "cuda":
                 _to_dtype(drafter.model, self.target.model.get_input_embeddings().weight.dtype)
-            drafter = StaticEagleDraft(drafter.model, self.static_capacity, source=drafter.source)
+            if not (
+                isinstance(self.drafter, StaticEagleDraft)
+                and self.drafter.adopt(drafter.model, drafter.source)
+            ):
+                drafter = StaticEagleDraft(
+                    drafter.model, self.static_capacity, source=drafter.source
+                )
+            else:  # the same architecture: its weights copied into the graphed drafter's own
+                drafter = self.drafter
         if drafter is not None:
             self.target.set_aux_layers(drafter.aux_layer_ids)
             if self.static is not None:

@@ -91,6 +91,29 @@ class StaticEagleDraft:
     def device(self) -> torch.device:
         return self.model.fc.weight.device
 
+    def adopt(self, model: Eagle3Drafter, source: str = "") -> bool:
+        """Take `model`'s weights into this drafter's own tensors, in place, where it is the
+        same architecture (config, every parameter and buffer of equal name, shape, dtype and
+        device); False, changing nothing, where it is not. In place keeps the captured CUDA
+        graphs valid (they read these tensors' memory), so a swap between rounds' drafters skips
+        the recapture that took 27.8 s on an H100 (the climb's server, 2026-12-06). Between
+        requests only, as a swap is."""
+        if model.cfg != self.cfg:
+            return False
+        mine = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+        new = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        same = mine.keys() == new.keys() and all(
+            (a.shape, a.dtype, a.device) == (new[n].shape, new[n].dtype, new[n].device)
+            for n, a in mine.items()
+        )
+        if not same:
+            return False
+        with torch.no_grad():
+            for n, a in mine.items():
+                a.copy_(new[n])
+        self.source = source
+        return True
+
     # -- state ------------------------------------------------------------------------------
     def start(self, batch: int, capacity: int) -> None:
         """Fresh state for `batch` rows. The buffers (and the graphs over them) are made once per
