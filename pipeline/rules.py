@@ -68,14 +68,12 @@ def costs(rows: list[dict[str, Any]], cpus: int, gpus: int) -> dict[str, Any]:
         minutes = r["wall_s"] / 60.0
         item = {"round": r["round"], "gain": None if gain is None else round(gain, 4),
                 "wall_min": round(minutes, 2)}  # fmt: skip
-        if gpus:
-            item["gain_per_gpu_hour"] = (
-                round(gain / (minutes / 60.0 * gpus), 4) if minutes and gain is not None else None
-            )
-        else:
-            item["gain_per_cpu_minute"] = (
-                round(gain / (minutes * cpus), 5) if minutes and gain is not None else None
-            )
+        key, used, digits = (
+            ("gain_per_gpu_hour", minutes / 60.0 * gpus, 4)
+            if gpus
+            else ("gain_per_cpu_minute", minutes * cpus, 5)
+        )
+        item[key] = round(gain / used, digits) if used and gain is not None else None
         per_round.append(item)
         prev = max(prev, r["accept_len"]) if r.get("promoted", True) else prev
     pairs = [
