@@ -127,8 +127,7 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
             # answered through the round, whose benchmark swaps the drafter instead of starting
             # the server (a fresh H100: the target's load and graphs, 52 s of a 94 s benchmark)
             with stage("serving the champion again", plan=_serving_drafter(state) or ""):
-                server = _serve(cfg, run_dir, _serving_drafter(state), None)
-                server = _serve(cfg, run_dir, None, server, _serving_shape(state))
+                server = _serve(cfg, run_dir, _serving_drafter(state), None, _serving_shape(state))
         for r in range(cfg.stop.max_rounds):
             rs = state.round(r)
             if not rs.mlflow_run_id:
@@ -480,7 +479,7 @@ def _serve(cfg: Config, run_dir: Path, drafter: str | None, server, shape: dict 
     from serve.shapes import Shape
 
     if server is None:
-        return deploy_endpoint(
+        server = deploy_endpoint(
             cfg.serve,
             cfg.target,
             drafter,
@@ -488,7 +487,7 @@ def _serve(cfg: Config, run_dir: Path, drafter: str | None, server, shape: dict 
             owner=str(run_dir.resolve()),  # a run never replaces another's app (serve.app)
             traffic_dir=RunDir(run_dir).traffic,
         )
-    if drafter and server.info().get("path") != drafter:
+    elif drafter and server.info().get("path") != drafter:
         server.swap_drafter(drafter)
     if shape and hasattr(server, "set_shape"):
         info = server.set_shape(Shape.parse(shape))

@@ -226,15 +226,15 @@ class SpecEngine:
         if self.static_draft and isinstance(drafter, EagleDraft):
             if self.drafter_dtype == "serving" and self.device.type == "cuda":
                 _to_dtype(drafter.model, self.target.model.get_input_embeddings().weight.dtype)
-            if not (
-                isinstance(self.drafter, StaticEagleDraft)
-                and self.drafter.adopt(drafter.model, drafter.source)
+            current = self.drafter
+            if isinstance(current, StaticEagleDraft) and current.adopt(
+                drafter.model, drafter.source
             ):
+                drafter = current  # the same architecture: its graphs replay the new weights
+            else:
                 drafter = StaticEagleDraft(
                     drafter.model, self.static_capacity, source=drafter.source
                 )
-            else:  # the same architecture: its weights copied into the graphed drafter's own
-                drafter = self.drafter
         if drafter is not None:
             self.target.set_aux_layers(drafter.aux_layer_ids)
             if self.static is not None:
