@@ -148,6 +148,7 @@ def plan_round(
     bench_requests: Sequence[int],
     traffic_requests: int,
     first_round_trains: bool = True,
+    alone: bool = False,
 ) -> RoundPlan:
     """Seconds for round `r` of `rounds` with `remaining_s` left. `bench_requests[i]` counts
     the benchmark requests (drafter and baseline) of round r+i, for every round still to run.
@@ -157,21 +158,25 @@ def plan_round(
     weight (round 0 weighs FIRST_ROUND_WEIGHT when it trains, 0 when it serves its base drafter
     as is; later rounds 1). Refused (BudgetError) when any training round still to run would get
     less than 2 * MIN_STAGE_S: so round 0 leaves round 1 a round, and the stop rule, which asks
-    this same function about the next round (pipeline/round_plan.py), agrees with it."""
-    n = max(1, rounds - r)
-    bench, users = _measuring(r, rounds, rates, bench_requests, traffic_requests)
+    this same function about the next round (pipeline/round_plan.py), agrees with it.
+
+    `alone`: `remaining_s` is round r's own (`stop.round_minutes`): the rounds after it are not
+    reserved for, its simulated users are (unless it is the last)."""
+    n = 1 if alone else max(1, rounds - r)
+    bench, users = _measuring(r, rounds, rates, bench_requests, traffic_requests, n)
     weights = [_weight(r + i, first_round_trains) for i in range(n)]
     free = remaining_s - sum(bench) - sum(users)
     trained = [w for w in weights if w]
     least = free * min(trained) / sum(trained) if trained else 0.0  # the smallest round's share
     if (least < 2 * MIN_STAGE_S) if trained else free < 0:  # none trains: the rest must fit
+        field = "stop.round_minutes" if alone else "stop.max_wall_minutes"
         raise BudgetError(
-            f"stop.max_wall_minutes: {remaining_s:.0f} s left for {n} round(s), of which the "
+            f"{field}: {remaining_s:.0f} s left for {n} round(s), of which the "
             f"benchmarks ({sum(bench):.0f} s: {sum(bench_requests[:n])} requests at "
             f"{rates.bench_s:.1f} s) and simulated users ({sum(users):.0f} s: "
             f"{traffic_requests} per round at {rates.traffic_s:.1f} s) leave "
             f"{max(0.0, free):.0f} s for data and training, {least:.0f} s for a training round "
-            f"(needs {2 * MIN_STAGE_S:.0f}); raise stop.max_wall_minutes, lower "
+            f"(needs {2 * MIN_STAGE_S:.0f}); raise {field}, lower "
             "stop.max_rounds, bench.num_prompts or serve.simulate_users"
         )
     work = free * weights[0] / sum(trained) if weights[0] else 0.0
@@ -182,19 +187,29 @@ def plan_round(
 
 
 def measuring_s(
-    r: int, rounds: int, rates: Rates, bench_requests: Sequence[int], traffic_requests: int
+    r: int,
+    rounds: int,
+    rates: Rates,
+    bench_requests: Sequence[int],
+    traffic_requests: int,
+    n: int | None = None,
 ) -> float:
-    """Seconds the benchmarks and simulated users of rounds r.. take at `rates`."""
-    bench, users = _measuring(r, rounds, rates, bench_requests, traffic_requests)
+    """Seconds the benchmarks and simulated users of rounds r.. (the next `n`) take at `rates`."""
+    bench, users = _measuring(r, rounds, rates, bench_requests, traffic_requests, n)
     return sum(bench) + sum(users)
 
 
 def _measuring(
-    r: int, rounds: int, rates: Rates, bench_requests: Sequence[int], traffic_requests: int
+    r: int,
+    rounds: int,
+    rates: Rates,
+    bench_requests: Sequence[int],
+    traffic_requests: int,
+    n: int | None = None,
 ) -> tuple[list[float], list[float]]:
-    """Per round still to run: its benchmark's seconds and its simulated users' (none after the
-    last round)."""
-    n = max(1, rounds - r)
+    """Per round still to run (the next `n` of them; default all): its benchmark's seconds and
+    its simulated users' (none after the last round)."""
+    n = max(1, rounds - r) if n is None else n
     if len(bench_requests) < n:
         raise ValueError(f"plan_round: {n} rounds to run, {len(bench_requests)} request counts")
     bench = [rates.bench_s * bench_requests[i] for i in range(n)]

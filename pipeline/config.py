@@ -226,6 +226,17 @@ class StopConfig(_Strict):
     training keep their share (pipeline/round_plan.py `size_work`, recorded in summary.json's
     first plan); only a budget that even the smallest cannot fit is refused before round 0,
     naming the minutes that would."""
+    round_minutes: float | None = Field(None, gt=0)
+    """Budget: wall time of each round (data, training, the gate, the benchmark and the
+    simulated users), as the same plan: the round's data stage and training are time-boxed so
+    that it ends within this, however long the run has been going (a resumed one too). With
+    `max_wall_minutes` a round gets the smaller of the two plans. For machines held by the hour
+    or taken back: each round is a piece that fits (docs/training.md)."""
+
+    @property
+    def planned(self) -> bool:
+        """Rounds are planned in seconds: a time budget is set."""
+        return bool(self.max_wall_minutes or self.round_minutes)
 
 
 class TrackingConfig(_Strict):
@@ -293,13 +304,14 @@ class Config(_Strict):
                 f"serve.num_draft_tokens: {self.serve.num_draft_tokens} with topk 1 must be "
                 f"steps+1 = {self.serve.steps + 1}; remove it or set topk > 1"
             )
-        if self.stop.max_wall_minutes and self.serve.engine != "embedded":
-            errs.append(
-                f"stop.max_wall_minutes: the budget plan is sized from a start-up measurement of "
-                f"the embedded engine, which serve.engine={self.serve.engine} does not run; "
-                "unset stop.max_wall_minutes (stop.max_rounds bounds the run) or use "
-                "serve.engine: embedded"
-            )
+        for field in ("max_wall_minutes", "round_minutes"):
+            if getattr(self.stop, field) and self.serve.engine != "embedded":
+                errs.append(
+                    f"stop.{field}: the budget plan is sized from a start-up measurement of the "
+                    f"embedded engine, which serve.engine={self.serve.engine} does not run; "
+                    f"unset stop.{field} (stop.max_rounds bounds the run) or use "
+                    "serve.engine: embedded"
+                )
         if self.train.first_round == "skip" and self.drafter.init in ("scratch", "previous"):
             errs.append(
                 f"train.first_round: skip serves drafter.init in round 0, but drafter.init is "

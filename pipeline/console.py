@@ -257,12 +257,15 @@ def sizing_line(z: dict[str, Any]) -> str:
     )
 
 
-def plan_line(r: int, p: dict[str, Any], total_s: float) -> str:
+def plan_line(r: int, p: dict[str, Any], stop: Any) -> str:
+    """Round r's plan `p` under the time budgets of `stop` (StopConfig)."""
     parts = [("data", "data_s"), ("train", "train_s"), ("bench", "bench_s"), ("users", "traffic_s")]
     stages = ", ".join(f"{n} {p[k]:.0f} s" for n, k in parts if p.get(k))
+    of = [f"the {stop.max_wall_minutes * 60:.0f} s budget"] if stop.max_wall_minutes else []
+    of += [f"{stop.round_minutes * 60:.0f} s a round"] if stop.round_minutes else []
     return (
         f"round {r} plan: {stages}; {p['budget_s']:.0f} s from {p['start_s']:.0f} s into the "
-        f"{total_s:.0f} s budget"
+        f"run ({', '.join(of)})"
     )
 
 

@@ -103,7 +103,7 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
     evalset = _eval_set(cfg, plan)
     clock, server, early = Clock(state), None, None
     try:
-        if cfg.stop.max_wall_minutes and not state.round(0).is_done("plan"):
+        if cfg.stop.planned and not state.round(0).is_done("plan"):
             # measured once; a budget that cannot hold the rounds is refused before round 0
             with stage(
                 "start-up measurement", plan="plain decoding, then one drafted request"
@@ -138,9 +138,9 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
             elif not rs.is_done("gate"):
                 tracker.reopen(rs.mlflow_run_id)
             child = rs.mlflow_run_id
-            if cfg.stop.max_wall_minutes and not rs.is_done("plan"):
+            if cfg.stop.planned and not rs.is_done("plan"):
                 rs.done["plan"] = plan_record(cfg, state, r, clock, tracker, child)
-                log.info(plan_line(r, rs.done["plan"], cfg.stop.max_wall_minutes * 60))
+                log.info(plan_line(r, rs.done["plan"], cfg.stop))
                 _commit(state, clock, run_dir)
             if not rs.is_done("generate") and _skips(cfg, r):
                 rs.done["generate"] = {"skipped": "train.first_round: skip", "wall_s": 0.0}

@@ -23,6 +23,7 @@ from pipeline.budget import (
     BudgetError,
     Measured,
     Rates,
+    RoundPlan,
     Sizing,
     measuring_s,
     plan_disk,
@@ -81,23 +82,24 @@ def sized(cfg: Config, scale: float) -> Config:
     })  # fmt: skip
 
 
-def size_work(cfg: Config, state: RunState, remaining_s: float) -> Sizing:
+def size_work(cfg: Config, state: RunState, elapsed_s: float) -> Sizing:
     """The measuring work this machine can afford, from the start-up measurement: the largest
-    of SCALES at which round 0's plan leaves data and training WORK_SHARE of `remaining_s`, else
-    the one that leaves them most while still fitting. BudgetError when not even the smallest
-    fits, saying how many minutes would."""
+    of SCALES at which round 0's plan leaves data and training WORK_SHARE of each time budget
+    (`budgets`), else the one that leaves them most while still fitting. BudgetError when not
+    even the smallest fits, saying how many minutes would."""
     fits: list[Sizing] = []
     refusal = None
     for scale in SCALES:
         c = sized(cfg, scale)
         try:
-            round_plan(c, state, 0, remaining_s)
+            budgeted_plan(c, state, 0, elapsed_s)
         except BudgetError as e:
             refusal = e
             continue
-        measuring = measuring_s(0, c.stop.max_rounds, rates(c, state, 0), _bench_counts(c, 0),
-                                c.serve.simulate_users)  # fmt: skip
-        share = max(0.0, remaining_s - measuring) / max(remaining_s, 1e-9)  # data and training's
+        share = min(
+            max(0.0, left - _measuring_s(c, state, alone)) / max(left, 1e-9)
+            for left, alone in budgets(c, elapsed_s)
+        )  # data and training's, under the tighter budget
         b = c.bench
         fits.append(Sizing(scale, b.max_tokens, list(b.shape_chains), c.serve.simulate_users,
                            c.data.gate_prompts, share))  # fmt: skip
@@ -106,16 +108,32 @@ def size_work(cfg: Config, state: RunState, remaining_s: float) -> Sizing:
     if fits:
         return max(fits, key=lambda z: z.work_share)
     # c is the smallest size here: the minutes at which it leaves data and training their share
-    need = measuring_s(0, c.stop.max_rounds, rates(c, state, 0), _bench_counts(c, 0),
-                       c.serve.simulate_users)  # fmt: skip
-    spent = c.stop.max_wall_minutes * 60 - remaining_s
+    left, alone = next((b for b in budgets(c, elapsed_s) if _refuses(c, state, *b)), budgets(c, elapsed_s)[0])  # fmt: skip
+    need = _measuring_s(c, state, alone)
+    spent = 0.0 if alone else c.stop.max_wall_minutes * 60 - left
     minutes = math.ceil((spent + need / (1 - WORK_SHARE)) / 60)
     raise BudgetError(
         f"{refusal}; even at the smallest measuring work ({SCALES[-1]:.0%}: "
         f"{c.bench.max_tokens} benchmark tokens a request, shape chains "
         f"{c.bench.shape_chains}, {c.serve.simulate_users} simulated users) they take "
-        f"{need:.0f} s: on this machine set stop.max_wall_minutes={minutes}"
+        f"{need:.0f} s: on this machine set "
+        f"stop.{'round' if alone else 'max_wall'}_minutes={minutes}"
     )
+
+
+def _measuring_s(c: Config, state: RunState, alone: bool) -> float:
+    """Seconds the benchmarks and simulated users take: of round 0 `alone`, else of the run."""
+    n = 1 if alone else c.stop.max_rounds
+    return measuring_s(0, c.stop.max_rounds, rates(c, state, 0), _bench_counts(c, 0)[:n],
+                       c.serve.simulate_users, n)  # fmt: skip
+
+
+def _refuses(c: Config, state: RunState, left: float, alone: bool) -> bool:
+    try:
+        round_plan(c, state, 0, left, alone)
+    except BudgetError:
+        return True
+    return False
 
 
 def size_once(cfg: Config, state: RunState, clock: Clock) -> None:
@@ -126,9 +144,7 @@ def size_once(cfg: Config, state: RunState, clock: Clock) -> None:
     if rs.is_done("sizing"):
         return
     try:
-        rs.done["sizing"] = size_work(
-            cfg, state, cfg.stop.max_wall_minutes * 60 - clock.elapsed()
-        ).record()
+        rs.done["sizing"] = size_work(cfg, state, clock.elapsed()).record()
     except BudgetError as e:
         m = rs.done["measure"]
         raise BudgetError(
@@ -153,7 +169,7 @@ def plan_record(
 ) -> dict:
     """Round r's seconds per stage, from the budget left and what the last round took (round
     0: what the start-up measurement took, kept in its plan record, so in summary.json)."""
-    p = round_plan(cfg, state, r, cfg.stop.max_wall_minutes * 60 - clock.elapsed())
+    p = budgeted_plan(cfg, state, r, clock.elapsed())
     rec = {**p.record(), "start_s": round(clock.elapsed(), 1)}
     if r == 0 and state.rounds[0].is_done("measure"):
         rec["measured"] = state.rounds[0].done["measure"]
@@ -164,9 +180,29 @@ def plan_record(
     return rec
 
 
-def round_plan(cfg: Config, state: RunState, r: int, remaining_s: float):
-    """plan_round for round r of this run with `remaining_s` left (BudgetError if none fits):
-    the one call behind both the plan and the stop rule's budget question."""
+def budgets(cfg: Config, elapsed_s: float) -> list[tuple[float, bool]]:
+    """(seconds, alone) of each time budget a round is planned against, `elapsed_s` into the
+    run: what `stop.max_wall_minutes` leaves of the whole run, and `stop.round_minutes`, the
+    round's own (`alone`)."""
+    out = []
+    if cfg.stop.max_wall_minutes:
+        out.append((cfg.stop.max_wall_minutes * 60 - elapsed_s, False))
+    if cfg.stop.round_minutes:
+        out.append((cfg.stop.round_minutes * 60, True))
+    return out
+
+
+def budgeted_plan(cfg: Config, state: RunState, r: int, elapsed_s: float) -> RoundPlan:
+    """Round r's plan under each time budget set, the one that gives it the least seconds; the
+    first budget that cannot hold it raises its BudgetError. The one call behind the plan, the
+    stop rule's question whether the next round fits, and the sizing."""
+    plans = [round_plan(cfg, state, r, left, alone) for left, alone in budgets(cfg, elapsed_s)]
+    return min(plans, key=lambda p: p.budget_s)
+
+
+def round_plan(cfg: Config, state: RunState, r: int, remaining_s: float, alone: bool = False):
+    """plan_round for round r of this run with `remaining_s` left (BudgetError if none fits);
+    `alone`: the seconds are round r's own."""
     return plan_round(
         r,
         cfg.stop.max_rounds,
@@ -175,6 +211,7 @@ def round_plan(cfg: Config, state: RunState, r: int, remaining_s: float):
         _bench_counts(cfg, r),
         cfg.serve.simulate_users,
         first_round_trains=not first_round_skips(cfg),
+        alone=alone,
     )
 
 
@@ -195,14 +232,14 @@ def rates(cfg: Config, state: RunState, r: int) -> Rates:
 def next_round_refusal(cfg: Config, state: RunState, r: int, clock: Clock) -> str | None:
     """Why the budget planner would refuse round r+1 (None: it fits), asked after round r's
     gate, with the simulated users that still run before round r+1 counted as planned."""
-    if not cfg.stop.max_wall_minutes or r + 1 >= cfg.stop.max_rounds:
+    if not cfg.stop.planned or r + 1 >= cfg.stop.max_rounds:
         return None
     rs = state.rounds[r]
     pending = 0.0
     if cfg.serve.simulate_users and not rs.is_done("traffic"):
         pending = float((rs.done.get("plan") or {}).get("traffic_s", 0.0))
     try:
-        round_plan(cfg, state, r + 1, cfg.stop.max_wall_minutes * 60 - clock.elapsed() - pending)
+        budgeted_plan(cfg, state, r + 1, clock.elapsed() + pending)
     except BudgetError as e:
         return str(e)
     return None

@@ -147,10 +147,18 @@ def test_a_too_slow_measurement_is_refused_with_the_settings_and_figures():
     assert "16 per round at" in msg
 
 
-def test_the_loop_measures_this_machine_and_refuses_before_round_0(tiny_target, tmp_path):
+@pytest.mark.parametrize(
+    "budget, refusal",
+    [({"max_wall_minutes": 0.05}, r"stop\.max_wall_minutes: \d+ s left for 2 round"),
+     ({"round_minutes": 0.05}, r"stop\.round_minutes: \d+ s left for 1 round")],
+    ids=["run", "round"],
+)  # fmt: skip
+def test_the_loop_measures_this_machine_and_refuses_before_round_0(
+    tiny_target, tmp_path, budget, refusal
+):
     """The real measurement (tiny target, in process, no Ray) and a budget it shows cannot hold
-    the rounds: the run stops before any round's MLflow run or stage, with the planner's
-    message, and the measured figures are kept for the record."""
+    the rounds (or a round, `stop.round_minutes`): the run stops before any round's MLflow run
+    or stage, with the planner's message, and the measured figures are kept for the record."""
     import json
 
     from pipeline.budget import BudgetError
@@ -163,10 +171,10 @@ def test_the_loop_measures_this_machine_and_refuses_before_round_0(tiny_target, 
         "drafter": {"draft_vocab_size": 512},
         "serve": {"steps": 2, "simulate_users": 4},
         "bench": {"num_prompts": 4, "max_tokens": 16, "warmup": 1},
-        "stop": {"accept_len": None, "max_rounds": 2, "max_wall_minutes": 0.05},
+        "stop": {"accept_len": None, "max_rounds": 2, **budget},
         "tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"},
     })  # fmt: skip
-    with pytest.raises(BudgetError, match=r"stop\.max_wall_minutes: \d+ s left for 2 round") as e:
+    with pytest.raises(BudgetError, match=refusal) as e:
         run_loop(cfg, tmp_path / "run")
     assert "Measured at start-up" in str(e.value) and "no round was started" in str(e.value)
     state = json.loads((tmp_path / "run" / "state.json").read_text())
@@ -277,7 +285,7 @@ def test_a_slow_measurement_sizes_the_measuring_work_down_instead_of_refusing():
     budget = cfg.stop.max_wall_minutes * 60 - 20.0
     with pytest.raises(BudgetError):  # as configured, it does not fit
         round_plan(cfg, slow, 0, budget)
-    z = size_work(cfg, slow, budget)
+    z = size_work(cfg, slow, 20.0)  # 20 s into the run
     assert z.scale < 1.0 and z.work_share > 0
     small = sized(cfg, z.scale)
     assert (small.bench.max_tokens, small.serve.simulate_users) == (
@@ -290,22 +298,62 @@ def test_a_slow_measurement_sizes_the_measuring_work_down_instead_of_refusing():
     p0 = round_plan(small, slow, 0, budget)  # both rounds plan
     assert p0.bench_s + p0.traffic_s < budget
     cfg, fast = _demo_state(0.06)  # bf16 on 2 cores: 16 tok/s
-    z = size_work(cfg, fast, budget)
+    z = size_work(cfg, fast, 20.0)
     assert z.scale == 1.0 and z.bench_tokens == cfg.bench.max_tokens and z.simulate_users == 12
 
 
-def test_a_machine_too_slow_for_the_smallest_work_is_refused_with_the_minutes_that_fit():
+@pytest.mark.parametrize("field", ["max_wall_minutes", "round_minutes"])
+def test_a_machine_too_slow_for_the_smallest_work_is_refused_with_the_minutes_that_fit(field):
     from pipeline.round_plan import size_work
 
     cfg, crawl = _demo_state(2.0)
+    if field == "round_minutes":
+        cfg = _with_stop(cfg, max_wall_minutes=None, round_minutes=5.0)
     with pytest.raises(BudgetError) as e:
-        size_work(cfg, crawl, cfg.stop.max_wall_minutes * 60 - 20.0)
+        size_work(cfg, crawl, 20.0)
     msg = str(e.value)
-    assert "stop.max_wall_minutes: " in msg and "even at the smallest measuring work" in msg
-    minutes = int(msg.rsplit("stop.max_wall_minutes=", 1)[1])
-    z = size_work(cfg.model_copy(update={"stop": cfg.stop.model_copy(
-        update={"max_wall_minutes": float(minutes)})}), crawl, minutes * 60 - 20.0)  # fmt: skip
+    assert f"stop.{field}: " in msg and "even at the smallest measuring work" in msg
+    minutes = int(msg.rsplit(f"stop.{field}=", 1)[1])
+    z = size_work(_with_stop(cfg, **{field: float(minutes)}), crawl, 20.0)
     assert z.work_share >= 0.4  # the minutes it names fit, with room to train
+
+
+def _with_stop(cfg, **stop):
+    return cfg.model_copy(update={"stop": cfg.stop.model_copy(update=stop)})
+
+
+def test_round_minutes_plans_each_round_in_its_own_minutes_however_long_the_run_has_gone():
+    """`stop.round_minutes`: round r's plan spends the round's own seconds (its benchmark, its
+    users unless it is the last, data and training share the rest), not a share of what the
+    run has left, so a resumed run's round fits its minutes whatever ran before. With
+    `stop.max_wall_minutes` too, the round gets the smaller plan; a round the minutes cannot
+    hold is refused naming stop.round_minutes."""
+    from pipeline.round_plan import budgeted_plan
+
+    cfg, state = _demo_state(0.06)
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"first_round": "train"})})
+    per_round = _with_stop(cfg, max_wall_minutes=None, round_minutes=5.0)
+    assert per_round.stop.planned and not _with_stop(cfg, max_wall_minutes=None).stop.planned
+    for elapsed in (20.0, 5000.0):  # early, or long after the run's first budget
+        p = budgeted_plan(per_round, state, 0, elapsed)
+        assert p.budget_s == pytest.approx(300.0)
+        assert p.traffic_s > 0 and p.data_s > p.train_s > 0  # round 0 of 2 runs its users
+    both = _with_stop(cfg, round_minutes=5.0)  # and the demo's 14 minutes for the run
+    assert budgeted_plan(both, state, 0, 20.0).budget_s == pytest.approx(300.0)
+    wide = budgeted_plan(_with_stop(cfg, round_minutes=10.0), state, 0, 20.0)
+    assert wide.budget_s < 600.0  # the run's 820 s left hold both rounds: less for this one
+    with pytest.raises(BudgetError, match="stop.round_minutes: 30 s left"):
+        budgeted_plan(_with_stop(per_round, round_minutes=0.5), state, 0, 20.0)
+
+
+def test_round_minutes_is_refused_without_the_embedded_engine():
+    from pipeline.config import Config, load_config
+
+    raw = load_config("configs/smollm2-cpu.yaml").model_dump(mode="json")
+    raw["stop"].update(max_wall_minutes=None, round_minutes=5.0)
+    raw["serve"]["engine"] = "vllm"
+    with pytest.raises(ValueError, match="stop.round_minutes: the budget plan is sized"):
+        Config.model_validate(raw)
 
 
 # ---- the training time box (pipeline/time_box.py) -------------------------------------------
