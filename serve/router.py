@@ -218,8 +218,11 @@ class Router:
 
     # -- retryable answers --------------------------------------------------------------------
     def _busy(self) -> JSONResponse:
-        return _error(503, f"server busy: every replica holds serve.max_ongoing_requests; retry "
-                      f"after {self.retry_after_s} s", "server_busy", self.retry_after_s)  # fmt: skip
+        # Serve refuses (BackPressureError) when every replica holds max_ongoing_requests and
+        # max_queued_requests more wait for them: both knobs set this bound
+        return _error(503, "server busy: every replica holds serve.max_ongoing_requests and "
+                      "serve.max_queued_requests more wait; retry after "
+                      f"{self.retry_after_s} s", "server_busy", self.retry_after_s)  # fmt: skip
 
     def _unavailable(self) -> JSONResponse:
         return _error(503, f"the replicas that took this request stopped under it ({ATTEMPTS} "
