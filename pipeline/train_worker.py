@@ -110,11 +110,14 @@ def train_worker(config: dict[str, Any]) -> None:
     # embed, lm_head and norm only: the target itself is never loaded here
     tensors = load_target_tensors(t["model"], t["revision"], t["gguf_file"])
     module, drafter, autocast, dt = _build(job, tc, tensors, device)
+    # the load in pieces: on one H100 it took 29 s of a 5-minute round's training (2026-12-06)
+    phases.mark("load_drafter")  # the target's embed/head/norm and the drafter on the device
     states = None
     if job.online:  # the target beside the drafter: each batch's states from its ids
         from pipeline.online_states import OnlineStates
 
         states = OnlineStates(job.target, job.drafter["aux_layer_ids"], device, tc.tokens_per_batch)
+        phases.mark("load_target")
     plan = Plan.make(job, tc, rank, world, states)
     boxed = boxed_total(Path(job.out_dir), device)  # fixed by an earlier attempt of this run
     if boxed:
@@ -134,7 +137,7 @@ def train_worker(config: dict[str, Any]) -> None:
     )
     if rank == 0:
         _say(plan.describe(tc, world, step, device, dt))
-    phases.mark("load")  # the target's tensors, the drafter, the states' target, the data
+    phases.mark("load")  # the data plan, the optimizer, a checkpoint to resume from
 
     best = Best(Path(job.out_dir), rank == 0, device, len(plan.eval_bins), tc.gate_z)
     stale = 0  # evaluations since the last new best (a resumed attempt starts counting afresh)

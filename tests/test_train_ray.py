@@ -412,9 +412,11 @@ def test_online_states_train_from_ids_only_shards(ray_module, target_and_data, t
     assert last < 0.9 * first, (first, last)
     # where the fit's seconds went (the `[train] done` line shows them beside Ray Train's start)
     phases = json.loads((tmp_path / "out" / "phases.json").read_text())
-    assert list(phases) == ["entered", "load", "step0_eval", "steps", "export"]
+    assert list(phases) == [
+        "entered", "load_drafter", "load_target", "load", "step0_eval", "steps", "export"
+    ]  # fmt: skip
     assert phases["steps"] > 0 and phases_line(tmp_path / "out", phases["entered"] - 5).startswith(
-        " (Ray Train start 5 s, load "
+        " (Ray Train start 5 s, load drafter "
     )
 
 
