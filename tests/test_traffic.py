@@ -292,7 +292,10 @@ def test_served_requests_are_logged_and_survive_a_replica_killed_mid_writes(
         assert len(list(read_traffic(traffic, skipped))) == len(logged)
         # every line is a record the reader returns, but for the dead replica's torn last line
         # (which can end in a "}" of its own: counting lines that end so once found one more)
-        assert skipped.torn <= 1 and skipped.repeated == skipped.foreign == 0
-        assert len(lines) == len(logged) + skipped.torn
+        # and the requests it wrote but did not answer, which the router sent again to the new
+        # replica (serve/router.py): at most one a client, those in flight at the kill (CI of
+        # 490cf46 met 2)
+        assert skipped.torn <= 1 and skipped.foreign == 0 and skipped.repeated <= len(threads)
+        assert len(lines) == len(logged) + skipped.torn + skipped.repeated
     finally:
         ep.shutdown()
