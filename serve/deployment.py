@@ -271,6 +271,7 @@ class SpecServer:
             "app": serve.get_replica_context().app_name,
             "instance": self.instance,
             "digest": self.drafter_digest,
+            "held": len(self.slots),  # requests this replica runs or queues now
             **self.counts,  # requests whose client left, those the engine dropped, its tokens
         }
 
