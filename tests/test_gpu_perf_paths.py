@@ -174,6 +174,40 @@ def test_graphed_compiled_runner_equals_eager_on_the_same_inputs():
             assert torch.equal(lg.argmax(-1), le.argmax(-1))
 
 
+@pytest.mark.gpu
+@cuda
+def test_a_collection_inside_a_capture_frees_no_graph_under_it():
+    """A garbage collection set off inside a capture does not destroy a graph that a dead
+    reference cycle holds (destroying a graph while a stream captures invalidates the capture):
+    `capture_graph` turns the collector off for the capture. Here the cycle dies and enough
+    objects to set off a collection are made inside the capture itself."""
+    import gc
+
+    from serve.engine.static import capture_graph
+
+    pool, x = torch.cuda.graph_pool_handle(), torch.ones(4, device="cuda")
+    box = {"graph": capture_graph(lambda: x * 2, pool)[0]}
+    calls: list[int] = []
+
+    def fn() -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 3:  # the capture, after two warm-ups
+            cycle = [box.pop("graph")]
+            cycle.append(cycle)  # the old graph's only holder: a cycle, dead from the next line
+            del cycle
+            kept = [[] for _ in range(5 * gc.get_threshold()[0])]  # past the collector's threshold
+            del kept
+        return x + 1
+
+    assert gc.isenabled()
+    graph, out = capture_graph(fn, pool)
+    assert gc.isenabled() and not box  # on again after the capture; the old graph is garbage
+    graph.replay()
+    torch.cuda.synchronize()
+    assert out.tolist() == [2.0] * 4
+    gc.collect()  # the dead graph goes now, outside any capture
+
+
 def test_static_runner_fuses_weights_in_place():
     """Building the runner makes q/k/v and gate/up views of one fused weight each: HF's own
     forward gives the same logits, no weight memory is added, and a second runner reuses them."""

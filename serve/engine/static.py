@@ -3,6 +3,7 @@ graph per verify width; its step is pure functions of tensors that torch.compile
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -219,6 +220,34 @@ def span_buckets(smallest: int, capacity: int) -> list[int]:
     return out + [capacity]
 
 
+def capture_graph(fn: Callable[[], Any], pool: Any) -> tuple[Any, Any]:
+    """(graph, outputs): `fn` run twice on a side stream (compiled, kernels chosen, workspaces
+    made), then captured as a CUDA graph in the memory `pool`; the outputs are the graph's.
+
+    Python's cyclic garbage collector is off during the capture. Torch no longer collects
+    before a capture (`torch.compiler.config.force_cudagraph_gc`, False by default), so a
+    collection that the capture's own allocations set off could free graphs held in dead
+    cycles (a replaced drafter's, a dropped engine's), and destroying a graph while a stream
+    captures is an error that invalidates the capture ("operation not permitted when stream is
+    capturing (function reset)", seen on an H100 in the engine's gpu tests, 2026-12-07).
+    The garbage is collected after the capture instead."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph, collecting = torch.cuda.CUDAGraph(), gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = fn()
+    finally:
+        if collecting:
+            gc.enable()
+    return graph, outputs
+
+
 @dataclass
 class _Graph:
     graph: Any  # torch.cuda.CUDAGraph
@@ -425,17 +454,9 @@ class StaticTargetRunner:
         if key in self._graphs:
             return self._graphs[key]
         inputs = packed.to(self.device, copy=True)  # the graph's own (`verify` packs on device)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up (compiled, kernels chosen, workspaces made)
-            for _ in range(2):
-                self._core(inputs, q, span, aux)
-        torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits, states = self._core(inputs, q, span, aux)
+        graph, (logits, states) = capture_graph(lambda: self._core(inputs, q, span, aux), self._pool)  # fmt: skip
         self.captures += 1
         staging = torch.empty(packed.shape, dtype=packed.dtype).pin_memory()
         g = _Graph(graph, inputs, staging, logits, states, torch.cuda.Event())

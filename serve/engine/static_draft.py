@@ -38,7 +38,7 @@ from torch import Tensor
 from eagle3.model import Eagle3Drafter, rope_cos_sin
 from serve.engine.drafting import DraftTree, _last_true, pick_draft, target_q
 from serve.engine.law import Draws
-from serve.engine.static import span_buckets
+from serve.engine.static import capture_graph, span_buckets
 
 Pick = Callable[[Tensor], tuple[Tensor, Tensor | None]]
 
@@ -390,17 +390,9 @@ class StaticEagleDraft:
 
     def _capture(self, fn: Callable[..., Any], args: tuple[Tensor, ...]) -> _Graph:
         inputs = tuple(a.clone() for a in args)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn(*inputs)
-        torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            outputs = fn(*inputs)
+        graph, outputs = capture_graph(lambda: fn(*inputs), self._pool)
         return _Graph(graph, inputs, outputs)
 
     def graph_keys(self) -> list[tuple]:
