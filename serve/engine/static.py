@@ -222,15 +222,10 @@ def span_buckets(smallest: int, capacity: int) -> list[int]:
 
 def capture_graph(fn: Callable[[], Any], pool: Any) -> tuple[Any, Any]:
     """(graph, outputs): `fn` run twice on a side stream (compiled, kernels chosen, workspaces
-    made), then captured as a CUDA graph in the memory `pool`; the outputs are the graph's.
-
-    Python's cyclic garbage collector is off during the capture. Torch no longer collects
-    before a capture (`torch.compiler.config.force_cudagraph_gc`, False by default), so a
-    collection that the capture's own allocations set off could free graphs held in dead
-    cycles (a replaced drafter's, a dropped engine's), and destroying a graph while a stream
-    captures is an error that invalidates the capture ("operation not permitted when stream is
-    capturing (function reset)", seen on an H100 in the engine's gpu tests, 2026-12-07).
-    The garbage is collected after the capture instead."""
+    made), then captured in the memory `pool`. The cyclic collector is off meanwhile: torch no
+    longer collects before a capture (`force_cudagraph_gc`), and a collection set off inside one
+    could destroy graphs held in dead cycles (a replaced drafter's), which invalidates the capture
+    ("operation not permitted when stream is capturing", an H100's engine gpu tests, 2026-12-07)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
