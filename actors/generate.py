@@ -361,8 +361,12 @@ def _start_actors(
     # On a small CPU, single-threaded actors beat one multi-threaded one.
     cores = min(int(ray.cluster_resources().get("CPU", 1)), os.cpu_count() or 1)
     threads = threads or max(1, cores // data.num_actors)
+    # Ray's CPUs are bookkeeping: each actor reserves at most its share of what is free now, so
+    # a server that stays up through rounds (its `serve.num_cpus`) cannot leave a reservation of
+    # every core pending forever (an H100 climb's round 1, 2026-12-07); it still runs `threads`.
+    free = int(ray.available_resources().get("CPU", 0))
     opts: dict[str, Any] = {
-        "num_cpus": threads,
+        "num_cpus": max(1, min(threads, free // n)),
         "num_gpus": target.num_gpus_per_actor,
         "max_concurrency": 3,  # two batches in flight (`_dispatch`), and `stop_now` beside them
     }

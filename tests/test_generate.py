@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -841,3 +842,37 @@ def test_data_made_in_the_background_takes_only_the_time_others_leave(tiny_targe
         assert all(p != os.SCHED_IDLE and n < 19 for p, n in policies(fore[0]))
     finally:
         _stop_actors(back + fore, res)
+
+
+def test_target_actors_start_beside_a_server_that_holds_cores(tiny_target, ray_local):
+    """A GPU server that stays up through rounds holds its `serve.num_cpus` of Ray's CPUs; the
+    next round's target actor reserves only what is free and starts, where a reservation of
+    every core waited forever (an H100 climb's round 1, 2026-12-07). It still runs the node's
+    threads."""
+    import ray
+
+    from actors.generate import _start_actors, _stop_actors
+
+    target, data = _cfgs(tiny_target)
+    one = data.model_copy(update={"num_actors": 1})
+    threads = min(int(ray.cluster_resources()["CPU"]), os.cpu_count() or 1)
+    if threads < 2:
+        pytest.skip("one core: a reservation of every core is one CPU")
+    held = ray.available_resources()["CPU"] - 1  # the server's: one CPU is left free
+
+    @ray.remote(num_cpus=held)
+    class Server:
+        def ready(self) -> bool:
+            return True
+
+    server = Server.remote()
+    ray.get(server.ready.remote(), timeout=60)
+    actors, res = _start_actors(target, one, 1, None, None)
+    try:
+        ray.get(actors[0].__ray_ready__.remote(), timeout=60)
+        assert (
+            ray.get(actors[0].__ray_call__.remote(lambda self: torch.get_num_threads())) == threads
+        )
+    finally:
+        _stop_actors(actors, res)
+        ray.kill(server)
