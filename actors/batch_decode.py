@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from eagle3.cuda_graph import capture_graph
+
 
 class _Layer(NamedTuple):
     norm_in: Tensor
@@ -287,15 +289,7 @@ class BatchDecoder:
         g = self._graph.get(sampled)
         if g is None:  # warm up on a side stream (allocator, compile), then capture
             snap = [t.clone() for t in (self.tok, self.pos, self.count, self.done, self.out)]
-            s = torch.cuda.Stream(self.device)
-            s.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(s):
-                for _ in range(3):
-                    self._step_fn(sampled)
-            torch.cuda.current_stream(self.device).wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                self._step_fn(sampled)
+            g, _ = capture_graph(lambda: self._step_fn(sampled), warmups=3, device=self.device)
             for t, old in zip((self.tok, self.pos, self.count, self.done, self.out), snap, strict=True):  # fmt: skip
                 t.copy_(old)  # warm-up and capture stepped the rows: put them back
             self._graph[sampled] = g

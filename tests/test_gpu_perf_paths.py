@@ -183,7 +183,7 @@ def test_a_collection_inside_a_capture_frees_no_graph_under_it():
     objects to set off a collection are made inside the capture itself."""
     import gc
 
-    from serve.engine.static import capture_graph
+    from eagle3.cuda_graph import capture_graph
 
     pool, x = torch.cuda.graph_pool_handle(), torch.ones(4, device="cuda")
     box = {"graph": capture_graph(lambda: x * 2, pool)[0]}

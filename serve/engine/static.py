@@ -3,7 +3,6 @@ graph per verify width; its step is pure functions of tensors that torch.compile
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -12,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from eagle3.cuda_graph import capture_graph
 from serve.engine.eager import decoder_layers
 from serve.engine.kernels import _split_attention, triton_attention_ok
 from serve.engine.runner import _check_aux_ids
@@ -218,29 +218,6 @@ def span_buckets(smallest: int, capacity: int) -> list[int]:
         out.append(span)
         span *= 2
     return out + [capacity]
-
-
-def capture_graph(fn: Callable[[], Any], pool: Any) -> tuple[Any, Any]:
-    """(graph, outputs): `fn` run twice on a side stream (compiled, kernels chosen, workspaces
-    made), then captured in the memory `pool`. The cyclic collector is off meanwhile: torch no
-    longer collects before a capture (`force_cudagraph_gc`), and a collection set off inside one
-    could destroy graphs held in dead cycles (a replaced drafter's), which invalidates the capture
-    ("operation not permitted when stream is capturing", an H100's engine gpu tests, 2026-12-07)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph, collecting = torch.cuda.CUDAGraph(), gc.isenabled()
-    gc.disable()
-    try:
-        with torch.cuda.graph(graph, pool=pool):
-            outputs = fn()
-    finally:
-        if collecting:
-            gc.enable()
-    return graph, outputs
 
 
 @dataclass

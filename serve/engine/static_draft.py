@@ -35,10 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from eagle3.cuda_graph import capture_graph
 from eagle3.model import Eagle3Drafter, rope_cos_sin
 from serve.engine.drafting import DraftTree, _last_true, pick_draft, target_q
 from serve.engine.law import Draws
-from serve.engine.static import capture_graph, span_buckets
+from serve.engine.static import span_buckets
 
 Pick = Callable[[Tensor], tuple[Tensor, Tensor | None]]
 
