@@ -233,6 +233,7 @@ def _run_batches(
     from actors.batch_records import has_generated
 
     t0 = time.perf_counter()
+    _wait_placed(actors, deadline)
     info = ray.get(actors[0].info.remote())
     ready_at = time.perf_counter()
     print(f"[generate] {len(actors)} actor(s) ready in {ready_at - t0:.1f}s", flush=True)
@@ -376,6 +377,37 @@ def _start_actors(
     if background:
         ray.get([a.run_in_background.remote() for a in actors])
     return actors, []
+
+
+PLACE_WARN_S = 60.0  # how often a stage whose actors Ray has not placed says so
+
+
+def _wait_placed(actors: list[Any], deadline: float | None) -> None:
+    """Until Ray has placed every actor, a line every `PLACE_WARN_S` names what they wait for: an
+    actor Ray cannot place waits without a word (an H100 climb's round 1 waited 7 minutes for
+    CPUs its server held, 2026-12-07), where a cluster may yet free or add them. Past the
+    stage's `deadline` with none placed: RuntimeError, since none of its data can be made."""
+    import ray
+
+    refs = {a.__ray_ready__.remote(): a for a in actors}
+    pending, waited = list(refs), 0.0
+    while True:
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=PLACE_WARN_S)
+        if not pending:
+            return
+        waited += PLACE_WARN_S
+        free = ray.available_resources()
+        line = (
+            f"{len(pending)} of {len(actors)} target actor(s) not placed after {waited:.0f} s: "
+            f"Ray has CPU {free.get('CPU', 0.0):g} and GPU {free.get('GPU', 0.0):g} free "
+            "(what holds the rest: `ray status`, the dashboard's Actors page); an actor asks "
+            "target.num_gpus_per_actor GPUs and its share of the free CPUs"
+        )
+        if deadline is not None and time.monotonic() > deadline and len(pending) == len(actors):
+            for ref in pending:  # unplaced: nothing to close, and `_stop_actors` need not wait
+                ray.kill(refs[ref])
+            raise RuntimeError(f"data stage past its deadline: {line}")
+        print(f"[generate] {line}", flush=True)
 
 
 def _stop_actors(actors: list[Any], reservations: list[Any]) -> None:

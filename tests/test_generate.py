@@ -876,3 +876,24 @@ def test_target_actors_start_beside_a_server_that_holds_cores(tiny_target, ray_l
     finally:
         _stop_actors(actors, res)
         ray.kill(server)
+
+
+def test_a_stage_whose_actor_ray_cannot_place_says_so_and_ends_at_its_deadline(
+    tiny_target, ray_local, tmp_path, capfd
+):
+    """An actor asking for a GPU this Ray lacks: the stage prints what it waits for, and past
+    its deadline raises naming it, instead of waiting without a word (run_generate)."""
+    import time
+
+    from actors import generate
+
+    target, data = _cfgs(tiny_target)
+    target = target.model_copy(update={"num_gpus_per_actor": 1.0})
+    one = data.model_copy(update={"num_actors": 1})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(generate, "PLACE_WARN_S", 1.0)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"past its deadline: 1 of 1 target actor"):
+            run_generate(target, one, PROMPTS[:2], tmp_path, "h", deadline=t0 + 3)
+    assert time.monotonic() - t0 < 60  # the unplaced actor was not waited on to close
+    assert "not placed after 1 s: Ray has CPU" in capfd.readouterr().out
