@@ -16,8 +16,8 @@ host glue also acceptance), accept ms (device glue: acceptance, the cache move a
 host copy, timed by CUDA events on a GPU), overhead ms (the rest of decoding: bookkeeping,
 Python, host transfers) and their shares, and `late_captures`: CUDA graphs captured after the
 engine's start-up (each one a capture inside a request's time; 0 when start-up captured every
-shape). With the static runner (a GPU, or `--runner static`) a batch runs one request after the
-other (`batched: false` in the record): the static runner holds one sequence.
+shape). With the static runner (a GPU, or `--runner static`) a batch runs in groups of
+`--static-batch` rows (1: one request after the other, `batched: false` in the record).
 
     .venv/bin/python benchmarks/engine_breakdown.py --target smollm2 \\
         --drafter drafters/smollm2-135m-base --threads 2          # CPU: eager batched runner
@@ -90,6 +90,7 @@ def main() -> None:
     ap.add_argument("--num-draft-tokens", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--capacity", type=int, default=4096, help="static KV slots")
+    ap.add_argument("--static-batch", type=int, default=1, help="rows the static runner holds")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -109,12 +110,13 @@ def main() -> None:
         drafter = load_eagle(args.drafter, model)
         drafter.model.to(device)
         engines[mode] = SpecEngine(model, drafter, runner=args.runner, static_draft=static_draft,
-                                   static_capacity=args.capacity, **shape)  # fmt: skip
+                                   static_capacity=args.capacity, static_batch=args.static_batch,
+                                   **shape)  # fmt: skip
         assert isinstance(engines[mode].drafter, StaticEagleDraft) == static_draft
     engines["plain"] = engines["eager_draft"]
     engines["static_draft_host_glue"] = engines["static_draft"]
     e = engines["static_draft"]
-    batched = e.static is None
+    batched = e.static is None or e.static.max_batch > 1
     res = Results("engine_breakdown", device, {
         "target": args.target, "drafter": args.drafter, "dtype": args.dtype,
         "runner": "static" if e.static is not None else "eager", "batched": batched,

@@ -38,6 +38,10 @@ def _one_thread(one_thread):
 
 @pytest.fixture(scope="module")
 def two_token_lm() -> LlamaForCausalLM:
+    return make_two_token_lm()
+
+
+def make_two_token_lm() -> LlamaForCausalLM:
     """A random tiny Llama whose answer is A or B by the sign of one feature of its state."""
     torch.manual_seed(0)
     cfg = tiny_llama_config(vocab_size=V, layers=4, hidden=64, max_position_embeddings=512,

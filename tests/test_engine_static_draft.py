@@ -229,7 +229,7 @@ def test_capture_at_start_up_covers_the_requests():
                         static_capacity=512, capture_chains=(1, 3))  # fmt: skip
     assert isinstance(engine.drafter, StaticEagleDraft)
     target_keys, draft_keys = set(engine.static._graphs), engine.drafter.graph_keys()
-    assert {span for _, span, _ in target_keys} == {256, 512}
+    assert {span for _, _, span, _ in target_keys} == {256, 512}  # (rows, width, span, aux)
     g = torch.Generator().manual_seed(1)
     ps = [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in (5, 300)]
     engine.generate(ps, GenParams(max_tokens=24))  # the tree; the long prompt spans 512

@@ -17,11 +17,11 @@ different counts per cycle, so the target cache may hold rejected entries of som
 attention mask hides them, the common tail is cropped, and the cache is compacted when holes pile
 up. `plain_generate` runs the same target path without speculation (the benchmark baseline).
 
-On the static runner with the static drafter (the GPU path, batch 1), greedy cycles keep their
-glue on the device (`_device_cycles`): acceptance, the cache update and the drafter's next input
-are tensor ops between the graphs, and the host reads each cycle's accepted tokens once; plain
-greedy decoding there reads its tokens once per 8 steps (`_device_plain`). The host-side cycle
-below stays the reference (`device_glue=False`), and runs sampling and the eager runner.
+On the static runner with the static drafter (the GPU path), one greedy row keeps the cycle's
+glue on the device (`_device_cycles`: acceptance, the cache update and the drafter's next input
+are tensor ops between the graphs, one host read a cycle; plain decoding reads once per 8 steps,
+`_device_plain`). The host-side cycle is the reference (`device_glue=False`) and runs sampling,
+batches of several rows and the eager runner.
 
 Accounting follows SGLang: accept_len = completion_tokens / verify passes (the first token comes
 from prefill, the bonus token of each cycle is counted).
@@ -171,18 +171,20 @@ class SpecEngine:
         num_draft_tokens: int | None = None,
         runner: str = "auto",
         static_capacity: int = 4096,
+        static_batch: int = 1,
         static_draft: bool | None = None,
         capture_chains: tuple[int, ...] = (1, 2, 3, 4, 5),
         device_glue: bool = True,
         drafter_dtype: str = "serving",
     ):
         """`runner`: "auto" = the static-cache, CUDA-graph runner when the target is on a GPU
-        and Llama-like (requests then run one at a time), else the eager batched `TargetRunner`;
-        "eager" or "static" force one (static on CPU runs the same code without graphs).
-        `static_capacity`: KV slots of the static runner (prompt + max_tokens + steps + 2 must fit)
-        and of the static drafter. `static_draft`: an `EagleDraft` given to `set_drafter` runs as
-        a `StaticEagleDraft` (static shapes; CUDA graphs on a GPU); None = wherever the static
-        runner runs, False = never (the eager reference), True = also with the eager runner.
+        and Llama-like, else the eager batched `TargetRunner`; "eager" or "static" force one
+        (static on CPU runs the same code without graphs). `static_capacity`: KV slots of the
+        static runner (prompt + max_tokens + steps + 2 must fit) and of the static drafter;
+        `static_batch`: its rows (more requests run in groups of as many). `static_draft`: an
+        `EagleDraft` given to `set_drafter` runs as a `StaticEagleDraft` (static shapes; CUDA
+        graphs on a GPU); None = wherever the static runner runs, False = never (the eager
+        reference), True = also with the eager runner.
         `capture_chains`: with CUDA graphs, `set_drafter` captures the graphs of the configured
         shape and of these chains (bench.shape_chains' default) up front (`capture`).
         `device_glue`: greedy requests on the static runner and drafter run `_device_cycles`
@@ -206,7 +208,8 @@ class SpecEngine:
             and self.device.type == "cuda"
             and static_runner_problem(target) is None
         )
-        self.static = StaticTargetRunner(target, static_capacity) if use_static else None
+        static = StaticTargetRunner(target, static_capacity, max_batch=static_batch) if use_static else None  # fmt: skip
+        self.static = static
         self.static_draft = use_static if static_draft is None else static_draft
         self.static_capacity = static_capacity
         self.capture_chains = tuple(capture_chains)
@@ -297,8 +300,8 @@ class SpecEngine:
         request ends there (finish_reason "cancelled") and its row and cache leave the batch."""
         if not speculative or self.drafter is None:
             return self.plain_generate(prompts, params, on_tokens, max_tokens_each)
-        if self.static is not None and len(prompts) > 1:
-            return self._one_by_one(
+        if self.static is not None and len(prompts) > self.static.max_batch:
+            return self._in_groups(
                 lambda p, cb, lim: self.generate(p, params, cb, True, lim),
                 prompts,
                 on_tokens,
@@ -330,7 +333,7 @@ class SpecEngine:
         pos_next = valid.sum(1)  # position of x_next, not yet in the target cache
         done = [rows.append(r, [int(x_next[r])]) for r in range(len(prompts))]
         x_next, pos_next = _drop_finished(done, rows, runner, drafter, x_next, pos_next)
-        if rows.active and self._on_device(params):
+        if len(rows.active) == 1 and self._on_device(params):
             self._device_cycles(rows, x_next, pos_next, k, topk, n_tokens, tree)
             runner.release()
             return rows.results(t0)
@@ -379,7 +382,8 @@ class SpecEngine:
         return rows.results(t0)
 
     def _on_device(self, params: GenParams) -> bool:
-        """Whether a request runs `_device_cycles`: the static runner and drafter, greedy."""
+        """Whether one request runs `_device_cycles`: the static runner and drafter, greedy
+        (several rows run the host-side cycles)."""
         return (
             self.device_glue
             and self.static is not None
@@ -543,8 +547,8 @@ class SpecEngine:
         max_tokens_each: list[int] | None = None,
     ) -> list[Generation]:
         """The target alone, one token per forward (the no-speculation baseline)."""
-        if self.static is not None and len(prompts) > 1:
-            return self._one_by_one(
+        if self.static is not None and len(prompts) > self.static.max_batch:
+            return self._in_groups(
                 lambda p, cb, lim: self.plain_generate(p, params, cb, lim),
                 prompts,
                 on_tokens,
@@ -561,7 +565,12 @@ class SpecEngine:
         pos = valid.sum(1)
         done = [rows.append(r, [int(x[r])]) for r in range(len(prompts))]
         x, pos = _drop_finished(done, rows, runner, None, x, pos)
-        if rows.active and self.device_glue and self.static is not None and params.temperature <= 0:
+        if (
+            len(rows.active) == 1
+            and self.device_glue
+            and self.static is not None
+            and params.temperature <= 0
+        ):
             self._device_plain(rows, x, pos)
             rows.active = []
         while rows.active:
@@ -621,18 +630,19 @@ class SpecEngine:
                 f"{self.static.capacity}; build SpecEngine(static_capacity=...) larger"
             )
 
-    def _one_by_one(
+    def _in_groups(
         self,
         run: Callable[[list[list[int]], TokenCallback | None, list[int] | None], list[Generation]],
         prompts: list[list[int]],
         on_tokens: TokenCallback | None,
         max_tokens_each: list[int] | None,
     ) -> list[Generation]:
-        """The static runner holds one sequence: run a batch's requests in turn."""
-        out: list[Generation] = []
-        for i, p in enumerate(prompts):
-            cb = None if on_tokens is None else (lambda _r, toks, i=i: on_tokens(i, toks))
-            out += run([p], cb, None if max_tokens_each is None else [max_tokens_each[i]])
+        """The static runner holds `max_batch` rows: a batch's requests in groups of as many."""
+        n, out = self.static.max_batch if self.static is not None else 1, []
+        for a in range(0, len(prompts), n):
+            cb = None if on_tokens is None else (lambda r, toks, a=a: on_tokens(a + r, toks))
+            lim = None if max_tokens_each is None else max_tokens_each[a : a + n]
+            out += run(prompts[a : a + n], cb, lim)
         return out
 
 

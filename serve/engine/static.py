@@ -1,5 +1,6 @@
-"""The static target runner: the target on a GPU at batch 1, a preallocated KV cache and one CUDA
-graph per verify width; its step is pure functions of tensors that torch.compile fuses."""
+"""The static target runner: the target on a GPU over a preallocated KV cache of up to
+`max_batch` rows of their own lengths, one CUDA graph per (rows, verify width, span); its step is
+pure functions of tensors that torch.compile fuses."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from serve.engine.kernels import _split_attention, triton_attention_ok
 from serve.engine.runner import _check_aux_ids
 
 # ----------------------------------------------------------------------------------------------
-# The target on a GPU at batch 1: a preallocated KV cache and one CUDA graph per verify width
+# The target on a GPU: a preallocated KV cache and one CUDA graph per (rows, width, span)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -161,34 +162,34 @@ def _attn_in(
 ) -> tuple[Tensor, Tensor]:
     """Add the previous layer's MLP output `d` to the residual `x`, norm, q/k/v in one matmul,
     q/k norms, RoPE. Returns (x, the rotated queries, rotated keys and values [q, H + 2 Hkv, d]
-    in one tensor, so one kernel writes them; `_gqa_views` splits it)."""
+    in one tensor [B, q, H + 2 Hkv, d], so one kernel writes them; `_gqa_views` splits it)."""
     H, Hkv, dh = heads
-    q = x.shape[1]
+    B, q = x.shape[:2]
     x = x + d
-    qkv = F.linear(_rms(x, w.norm_in, eps[0]), w.qkv, w.qkv_bias)[0]
+    qkv = F.linear(_rms(x, w.norm_in, eps[0]), w.qkv, w.qkv_bias)
     qs, ks, vs = qkv.split([H * dh, Hkv * dh, Hkv * dh], -1)
-    qs, ks, vs = qs.view(q, H, dh), ks.view(q, Hkv, dh), vs.view(q, Hkv, dh)
+    qs, ks, vs = qs.view(B, q, H, dh), ks.view(B, q, Hkv, dh), vs.view(B, q, Hkv, dh)
     if w.q_norm is not None and w.k_norm is not None:
         qs, ks = _rms(qs, w.q_norm, eps[1]), _rms(ks, w.k_norm, eps[1])
-    qs = qs * cos + _rotate_half(qs) * sin  # cos, sin: [q, 1, d]
+    qs = qs * cos + _rotate_half(qs) * sin  # cos, sin: [B, q, 1, d]
     ks = ks * cos + _rotate_half(ks) * sin
-    return x, torch.cat([qs, ks, vs], dim=1)
+    return x, torch.cat([qs, ks, vs], dim=2)
 
 
 def _gqa_views(rot: Tensor, heads: tuple[int, int, int]) -> tuple[Tensor, Tensor]:
-    """Views of `_attn_in`'s [q, H + 2 Hkv, d]: queries [Hkv, rep, q, d] (the rep query heads of
-    a KV head; flattened, rep x q rows) and the new keys/values [2, Hkv, q, d]."""
+    """Views of `_attn_in`'s [B, q, H + 2 Hkv, d]: queries [B, Hkv, rep, q, d] (the rep query
+    heads of a KV head; flattened, rep x q rows) and the new keys/values [2, B, Hkv, q, d]."""
     H, Hkv, dh = heads
-    q = rot.shape[0]
-    queries = rot[:, :H].view(q, Hkv, H // Hkv, dh).permute(1, 2, 0, 3)
-    return queries, rot[:, H:].view(q, 2, Hkv, dh).permute(1, 2, 0, 3)
+    B, q = rot.shape[:2]
+    queries = rot[:, :, :H].view(B, q, Hkv, H // Hkv, dh).permute(0, 2, 3, 1, 4)
+    return queries, rot[:, :, H:].view(B, q, 2, Hkv, dh).permute(2, 0, 3, 1, 4)
 
 
 def _probs(scores: Tensor, mask: Tensor, scale: float, rep: int) -> Tensor:
-    """Softmax over key slots in fp32 with the additive mask [q, span] (GQA rows: rep x q)."""
-    Hkv, rows, span = scores.shape
-    s = scores.float().view(Hkv, rep, rows // rep, span) * scale + mask
-    return torch.softmax(s, dim=-1).to(scores.dtype).view(Hkv, rows, span)
+    """Softmax over key slots in fp32 with the additive mask [B, q, span] (GQA rows: rep x q)."""
+    B, Hkv, rows, span = scores.shape
+    s = scores.float().view(B, Hkv, rep, rows // rep, span) * scale + mask[:, None, None]
+    return torch.softmax(s, dim=-1).to(scores.dtype).view(B, Hkv, rows, span)
 
 
 def _attn_out_mlp(
@@ -197,8 +198,8 @@ def _attn_out_mlp(
     """o_proj and its residual add, the post-attention norm, gate/up in one matmul, SwiGLU and
     down_proj. Returns (x, the MLP output): the next layer's `_attn_in` adds it to x."""
     H, _, dh = heads
-    q = x.shape[1]
-    o = o.view(H, q, dh).transpose(0, 1).reshape(1, q, H * dh)
+    B, q = x.shape[:2]
+    o = o.view(B, H, q, dh).transpose(1, 2).reshape(B, q, H * dh)
     x = x + F.linear(o, w.o, w.o_bias)
     g, u = F.linear(_rms(x, w.norm_post, eps[0]), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
     return x, F.linear(F.silu(g) * u, w.down, w.down_bias)
@@ -231,9 +232,9 @@ class _Graph:
 
 
 class StaticTargetRunner:
-    """The target at batch 1 over a preallocated KV cache [layers, k/v, kv heads, capacity,
-    head dim], with the forward of each (width q, cache bucket) captured once as a CUDA graph and
-    replayed.
+    """The target over a preallocated KV cache [layers, k/v, max_batch rows, kv heads, capacity,
+    head dim], with the forward of each (rows, width q, cache bucket) captured once as a CUDA
+    graph and replayed.
 
     Why: at batch 1 an 8B target's HF eager forward is launch-bound (about 22 ms a token on an
     H200, against a 3.4 ms HBM floor), and a verify of q tokens costs 1.3x a decode. A graph
@@ -246,13 +247,16 @@ class StaticTargetRunner:
     functions run eagerly; without `split_attention` attention is two batched products and a
     softmax (the CPU path).
 
-    Layout: slot i holds position i (batch 1 has no padding). A forward writes its q entries at
-    slots base..base+q-1 (base = committed length) and attends to slots < base plus the new entries
-    allowed by `tree` (causal for a chain). `commit` keeps the accepted entries: a prefix just moves
-    the length; a tree path is first gathered to the front. Attention reads a power-of-two bucket
-    of slots (>= 256) so short contexts do not read the whole capacity.
+    Layout: in each row slot i holds position i (no padding: the rows are ragged, each with its
+    own committed length). A forward writes each row's q entries at slots base..base+q-1 (base =
+    the row's length) and attends to slots < base plus the new entries allowed by `tree` (causal
+    for a chain). `commit` keeps each row's accepted entries: a prefix just moves its length; a
+    tree path is first gathered to the front. Attention reads a power-of-two bucket of slots
+    (>= 256) over the longest row, so short contexts do not read the whole capacity. One row runs
+    the split-KV kernel; several run the batched products (the CPU path's).
 
-    Same interface as `TargetRunner` (prefill / forward / commit / select / release), batch 1 only.
+    Same interface as `TargetRunner` (prefill / forward / commit / select / release), up to
+    `max_batch` rows; the device-side cycle (`verify`, `keep_path`, `advance`) is one row's.
     Without CUDA (or with graphs=False) the same code runs eagerly: that is what the CPU tests pin.
     Building one makes the model's q/k/v and gate/up weights views of one fused tensor each
     (same values; see `_fuse_linears`)."""
@@ -266,6 +270,7 @@ class StaticTargetRunner:
         graphs: bool | None = None,
         compiled: bool | None = None,
         split_attention: bool | None = None,
+        max_batch: int = 1,
     ):
         if (problem := static_runner_problem(model)) is not None:
             raise ValueError(f"StaticTargetRunner: {problem}; use TargetRunner")
@@ -278,7 +283,7 @@ class StaticTargetRunner:
         self.n_heads = int(cfg.num_attention_heads)
         self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or self.hidden_size // self.n_heads)
-        self.capacity = int(capacity)
+        self.capacity, self.max_batch = int(capacity), int(max_batch)
         self.use_graphs = self.device.type == "cuda" if graphs is None else bool(graphs)
         self.weights = [_LayerWeights.of(la) for la in self.layers]
         at0 = self.layers[0].self_attn
@@ -292,9 +297,9 @@ class StaticTargetRunner:
         self.split_attention = can_split if split_attention is None else bool(split_attention)
         self._fns = self._step_functions(self.compiled)
         self.aux_ids: list[int] = []
-        self.length = 0  # committed slots
-        self.kv: Tensor | None = None  # [L, 2, Hkv, capacity, d], made on first prefill
-        self._graphs: dict[tuple[int, int, bool], _Graph] = {}
+        self.lengths = [0]  # each row's committed slots (host)
+        self.kv: Tensor | None = None  # [L, 2, max_batch, Hkv, capacity, d], made on first use
+        self._graphs: dict[tuple[int, int, int, bool], _Graph] = {}
         self.captures = 0  # graphs captured so far (SpecEngine.late_captures reads it)
         self._pool: Any = None
         self._causal: dict[int, Tensor] = {}  # q -> the chain's mask, host (`_pack`)
@@ -316,6 +321,15 @@ class StaticTargetRunner:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def length(self) -> int:
+        """The one row's committed slots (the device-side cycle runs one row)."""
+        return self.lengths[0]
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self.lengths = [n]
+
     def set_aux_layers(self, ids: list[int]) -> None:
         _check_aux_ids(ids, self.num_layers)
         if list(ids) != self.aux_ids:
@@ -324,36 +338,43 @@ class StaticTargetRunner:
 
     # -- the forward ------------------------------------------------------------------------
     def _core(self, inputs: Tensor, q: int, span: int, aux: bool) -> tuple[Tensor, Tensor | None]:
-        """One forward of q entries from the packed int64 `inputs` (ids, positions, base, tree),
-        attending over slots [0, span). Graph-safe: no host reads, fixed shapes for fixed (q, span)."""
-        m, dev, fns, kv = self.model, self.device, self._fns, self.kv
-        assert kv is not None
-        ids, pos = inputs[:q][None], inputs[q : 2 * q][None]
-        base = inputs[2 * q : 2 * q + 1]
-        tree = inputs[2 * q + 1 :].view(q, q).bool()
-        slots = base + torch.arange(q, device=dev)
-        rel = torch.arange(span, device=dev) - base  # key slot relative to the first new entry
+        """One forward of q entries per row from the packed int64 `inputs` [B, 2q + 1 + q*q]
+        (ids, positions, the row's base slot, tree), attending over slots [0, span). Graph-safe:
+        no host reads, fixed shapes for fixed (B, q, span)."""
+        m, dev, fns = self.model, self.device, self._fns
+        assert self.kv is not None
+        B = inputs.shape[0]
+        kv = self.kv[:, :, :B]  # a view: the graphs of every B read the one cache
+        ids, pos = inputs[:, :q], inputs[:, q : 2 * q]
+        base = inputs[:, 2 * q]
+        tree = inputs[:, 2 * q + 1 :].view(B, q, q).bool()
+        slots = base[:, None] + torch.arange(q, device=dev)  # [B, q]
+        rel = torch.arange(span, device=dev)[None] - base[:, None]  # [B, span]: to the first new
         new = (rel >= 0) & (rel < q)
-        allowed = (rel < 0)[None, :] | (new[None, :] & tree[:, rel.clamp(0, q - 1)])
-        mask = torch.zeros(q, span, device=dev).masked_fill_(~allowed, float("-inf"))
+        seen = tree.gather(2, rel.clamp(0, q - 1)[:, None].expand(B, q, span))
+        allowed = (rel < 0)[:, None] | (new[:, None] & seen)
+        mask = torch.zeros(B, q, span, device=dev).masked_fill_(~allowed, float("-inf"))
         x = m.get_input_embeddings()(ids)
         cos, sin = m.model.rotary_emb(x, pos)
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [q, 1, d]
+        cos, sin = cos[:, :, None], sin[:, :, None]  # [B, q, 1, d]
         heads = (self.n_heads, self.n_kv, self.head_dim)
         rep = self.n_heads // self.n_kv
+        rows = torch.arange(B, device=dev)[:, None, None]  # with heads_ix and slots: [B, Hkv, q]
+        heads_ix = torch.arange(self.n_kv, device=dev)[None, :, None]
         d = torch.zeros_like(x)
         states = []
         for i, w in enumerate(self.weights):
             x, rot = fns["attn_in"](x, d, w, cos, sin, heads, self.eps)
             queries, new_kv = _gqa_views(rot, heads)
-            if self.split_attention:  # also writes the new keys/values
-                o = _split_attention(queries, kv[i, 0], kv[i, 1], new_kv, base, mask, self.scale)
+            if self.split_attention and B == 1:  # also writes the new keys/values
+                o = _split_attention(queries[0], kv[i, 0, 0], kv[i, 1, 0], new_kv[:, 0],
+                                     base, mask[0], self.scale)[None]  # fmt: skip
             else:
-                kv[i].index_copy_(2, slots, new_kv)
-                queries = queries.reshape(self.n_kv, rep * q, self.head_dim)
-                scores = torch.matmul(queries, kv[i, 0, :, :span].transpose(1, 2))
+                kv[i][:, rows, heads_ix, slots[:, None]] = new_kv  # [2, B, Hkv, q, d]
+                queries = queries.reshape(B, self.n_kv, rep * q, self.head_dim)
+                scores = torch.matmul(queries, kv[i, 0, :, :, :span].transpose(2, 3))
                 p = fns["probs"](scores, mask, self.scale, rep)
-                o = torch.matmul(p, kv[i, 1, :, :span])  # [Hkv, rep*q, d] = [H, q, d]
+                o = torch.matmul(p, kv[i, 1, :, :, :span])  # [B, Hkv, rep*q, d] = [B, H, q, d]
             x, d = fns["attn_out_mlp"](o, x, w, heads, self.eps)
             if aux and i in self.aux_ids:
                 states.append((i, x + d))
@@ -367,20 +388,20 @@ class StaticTargetRunner:
         return logits, torch.cat([by_id[k] for k in self.aux_ids], -1)
 
     def _pack(self, ids: Tensor, positions: Tensor, tree: Tensor | None) -> Tensor:
-        q = ids.shape[1]
+        """[B, 2q + 1 + q*q] int64 on the host: each row's ids, positions, base slot, tree."""
+        B, q = ids.shape
         if tree is None:
             if q not in self._causal:
                 self._causal[q] = torch.ones(q, q, dtype=torch.long).tril().reshape(-1)
-            t = self._causal[q]
+            t = self._causal[q].expand(B, q * q)
         else:
-            t = tree[0].long().cpu().reshape(-1)
-        return torch.cat(
-            [ids[0].long().cpu(), positions[0].long().cpu(), torch.tensor([self.length]), t]
-        )
+            t = tree.long().cpu().reshape(B, q * q)
+        base = torch.tensor(self.lengths, dtype=torch.long)[:, None]
+        return torch.cat([ids.long().cpu(), positions.long().cpu(), base, t], 1)
 
     def _alloc(self) -> None:
         if self.kv is None:
-            shape = (self.num_layers, 2, self.n_kv, self.capacity, self.head_dim)
+            shape = (self.num_layers, 2, self.max_batch, self.n_kv, self.capacity, self.head_dim)
             self.kv = torch.zeros(shape, device=self.device, dtype=self.dtype)
 
     def spans(self) -> list[int]:
@@ -389,7 +410,7 @@ class StaticTargetRunner:
 
     @torch.inference_mode()  # the buffers are made (and used) in inference mode
     def capture(self, widths: list[tuple[int, bool]]) -> int:
-        """Capture the graph of every (width, with aux) at every span now, so that no request
+        """Capture the one row's graph of every (width, with aux) at every span now, so that no request
         pays a capture (nor torch.compile's specialisation) inside a measurement; returns how many
         were new. Between requests only: the warm-ups write cache slots no request holds then.
         GPU only (CUDA graphs); without graphs it does nothing. Verified by
@@ -397,32 +418,32 @@ class StaticTargetRunner:
         if not self.use_graphs:
             return 0
         self._alloc()
-        length, self.length, n = self.length, 0, 0
+        saved, self.lengths, n = self.lengths, [0], 0
         try:
             for q, aux in widths:
                 aux = aux and bool(self.aux_ids)
                 for span in self.spans():
-                    if span < q or (q, span, aux) in self._graphs:
+                    if span < q or (1, q, span, aux) in self._graphs:
                         continue
                     packed = self._pack(torch.zeros(1, q, dtype=torch.long),
                                         torch.arange(q)[None], None)  # fmt: skip
                     self._graph(q, span, aux, packed)
                     n += 1
         finally:
-            self.length = length
+            self.lengths = saved
         return n
 
     def _span(self, q: int) -> int:
+        need = max(self.lengths) + q
         if not self.use_graphs:
-            return self.length + q
-        need = self.length + q
+            return need
         span = self.MIN_BUCKET
         while span < need:
             span *= 2
         return min(span, self.capacity)
 
     def _graph(self, q: int, span: int, aux: bool, packed: Tensor) -> _Graph:
-        key = (q, span, aux)
+        key = (packed.shape[0], q, span, aux)
         if key in self._graphs:
             return self._graphs[key]
         inputs = packed.to(self.device, copy=True)  # the graph's own (`verify` packs on device)
@@ -444,11 +465,14 @@ class StaticTargetRunner:
         aux: bool = False,
         tree: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """q new entries of the one row (a chain, or a tree given its ancestor mask [1, q, q]);
-        returns (float logits [1, q, V], aux [1, q, 3·Ht]) on the target's device. `new_valid`
-        must be all True (batch 1 has no padding); `logits_to_keep` is ignored (all q kept)."""
-        if ids.shape[0] != 1 or not bool(new_valid.all()):
-            raise ValueError("StaticTargetRunner runs one row without padding")
+        """q new entries per row (a chain, or a tree given its ancestor mask [B, q, q]); returns
+        (float logits [B, q, V], aux [B, q, 3·Ht]) on the target's device. `new_valid` must be
+        all True (the rows are ragged, not padded); `logits_to_keep` is ignored (all q kept)."""
+        if ids.shape[0] != len(self.lengths) or not bool(new_valid.all()):
+            raise ValueError(
+                f"StaticTargetRunner holds {len(self.lengths)} row(s), without padding: got "
+                f"{ids.shape[0]} row(s), new_valid all True: {bool(new_valid.all())}"
+            )
         q = ids.shape[1]
         self._check_room(q)
         aux = aux and bool(self.aux_ids)
@@ -466,9 +490,9 @@ class StaticTargetRunner:
         return g.logits.clone(), (g.aux.clone() if g.aux is not None else None)
 
     def _check_room(self, q: int) -> None:
-        if self.length + q > self.capacity:
+        if max(self.lengths) + q > self.capacity:
             raise ValueError(
-                f"static KV cache full: {self.length} + {q} entries > capacity {self.capacity}; "
+                f"static KV cache full: {max(self.lengths)} + {q} entries > capacity {self.capacity}; "
                 "build the engine with a larger static_capacity"
             )
 
@@ -491,7 +515,9 @@ class StaticTargetRunner:
             t = self._causal_dev[q]
         else:
             t = tree.long()
-        packed = torch.cat([ids.long(), positions.long(), positions[:1].long(), t.reshape(-1)])
+        packed = torch.cat([ids.long(), positions.long(), positions[:1].long(), t.reshape(-1)])[
+            None
+        ]
         span = self._span(q)
         if not self.use_graphs:
             logits, states = self._core(packed, q, span, aux)
@@ -511,7 +537,7 @@ class StaticTargetRunner:
         assert self.kv is not None
         src = self.length + nodes
         n = nodes.shape[0]
-        self.kv[:, :, :, self.length : self.length + n] = self.kv[:, :, :, src]
+        self.kv[:, :, 0, :, self.length : self.length + n] = self.kv[:, :, 0, :, src]
 
     def advance(self, n: int) -> None:
         """Commit n more entries (of a chain, or a path that `keep_path` moved to the front)."""
@@ -520,27 +546,42 @@ class StaticTargetRunner:
     def prefill(
         self, prompts: list[list[int]], aux: bool
     ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
-        """Prefill of one prompt (eager, causal SDPA); returns (last logits [1, V],
-        aux [1, L, 3·Ht], ids [1, L], valid [1, L]) like `TargetRunner.prefill`."""
-        if len(prompts) != 1:
-            raise ValueError("StaticTargetRunner runs one prompt at a time")
-        L = len(prompts[0])
+        """Prefill of up to `max_batch` prompts, each in its own row, in one eager pass; returns
+        (last logits [B, V], aux [B, L, 3·Ht], ids [B, L], valid [B, L]) like
+        `TargetRunner.prefill`: left-padded to the longest prompt, so each row's last column is
+        its last token."""
+        B = len(prompts)
+        if not 1 <= B <= self.max_batch:
+            raise ValueError(f"{B} prompts: StaticTargetRunner(max_batch={self.max_batch}) holds 1 to {self.max_batch}")  # fmt: skip
+        lens = torch.tensor([len(p) for p in prompts])
+        L = int(lens.max())
         if L > self.capacity:
             raise ValueError(f"prompt of {L} tokens > static KV cache capacity {self.capacity}")
         self._alloc()
-        self.length = 0
-        ids = torch.tensor([prompts[0]], dtype=torch.long)
-        logits, states = self._prefill(ids.to(self.device), aux and bool(self.aux_ids))
-        self.length = L
-        self.valid = torch.ones(1, L, dtype=torch.bool)
-        return logits[:, -1], states, ids, torch.ones(1, L, dtype=torch.bool)
+        aux = aux and bool(self.aux_ids)
+        right = torch.zeros(B, L, dtype=torch.long)  # slot i of each row holds its position i
+        for r, p in enumerate(prompts):
+            right[r, : len(p)] = torch.tensor(p, dtype=torch.long)
+        logits, states = self._prefill(right.to(self.device), lens.to(self.device), aux)
+        # right-padded -> left-padded: column j of row r is its token j - (L - len_r)
+        src = (torch.arange(L)[None] - (L - lens)[:, None]).clamp(min=0)
+        valid = torch.arange(L)[None] >= (L - lens)[:, None]
+        ids = right.gather(1, src) * valid
+        if states is not None:
+            at = src.to(self.device)[..., None].expand(B, L, states.shape[-1])
+            states = states.gather(1, at) * valid.to(self.device)[..., None]
+        self.lengths, self.valid = lens.tolist(), valid
+        return logits, states, ids, valid
 
-    def _prefill(self, ids: Tensor, aux: bool) -> tuple[Tensor, Tensor | None]:
-        """The prompt in one eager pass: the model's own modules (their q/k/v and gate/up weights
-        are views of the fused ones) and causal SDPA; the keys and values go to the cache."""
-        m, L, kv = self.model, ids.shape[1], self.kv
+    def _prefill(self, ids: Tensor, lens: Tensor, aux: bool) -> tuple[Tensor, Tensor | None]:
+        """The right-padded prompts [B, L] in one eager pass: the model's own modules (their
+        q/k/v and gate/up weights are views of the fused ones) and causal SDPA; each row's keys
+        and values go to its cache row (a padding column's to slots past the row's length, which
+        no query reads before a forward overwrites them). Returns (each row's last logits [B, V],
+        the aux states [B, L, 3·Ht] or None)."""
+        m, (B, L), kv = self.model, ids.shape, self.kv
         assert kv is not None
-        pos = torch.arange(L, device=self.device)[None]
+        pos = torch.arange(L, device=self.device)[None].expand(B, L)
         x = m.get_input_embeddings()(ids)
         cos, sin = m.model.rotary_emb(x, pos)
         cos, sin = cos[:, None], sin[:, None]
@@ -549,15 +590,15 @@ class StaticTargetRunner:
         for i, layer in enumerate(self.layers):
             at = layer.self_attn
             h = layer.input_layernorm(x)
-            qs = at.q_proj(h).view(1, L, H, d).transpose(1, 2)
-            ks = at.k_proj(h).view(1, L, Hkv, d).transpose(1, 2)
-            vs = at.v_proj(h).view(1, L, Hkv, d).transpose(1, 2)
+            qs = at.q_proj(h).view(B, L, H, d).transpose(1, 2)
+            ks = at.k_proj(h).view(B, L, Hkv, d).transpose(1, 2)
+            vs = at.v_proj(h).view(B, L, Hkv, d).transpose(1, 2)
             if hasattr(at, "q_norm"):
                 qs, ks = at.q_norm(qs), at.k_norm(ks)
             qs = qs * cos + _rotate_half(qs) * sin
             ks = ks * cos + _rotate_half(ks) * sin
-            kv[i, 0, :, :L] = ks[0]
-            kv[i, 1, :, :L] = vs[0]
+            kv[i, 0, :B, :, :L] = ks
+            kv[i, 1, :B, :, :L] = vs
             o = F.scaled_dot_product_attention(
                 qs,
                 ks.repeat_interleave(H // Hkv, 1),
@@ -565,29 +606,40 @@ class StaticTargetRunner:
                 is_causal=True,
                 scale=self.scale,
             )
-            x = x + at.o_proj(o.transpose(1, 2).reshape(1, L, H * d))
+            x = x + at.o_proj(o.transpose(1, 2).reshape(B, L, H * d))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if aux and i in self.aux_ids:
                 states[i] = x
-        logits = m.get_output_embeddings()(m.model.norm(x[:, -1:])).float()
+        last = x[torch.arange(B, device=x.device), lens - 1][:, None]
+        logits = m.get_output_embeddings()(m.model.norm(last)).float()[:, 0]
         return logits, (torch.cat([states[k] for k in self.aux_ids], -1) if aux else None)
 
     def commit(self, keep: Tensor) -> None:
-        """Keep the accepted entries of the last forward ([1, q] bool, the root first): a prefix
-        only moves the length; a tree path is gathered to the front of the new slots first."""
-        idx = keep[0].nonzero().squeeze(1)
-        n = int(idx.numel())
-        if n and int(idx[-1]) != n - 1:  # not a prefix: move the kept entries together
+        """Keep each row's accepted entries of the last forward ([B, q] bool, the root first): a
+        prefix only moves the row's length; a tree path is gathered to the front of its new
+        slots first."""
+        keep = keep.cpu()
+        n = keep.sum(1)
+        moved = (keep != (torch.arange(keep.shape[1])[None] < n[:, None])).any(1)
+        for r in moved.nonzero().squeeze(1).tolist():  # not a prefix: move the kept together
             assert self.kv is not None
-            src = (self.length + idx).to(self.device)
-            self.kv[:, :, :, self.length : self.length + n] = self.kv[:, :, :, src]
-        self.length += n
-        self.valid = torch.ones(1, self.length, dtype=torch.bool)
+            at, k = self.lengths[r], int(n[r])
+            src = (at + keep[r].nonzero().squeeze(1)).to(self.device)
+            self.kv[:, :, r, :, at : at + k] = self.kv[:, :, r, :, src]
+        self.lengths = [a + k for a, k in zip(self.lengths, n.tolist(), strict=True)]
+        self.valid = torch.arange(max(self.lengths))[None] < torch.tensor(self.lengths)[:, None]
 
     def select(self, rows: Tensor) -> None:
-        if rows.numel() != 1:
-            raise ValueError("StaticTargetRunner runs one row")
+        """Keep only `rows` (ascending), moved to the first rows of the cache: the graphs of
+        the smaller batch read them there."""
+        keep = rows.tolist()
+        if keep != list(range(len(keep))):
+            assert self.kv is not None
+            idx = rows.to(self.device)
+            self.kv[:, :, : len(keep)] = self.kv[:, :, idx]
+        self.lengths = [self.lengths[r] for r in keep]
+        self.valid = self.valid[rows]
 
     def release(self) -> None:
-        self.length = 0
+        self.lengths = [0]
         self.valid = torch.zeros(1, 0, dtype=torch.bool)

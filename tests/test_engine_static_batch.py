@@ -1,0 +1,95 @@
+"""Batched streams on the static runner (`SpecEngine(static_batch=...)`, issue 56): a batch of
+concurrent requests, each in its own row of the static KV cache at its own length, gives each
+request exactly the tokens it gets alone, greedy, plain decoding, chains and trees, with rows
+that accept different counts each cycle and leave at different lengths. On CPU the same code
+runs without graphs; the `gpu` test repeats it with the CUDA graphs of each batch size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine_device_cycle import SHAPES, make_two_token_lm, prompts, two_token_drafter
+
+from serve.engine import GenParams, SpecEngine, StaticEagleDraft
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+LIMITS = [5, 40, 19, 33]  # rows leave the batch at different cycles
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    pass
+
+
+@pytest.fixture(scope="module")
+def two_token_lm():
+    return make_two_token_lm()
+
+
+def _engine(target, shape: dict | None, batch: int) -> tuple[SpecEngine, list[int]]:
+    """A static engine of `batch` rows and the batch sizes its target's forwards saw."""
+    shape = shape or {}
+    engine = SpecEngine(target, steps=shape.get("steps", 3), topk=shape.get("topk", 1),
+                        num_draft_tokens=shape.get("num_draft_tokens"), runner="static",
+                        static_capacity=160, static_batch=batch, stop_ids=set())  # fmt: skip
+    if shape:
+        engine.set_drafter(two_token_drafter(target))
+        assert isinstance(engine.drafter, StaticEagleDraft)
+    seen: list[int] = []
+    forward = engine.static.forward
+
+    def counted(ids, *a, **kw):
+        seen.append(ids.shape[0])
+        return forward(ids, *a, **kw)
+
+    engine.static.forward = counted
+    return engine, seen
+
+
+def _outputs(target, shape: dict | None, batch: int):
+    engine, seen = _engine(target, shape, batch)
+    params = GenParams(max_tokens=40)
+    if shape:
+        out = engine.generate(prompts(), params, max_tokens_each=LIMITS)
+    else:
+        out = engine.plain_generate(prompts(), params, max_tokens_each=LIMITS)
+    return [(g.token_ids, g.stats.accept_hist) for g in out], seen
+
+
+def _check(target, shape: dict | None) -> None:
+    alone, seen1 = _outputs(target, shape, 1)
+    together, seen4 = _outputs(target, shape, 4)
+    grouped, seen3 = _outputs(target, shape, 3)  # a group of 3, then one alone
+    assert together == alone and grouped == alone
+    assert [len(t) for t, _ in alone] == LIMITS
+    assert set(seen1) <= {1} and max(seen4) == 4 and max(seen3) == 3
+    assert {1, 2, 3, 4} <= set(seen4)  # the batch shrank as rows left it
+    if shape:
+        hist = [sum(h) for h in zip(*(h for _, h in together), strict=True)]
+        assert sum(n > 0 for n in hist) >= 2, hist  # cycles accepted different counts
+
+
+@pytest.mark.parametrize("shape", [None, *SHAPES], ids=["plain", "chain-3", "tree-3x3x7", "tree-5x4x12"])  # fmt: skip
+def test_a_batch_gives_each_request_the_tokens_it_gets_alone(two_token_lm, shape):
+    """Greedy, the static runner without graphs (CPU): 4 requests as one batch, and as a group
+    of 3 and one alone, emit and accept exactly what each does alone."""
+    _check(two_token_lm, shape)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("shape", [None, *SHAPES], ids=["plain", "chain-3", "tree-3x3x7", "tree-5x4x12"])  # fmt: skip
+def test_a_batch_gives_each_request_the_tokens_it_gets_alone_on_cuda(two_token_lm, shape):
+    """The same on CUDA (fp32, TF32 off) with the graphs of each batch size and span."""
+    import copy
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _check(copy.deepcopy(two_token_lm).cuda(), shape)
+
+
+def test_the_static_runner_refuses_more_prompts_than_rows(two_token_lm):
+    engine, _ = _engine(two_token_lm, None, 2)
+    with pytest.raises(
+        ValueError, match=r"3 prompts: StaticTargetRunner\(max_batch=2\) holds 1 to 2"
+    ):
+        engine.static.prefill(prompts()[:3], aux=False)
