@@ -35,14 +35,18 @@ def _engine(target, shape: dict | None, batch: int) -> tuple[SpecEngine, list[in
     if shape:
         engine.set_drafter(two_token_drafter(target))
         assert isinstance(engine.drafter, StaticEagleDraft)
-    seen: list[int] = []
-    forward = engine.static.forward
+    seen: list[int] = []  # the rows of each target pass, host-side (forward) or device (verify)
+    forward, verify = engine.static.forward, engine.static.verify
 
     def counted(ids, *a, **kw):
         seen.append(ids.shape[0])
         return forward(ids, *a, **kw)
 
-    engine.static.forward = counted
+    def counted_verify(ids, *a, **kw):
+        seen.append(1 if ids.dim() == 1 else ids.shape[0])
+        return verify(ids, *a, **kw)
+
+    engine.static.forward, engine.static.verify = counted, counted_verify
     return engine, seen
 
 
@@ -93,3 +97,19 @@ def test_the_static_runner_refuses_more_prompts_than_rows(two_token_lm):
         ValueError, match=r"3 prompts: StaticTargetRunner\(max_batch=2\) holds 1 to 2"
     ):
         engine.static.prefill(prompts()[:3], aux=False)
+
+
+def test_batched_plain_decoding_stops_where_each_request_stops_alone(two_token_lm):
+    """Plain greedy decoding of a batch with a stop token and limits that are no multiple of the
+    device loop's 8 steps: the device loop (rows leave at the reads) and the host loop give
+    each request the tokens and finish reason it gets alone."""
+    from test_engine_device_cycle import B
+
+    outs = []
+    for batch, glue in ((1, True), (4, True), (4, False)):
+        engine = SpecEngine(two_token_lm, runner="static", static_capacity=160, stop_ids={B},
+                            static_batch=batch, device_glue=glue)  # fmt: skip
+        out = engine.plain_generate(prompts(), GenParams(max_tokens=40), max_tokens_each=[1, 5, 19, 40])  # fmt: skip
+        outs.append([(g.token_ids, g.stats.finish_reason) for g in out])
+    assert outs[1] == outs[0] and outs[2] == outs[0]
+    assert {why for _, why in outs[0]} == {"stop", "length"}

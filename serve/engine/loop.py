@@ -56,7 +56,7 @@ from serve.engine.drafting import (
 from serve.engine.eager import TargetRunner
 from serve.engine.law import Draws
 from serve.engine.linear import use_small_rows_linear
-from serve.engine.requests import Generation, GenParams, RequestStats, TokenCallback
+from serve.engine.requests import Generation, GenParams, Rows, TokenCallback
 from serve.engine.runner import Runner
 from serve.engine.static import StaticTargetRunner, static_runner_problem
 from serve.engine.static_draft import StaticEagleDraft
@@ -65,66 +65,9 @@ from serve.engine.static_draft import StaticEagleDraft
 # The engine
 
 
-class _Rows:
-    """Per-request outputs and stats while a batch runs; `active` maps batch rows to requests."""
-
-    def __init__(
-        self,
-        prompts: list[list[int]],
-        params: GenParams,
-        stop_ids: set[int],
-        on_tokens: TokenCallback | None,
-        limits: list[int] | None,
-    ):
-        self.limits = list(limits) if limits is not None else [params.max_tokens] * len(prompts)
-        if len(self.limits) != len(prompts) or min(self.limits, default=1) < 1:
-            raise ValueError(f"max_tokens_each: need one limit >= 1 per prompt, got {limits}")
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("prompts: every prompt needs at least one token")
-        self.out: list[list[int]] = [[] for _ in prompts]
-        self.stats = [RequestStats(prompt_tokens=len(p)) for p in prompts]
-        self.active = list(range(len(prompts)))
-        self.params, self.stop_ids, self.on_tokens = params, stop_ids, on_tokens
-        # a seeded request draws from its own generator (law.Draws): what it draws alone
-        seed = params.seed
-        self.gens = None if seed is None else [torch.Generator().manual_seed(seed) for _ in prompts]
-
-    def draws(self) -> Draws:
-        """The active rows' generators, in batch-row order (None: torch's global one)."""
-        return None if self.gens is None else [self.gens[req] for req in self.active]
-
-    def append(self, row: int, tokens: list[int]) -> bool:
-        """Add tokens to batch row `row`; True when its request is finished."""
-        req = self.active[row]
-        room = self.limits[req] - len(self.out[req])
-        new = tokens[:room]
-        if not self.params.ignore_eos:
-            for i, t in enumerate(new):
-                if t in self.stop_ids:
-                    new = new[: i + 1]
-                    self.stats[req].finish_reason = "stop"
-                    break
-        self.out[req].extend(new)
-        self.stats[req].completion_tokens = len(self.out[req])
-        if self.on_tokens is not None and new and self.on_tokens(req, new):
-            self.stats[req].finish_reason = "cancelled"  # its caller is gone: drop the row now
-            return True
-        return self.stats[req].finish_reason == "stop" or len(self.out[req]) >= self.limits[req]
-
-    def charge(self, field_name: str, ms: float) -> None:
-        for req in self.active:
-            setattr(self.stats[req], field_name, getattr(self.stats[req], field_name) + ms)
-
-    def results(self, t0: float) -> list[Generation]:
-        total = (time.perf_counter() - t0) * 1000
-        for s in self.stats:
-            s.total_ms = total
-        return [Generation(o, s) for o, s in zip(self.out, self.stats, strict=True)]
-
-
 def _drop_finished(
     done: list[bool],
-    rows: _Rows,
+    rows: Rows,
     runner: TargetRunner,
     drafter: DraftSource | None,
     *tensors: Tensor,
@@ -314,7 +257,7 @@ class SpecEngine:
         n_tokens = params.num_draft_tokens or self.num_draft_tokens or k + 1
         if tree and (problem := tree_problem(k, topk, n_tokens)):
             raise ValueError(problem)
-        rows = _Rows(prompts, params, self.stop_ids, on_tokens, max_tokens_each)
+        rows = Rows(prompts, params, self.stop_ids, on_tokens, max_tokens_each)
         # the drafter's chain writes up to k slots past the last verified one, even for a tree
         self._check_fits(prompts, rows.limits, max(n_tokens, k + 1) if tree else k + 1)
         t0 = time.perf_counter()
@@ -393,7 +336,7 @@ class SpecEngine:
 
     def _device_cycles(
         self,
-        rows: _Rows,
+        rows: Rows,
         x_next: Tensor,
         pos_next: Tensor,
         k: int,
@@ -555,7 +498,7 @@ class SpecEngine:
                 max_tokens_each,
             )
         runner = self._runner
-        rows = _Rows(prompts, params, self.stop_ids, on_tokens, max_tokens_each)
+        rows = Rows(prompts, params, self.stop_ids, on_tokens, max_tokens_each)
         self._check_fits(prompts, rows.limits, 1)
         t0 = time.perf_counter()
         t = time.perf_counter()
@@ -565,14 +508,8 @@ class SpecEngine:
         pos = valid.sum(1)
         done = [rows.append(r, [int(x[r])]) for r in range(len(prompts))]
         x, pos = _drop_finished(done, rows, runner, None, x, pos)
-        if (
-            len(rows.active) == 1
-            and self.device_glue
-            and self.static is not None
-            and params.temperature <= 0
-        ):
+        if rows.active and self.device_glue and self.static is not None and params.temperature <= 0:
             self._device_plain(rows, x, pos)
-            rows.active = []
         while rows.active:
             t = time.perf_counter()
             ones = torch.ones(len(rows.active), 1, dtype=torch.bool)
@@ -588,36 +525,37 @@ class SpecEngine:
 
     PLAIN_STEPS_PER_READ = 8
 
-    def _device_plain(self, rows: _Rows, x: Tensor, pos: Tensor) -> None:
-        """Greedy plain decoding of one request on the static runner with the argmax fed back
-        on the device and the host reading the tokens once per `PLAIN_STEPS_PER_READ` steps
-        (as `BatchDecoder` does): never past the request's token limit, and a stop token
-        ends it at the next read (the steps after it are wasted, not emitted). Same tokens as
-        the host loop (`device_glue=False`): tests/test_engine_device_cycle.py."""
+    def _device_plain(self, rows: Rows, x: Tensor, pos: Tensor) -> None:
+        """Greedy plain decoding of the batch on the static runner with the argmax fed back on
+        the device and the host reading the tokens once per `PLAIN_STEPS_PER_READ` steps (as
+        `BatchDecoder` does): never past a request's token limit, and a stop token ends its
+        request at the next read (the steps after it are wasted, not emitted), where its row
+        leaves the batch. Same tokens as the host loop (`device_glue=False`):
+        tests/test_engine_device_cycle.py and tests/test_engine_static_batch.py."""
         runner = self.static
         assert runner is not None
         dev = runner.device
         cuda = dev.type == "cuda"
-        x, p = x.to(dev), pos.to(dev)  # [1] each
-        host = torch.empty(self.PLAIN_STEPS_PER_READ, dtype=torch.long, pin_memory=cuda)
+        x, p = x.to(dev), pos.to(dev)  # [B] each
+        host = torch.empty(self.PLAIN_STEPS_PER_READ * len(rows.active), dtype=torch.long, pin_memory=cuda)  # fmt: skip
         copied = torch.cuda.Event() if cuda else None
-        req = rows.active[0]
-        while True:
-            t = time.perf_counter()
-            n = min(self.PLAIN_STEPS_PER_READ, rows.limits[req] - len(rows.out[req]))
+        while rows.active:
+            t, B = time.perf_counter(), len(rows.active)
+            n = min(self.PLAIN_STEPS_PER_READ, *(rows.limits[r] - len(rows.out[r]) for r in rows.active))  # fmt: skip
             toks = []
             for _ in range(n):
-                logits, _ = runner.verify(x, p, None, aux=False)
+                logits, _ = runner.verify(x[:, None], p[:, None], None, aux=False)
                 runner.advance(1)
-                x, p = logits.argmax(-1), p + 1
+                x, p = logits[:, -1].argmax(-1), p + 1
                 toks.append(x)
-            host[:n].copy_(torch.cat(toks), non_blocking=True)
+            got = host[: n * B].view(B, n)
+            got.copy_(torch.stack(toks, 1), non_blocking=True)
             if copied is not None:
                 copied.record()
                 copied.synchronize()
-            rows.stats[req].verify_ms += _ms(t)
-            if rows.append(0, host[:n].tolist()):
-                return
+            rows.charge("verify_ms", _ms(t))
+            done = [rows.append(r, toks_r) for r, toks_r in enumerate(got.tolist())]
+            x, p = _drop_finished(done, rows, runner, None, x, p)
 
     def _check_fits(self, prompts: list[list[int]], limits: list[int], width: int) -> None:
         """The static cache must hold prompt + completion + one verify's spare entries."""

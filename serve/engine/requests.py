@@ -3,9 +3,14 @@ accounting: accept_len = completion_tokens / verify passes) and the finished gen
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+
+from serve.engine.law import Draws
 
 # ----------------------------------------------------------------------------------------------
 # Requests and their statistics
@@ -80,3 +85,64 @@ class RequestStats:
 class Generation:
     token_ids: list[int]
     stats: RequestStats
+
+
+# ----------------------------------------------------------------------------------------------
+# A running batch
+
+
+class Rows:
+    """Per-request outputs and stats while a batch runs; `active` maps batch rows to requests."""
+
+    def __init__(
+        self,
+        prompts: list[list[int]],
+        params: GenParams,
+        stop_ids: set[int],
+        on_tokens: TokenCallback | None,
+        limits: list[int] | None,
+    ):
+        self.limits = list(limits) if limits is not None else [params.max_tokens] * len(prompts)
+        if len(self.limits) != len(prompts) or min(self.limits, default=1) < 1:
+            raise ValueError(f"max_tokens_each: need one limit >= 1 per prompt, got {limits}")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts: every prompt needs at least one token")
+        self.out: list[list[int]] = [[] for _ in prompts]
+        self.stats = [RequestStats(prompt_tokens=len(p)) for p in prompts]
+        self.active = list(range(len(prompts)))
+        self.params, self.stop_ids, self.on_tokens = params, stop_ids, on_tokens
+        # a seeded request draws from its own generator (law.Draws): what it draws alone
+        seed = params.seed
+        self.gens = None if seed is None else [torch.Generator().manual_seed(seed) for _ in prompts]
+
+    def draws(self) -> Draws:
+        """The active rows' generators, in batch-row order (None: torch's global one)."""
+        return None if self.gens is None else [self.gens[req] for req in self.active]
+
+    def append(self, row: int, tokens: list[int]) -> bool:
+        """Add tokens to batch row `row`; True when its request is finished."""
+        req = self.active[row]
+        room = self.limits[req] - len(self.out[req])
+        new = tokens[:room]
+        if not self.params.ignore_eos:
+            for i, t in enumerate(new):
+                if t in self.stop_ids:
+                    new = new[: i + 1]
+                    self.stats[req].finish_reason = "stop"
+                    break
+        self.out[req].extend(new)
+        self.stats[req].completion_tokens = len(self.out[req])
+        if self.on_tokens is not None and new and self.on_tokens(req, new):
+            self.stats[req].finish_reason = "cancelled"  # its caller is gone: drop the row now
+            return True
+        return self.stats[req].finish_reason == "stop" or len(self.out[req]) >= self.limits[req]
+
+    def charge(self, field_name: str, ms: float) -> None:
+        for req in self.active:
+            setattr(self.stats[req], field_name, getattr(self.stats[req], field_name) + ms)
+
+    def results(self, t0: float) -> list[Generation]:
+        total = (time.perf_counter() - t0) * 1000
+        for s in self.stats:
+            s.total_ms = total
+        return [Generation(o, s) for o, s in zip(self.out, self.stats, strict=True)]

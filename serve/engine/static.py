@@ -500,13 +500,16 @@ class StaticTargetRunner:
         self, ids: Tensor, positions: Tensor, tree: Tensor | None, aux: bool
     ) -> tuple[Tensor, Tensor | None]:
         """`forward` with its inputs already on the device, read by no host code: the q ids and
-        positions [q] of the one row (the first position is the committed length: slot i holds
-        position i) and the tree's ancestor mask [q, q] (None: a chain). The inputs are packed
-        on the device and copied into the graph's own, so the static path's cycle runs without
-        a sync. Returns (logits [q, V], aux [q, 3·Ht]): on CUDA the graph's static outputs,
-        valid until this runner's next replay (the cycle reads them before). Parity with
-        `forward`: tests/test_engine_device_cycle.py."""
-        q = ids.shape[0]
+        positions [q] of the one row, or [B, q] of every row (each row's first position is its
+        committed length: slot i holds position i), and the tree's ancestor mask [q, q] (None: a
+        chain; one row). The inputs are packed on the device and copied into the graph's own, so
+        the static path's cycle runs without a sync. Returns (logits [q, V] or [B, q, V], aux
+        [q, 3·Ht]): on CUDA the graph's static outputs, valid until this runner's next replay
+        (the cycle reads them before). Parity with `forward`: tests/test_engine_device_cycle.py
+        and tests/test_engine_static_batch.py."""
+        one = ids.dim() == 1
+        ids, positions = (ids[None], positions[None]) if one else (ids, positions)
+        B, q = ids.shape
         self._check_room(q)
         aux = aux and bool(self.aux_ids)
         if tree is None:
@@ -515,9 +518,8 @@ class StaticTargetRunner:
             t = self._causal_dev[q]
         else:
             t = tree.long()
-        packed = torch.cat([ids.long(), positions.long(), positions[:1].long(), t.reshape(-1)])[
-            None
-        ]
+        t = t.reshape(1, q * q).expand(B, q * q)
+        packed = torch.cat([ids.long(), positions.long(), positions[:, :1].long(), t], 1)
         span = self._span(q)
         if not self.use_graphs:
             logits, states = self._core(packed, q, span, aux)
@@ -526,6 +528,8 @@ class StaticTargetRunner:
             g.inputs.copy_(packed)
             g.graph.replay()
             logits, states = g.logits, g.aux
+        if not one:
+            return logits, states
         return logits[0], (states[0] if states is not None else None)
 
     def keep_path(self, nodes: Tensor) -> None:
@@ -540,8 +544,9 @@ class StaticTargetRunner:
         self.kv[:, :, 0, :, self.length : self.length + n] = self.kv[:, :, 0, :, src]
 
     def advance(self, n: int) -> None:
-        """Commit n more entries (of a chain, or a path that `keep_path` moved to the front)."""
-        self.length += n
+        """Commit n more entries in every row (of a chain, or a path that `keep_path` moved to
+        the front)."""
+        self.lengths = [a + n for a in self.lengths]
 
     def prefill(
         self, prompts: list[list[int]], aux: bool
