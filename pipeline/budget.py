@@ -40,6 +40,10 @@ USER_TOKEN_SHARE = 0.85
 # at a time. Later rounds plan from what the last one took.
 BATCHED_REQUEST_SHARE = 0.3
 TRAIN_START_S = 25.0  # Ray Train's worker start-up and the export around the time box (2 cores)
+# The same on one GPU, where the worker also loads the target (online states), evaluates step 0
+# on the gate set and compiles its first step: 62 s around 103 s of steps on an H100
+# (2026-12-07), 80 s around 35 s (2026-12-06); round 0 priced 25 s and ran that much past plan.
+TRAIN_START_GPU_S = 60.0
 MIN_STAGE_S = 30.0  # below this a stage's start-up dominates: refuse the plan instead
 # The measuring work (benchmark tokens, shape probes, simulated users, the gate set) is sized to
 # the machine before round 0 (pipeline/round_plan.py `size_work`): as configured when that
@@ -96,6 +100,7 @@ class Rates:
 
     bench_s: float
     traffic_s: float
+    start_s: float = 0.0  # the server's start, paid by the first benchmark planned (round 0 only)
 
     @classmethod
     def from_measurement(
@@ -212,7 +217,9 @@ def _measuring(
     n = max(1, rounds - r) if n is None else n
     if len(bench_requests) < n:
         raise ValueError(f"plan_round: {n} rounds to run, {len(bench_requests)} request counts")
-    bench = [rates.bench_s * bench_requests[i] for i in range(n)]
+    bench = [
+        rates.bench_s * bench_requests[i] + (rates.start_s if i == 0 else 0.0) for i in range(n)
+    ]
     users = [rates.traffic_s * traffic_requests if r + i < rounds - 1 else 0.0 for i in range(n)]
     return bench, users
 

@@ -166,7 +166,7 @@ def run_loop(cfg: Config, run_dir: Path) -> dict[str, Any]:
                     st.result = data_line(rs.done["generate"])
                 _commit(state, clock, run_dir)
             if not rs.is_done("train"):
-                around = train_overhead_s(state, r, run_dir)
+                around = train_overhead_s(state, r, run_dir, cfg.train.use_gpu)
                 t0, box = clock.elapsed(), stage_seconds(rs, "train", clock, around)
                 what = f"time box {box:.0f} s of steps, {around:.0f} s around them" if box else "no time box"  # fmt: skip
                 with stage(f"round {r} train", box and box + around, what,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 from actors.prompt_record import conversation_chars
@@ -18,6 +19,7 @@ from pipeline.budget import (
     MIN_STAGE_S,
     SCALES,
     TEMPLATE_TOKENS,
+    TRAIN_START_GPU_S,
     TRAIN_START_S,
     WORK_SHARE,
     BudgetError,
@@ -222,7 +224,11 @@ def rates(cfg: Config, state: RunState, r: int) -> Rates:
     if r == 0:
         m = Measured(**state.rounds[0].done["measure"])
         mix = bench_mix(cfg, 0)
-        return Rates.from_measurement(m, mix, cfg.bench.max_tokens, cfg.data.max_new_tokens)
+        rates = Rates.from_measurement(m, mix, cfg.bench.max_tokens, cfg.data.max_new_tokens)
+        # A GPU server starts in round 0's benchmark: it loads the target and captures its
+        # graphs as the start-up measurement did (77 s; the server's start took 61 s of a 90 s
+        # benchmark planned at 52 s, an H100, 2026-12-07). A CPU server's start is seconds.
+        return replace(rates, start_s=m.wall_s if cfg.serve.num_gpus > 0 else 0.0)
     done = state.rounds[r - 1].done
     plan = done["plan"]
     base = Rates(plan["bench_s_per_request"], plan["traffic_s_per_request"])
@@ -282,13 +288,12 @@ def stage_seconds(rs, stage: str, clock: Clock, train_overhead: float = 0.0) -> 
     return max(MIN_STAGE_S, end - clock.elapsed() - overhead)
 
 
-def train_overhead_s(state: RunState, r: int, run_dir: Path) -> float:
+def train_overhead_s(state: RunState, r: int, run_dir: Path, gpu: bool = False) -> float:
     """Seconds a round's training stage spends around its box of steps: Ray Train's start, the
     loads, step 0's evaluation, the first step's compile, the export, the driver's records. As
     the last round before r that trained measured it (its stage's wall_s less its steps'
-    seconds, train/round-N/phases.json); TRAIN_START_S before any did. On one H100 it was about
-    80 s around 35 s of steps (2026-12-06), where TRAIN_START_S (2 cores) priced 25 s and each
-    round ran that much past its plan."""
+    seconds, train/round-N/phases.json); before any did, TRAIN_START_GPU_S where training runs
+    on GPUs (`gpu`), else TRAIN_START_S (2 cores)."""
     from pipeline.time_box import PHASES
 
     for i in range(r - 1, -1, -1):
@@ -298,7 +303,7 @@ def train_overhead_s(state: RunState, r: int, run_dir: Path) -> float:
             steps = json.loads(phases.read_text()).get("steps")
             if steps is not None:
                 return max(0.0, float(wall) - float(steps))
-    return TRAIN_START_S
+    return TRAIN_START_GPU_S if gpu else TRAIN_START_S
 
 
 def disk_plan(cfg: Config, state: RunState, r: int, run_dir: Path, prompts: list) -> dict:

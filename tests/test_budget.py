@@ -395,10 +395,12 @@ def test_the_time_box_prices_the_checkpoints_it_will_make():
 def test_the_training_box_leaves_out_what_the_last_round_spent_around_its_steps(tmp_path):
     """The box holds the steps only: a round's training stage also starts Ray Train, loads,
     evaluates step 0 and exports, 80 s around 35 s of steps on one H100. Round 1's box leaves
-    out what round 0 measured around its steps (phases.json); round 0 has TRAIN_START_S."""
+    out what round 0 measured around its steps (phases.json); round 0 has TRAIN_START_S, or on
+    GPUs TRAIN_START_GPU_S (round 0 of an H100 climb ran 25 s past a plan that priced 2 cores'
+    start)."""
     import json
 
-    from pipeline.budget import TRAIN_START_S
+    from pipeline.budget import TRAIN_START_GPU_S, TRAIN_START_S
     from pipeline.layout import RunDir
     from pipeline.round_plan import stage_seconds, train_overhead_s
     from pipeline.state import Clock, RunState
@@ -406,13 +408,37 @@ def test_the_training_box_leaves_out_what_the_last_round_spent_around_its_steps(
 
     state = RunState(config_digest="d")
     assert train_overhead_s(state, 0, tmp_path) == TRAIN_START_S
+    assert train_overhead_s(state, 0, tmp_path, gpu=True) == TRAIN_START_GPU_S > TRAIN_START_S
     state.round(0).done["train"] = {"wall_s": 113.0}
     out = RunDir(tmp_path).train(0)
     out.mkdir(parents=True)
     (out / PHASES).write_text(json.dumps({"entered": 0.0, "load": 9.0, "steps": 34.0}))
     assert train_overhead_s(state, 1, tmp_path) == pytest.approx(79.0)
+    assert train_overhead_s(state, 1, tmp_path, gpu=True) == pytest.approx(79.0)  # as measured
     rs = state.round(1)
     rs.done["plan"] = {"start_s": 0.0, "data_s": 100.0, "train_s": 200.0}
     clock = Clock(state)  # elapsed ~0: the data stage spent nothing yet
     box = stage_seconds(rs, "train", clock, train_overhead_s(state, 1, tmp_path))
     assert box == pytest.approx(300.0 - 79.0, abs=0.5)
+
+
+def test_round_zero_prices_a_gpu_servers_start_in_its_benchmark():
+    """A GPU server starts in round 0's benchmark, loading the target and capturing its graphs
+    as the start-up measurement did: round 0's benchmark is planned with the measurement's wall
+    time on top (an H100 climb's round 0 ran 90 s against 52 planned, 61 s of it the start), and
+    data and training get that much less; a CPU server's start stays unpriced, and the rounds
+    after keep their server up."""
+    from pipeline.round_plan import bench_requests, budgeted_plan, rates
+
+    cfg, state = _demo_state(0.06)
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"first_round": "train"})})
+    cfg = _with_stop(cfg, max_wall_minutes=None, round_minutes=5.0)
+    gpu = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"num_gpus": 0.25})})
+    wall = state.round(0).done["measure"]["wall_s"]
+    assert rates(cfg, state, 0).start_s == 0.0 and rates(gpu, state, 0).start_s == wall
+    for c, start in ((cfg, 0.0), (gpu, wall)):
+        p = budgeted_plan(c, state, 0, 20.0)
+        assert p.bench_s == pytest.approx(rates(c, state, 0).bench_s * bench_requests(c, 0) + start)
+        assert p.budget_s == pytest.approx(300.0)
+    p = plan_round(0, 2, 900.0, Rates(BENCH_S, USER_S, 60.0), [32, 26], traffic_requests=24)
+    assert p.bench_s == BENCH_S * 32 + 60.0  # the first benchmark only
