@@ -62,6 +62,10 @@ class ServeConfig(Strict):
     """Tokens verified per cycle (--speculative-num-draft-tokens); None = steps+1 for chains."""
     num_gpus: float = Field(0.0, ge=0)
     """GPUs the serving replica reserves."""
+    static_batch: int = Field(1, ge=1)
+    """Embedded engine on a GPU: rows of its static runner, so a batch's concurrent requests
+    decode together, up to this many at once (each gets the tokens it gets alone); 1 = one
+    after another (docs/performance.md). Each row holds a KV cache of the engine's capacity."""
     num_cpus: float = Field(1.0, gt=0)
     """CPUs the serving replica reserves; the embedded engine uses that many torch threads."""
     num_replicas: int = Field(1, ge=1)

@@ -156,6 +156,7 @@ class SpecServer:
             stop_ids=stop,
             topk=int(options.get("topk", 1)),
             num_draft_tokens=options.get("num_draft_tokens"),
+            static_batch=int(options.get("static_batch", 1)),
         )
         self.model_name = options.get("model_name") or str(target["model"])
         self.max_context = int(getattr(lm.config, "max_position_embeddings", 0) or 0)
