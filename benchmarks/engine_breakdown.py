@@ -91,6 +91,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--capacity", type=int, default=4096, help="static KV slots")
     ap.add_argument("--static-batch", type=int, default=1, help="rows the static runner holds")
+    ap.add_argument("--drafter-compile", default=None,
+                    help="torch.compile backend of the static drafter's graphs (inductor)")  # fmt: skip
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -111,7 +113,7 @@ def main() -> None:
         drafter.model.to(device)
         engines[mode] = SpecEngine(model, drafter, runner=args.runner, static_draft=static_draft,
                                    static_capacity=args.capacity, static_batch=args.static_batch,
-                                   **shape)  # fmt: skip
+                                   drafter_compile=args.drafter_compile, **shape)  # fmt: skip
         assert isinstance(engines[mode].drafter, StaticEagleDraft) == static_draft
     engines["plain"] = engines["eager_draft"]
     engines["static_draft_host_glue"] = engines["static_draft"]
@@ -121,7 +123,7 @@ def main() -> None:
         "target": args.target, "drafter": args.drafter, "dtype": args.dtype,
         "runner": "static" if e.static is not None else "eager", "batched": batched,
         "graphs": bool(e.static is not None and e.static.use_graphs), "max_tokens": args.max_tokens,
-        "threads": torch.get_num_threads(), **shape,
+        "threads": torch.get_num_threads(), "drafter_compile": args.drafter_compile, **shape,
     })  # fmt: skip
     params = GenParams(max_tokens=args.max_tokens, ignore_eos=True)
     with torch.inference_mode():

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 50's GPU checks of the embedded engine in one command, on a GPU host that has the
-# repository and python3 with torch, transformers and triton (no Ray needed), about 13 minutes:
+# repository and python3 with torch, transformers and triton (no Ray needed), about 17 minutes:
 #   1. pytest -m gpu over the engine's test files (RAY=1 adds tests/test_gpu_ray.py: Ray needed);
 #   2. benchmarks/engine_breakdown.py, bf16: draft / verify / accept / overhead ms per cycle at
 #      batch 1 and 4 for plain, the eager drafter, the static drafter with the host-side glue
@@ -52,6 +52,10 @@ if $PY -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('llm_smoll
   step engine_breakdown_batched 240 $PY benchmarks/engine_breakdown.py --device cuda \
     --dtype bfloat16 --target smollm2 --drafter drafters/smollm2-135m-base --batches 1,4,16 \
     --max-tokens 128 --capacity 1024 --static-batch 16
+  # the static drafter's graphs compiled by inductor (off by default until this measures it)
+  step engine_breakdown_compiled 240 $PY benchmarks/engine_breakdown.py --device cuda \
+    --dtype bfloat16 --target smollm2 --drafter drafters/smollm2-135m-base --batches 1,16 \
+    --max-tokens 128 --capacity 1024 --static-batch 16 --drafter-compile inductor
   step engine_shapes 180 $PY benchmarks/engine_shapes.py --device cuda --dtype bfloat16 \
     --target smollm2 --drafter drafters/smollm2-135m-base --prompts 24 --max-tokens 96 \
     --capacity 1024 --host-glue
@@ -72,6 +76,8 @@ fi
   grep -o '"late_captures": {[^}]*}' "$DIR/engine_breakdown.log" 2>/dev/null | tail -1
   echo; echo '## engine_breakdown, one batch in the static runner (--static-batch 16)'
   grep '^|' "$DIR/engine_breakdown_batched.log" 2>/dev/null || echo "(not run or failed: see engine_breakdown_batched.log)"
+  echo; echo '## engine_breakdown, the drafter compiled (--drafter-compile inductor)'
+  grep '^|' "$DIR/engine_breakdown_compiled.log" 2>/dev/null || echo "(not run or failed: see engine_breakdown_compiled.log)"
   echo; echo '## engine_shapes (batch 1, speedup over plain decoding)'
   grep '^|' "$DIR/engine_shapes.log" 2>/dev/null || echo "(not run or failed: see engine_shapes.log)"
   grep -o '"late_captures": [0-9]*' "$DIR/engine_shapes.log" 2>/dev/null | tail -1

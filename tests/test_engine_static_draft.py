@@ -344,3 +344,60 @@ def test_a_swap_keeps_the_cuda_graphs_and_drafts_the_new_weights():
         runs.append((log, [r.token_ids for r in e.generate(ps, GenParams(max_tokens=24))]))
     assert runs[0] == runs[1]
     assert engine.late_captures() == 0 and graphed.captures == n
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [dict(steps=K), dict(steps=5, topk=4, num_draft_tokens=12)],
+    ids=["chain-3", "tree-5x4x12"],
+)
+def test_a_compiled_drafter_drafts_what_the_eager_one_drafts(target, prompts, shape):
+    """`compile_backend`: each graphed function traced whole by torch.compile (fullgraph, so a
+    break is an error). Here with the aot_eager backend (the trace and its functionalized graph,
+    no code generation: inductor's C++ build would take minutes on 2 cores); a GPU runs inductor
+    (the `gpu` test below). Same drafts, tokens and accept histograms as the eager drafter, in
+    a ragged batch of the static runner's rows."""
+    runs = []
+    for backend in (None, "aot_eager"):
+        engine = SpecEngine(target, steps=shape["steps"], topk=shape.get("topk", 1),
+                            num_draft_tokens=shape.get("num_draft_tokens"), runner="static",
+                            static_capacity=96, static_batch=3)  # fmt: skip
+        d = StaticEagleDraft(drafter(target).model, 96, graphs=False, compile_backend=backend)
+        engine.set_drafter(d)
+        log = record(engine.drafter)
+        out = engine.generate(
+            prompts[:3], GenParams(max_tokens=N_TOK), max_tokens_each=[4, N_TOK, 9]
+        )
+        runs.append((log, [(g.token_ids, g.stats.accept_hist) for g in out], len(d._compiled_fns)))
+    assert runs[1][:2] == runs[0][:2] and runs[0][2] == 0 and runs[1][2] > 0
+
+
+@pytest.mark.gpu
+@cuda
+def test_the_inductor_compiled_drafter_in_cuda_graphs_drafts_what_the_eager_one_drafts():
+    """fp32 on the GPU (TF32 off): the drafter's graphed functions compiled by inductor draft,
+    chain and tree, what the same drafter drafts without compiling or graphs, one row and a
+    batch of 3; the tokens are plain greedy decoding's."""
+    from test_gpu_perf_paths import tiny_llama
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_llama("cuda")
+    g = torch.Generator().manual_seed(1)
+    ps = [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in (3, 11, 40)]
+    for shape in (dict(), dict(topk=2, num_draft_tokens=6)):
+        for batch in (1, 3):
+            runs = []
+            for backend, graphs in ((None, False), ("inductor", True)):
+                engine = SpecEngine(model, steps=3, stop_ids=set(), static_capacity=128,
+                                    static_batch=batch, **shape)  # fmt: skip
+                d = random_drafter(model, draft_vocab_size=256, aux_layer_ids=[2, 0, 1])
+                d.model.to("cuda")
+                engine.set_drafter(StaticEagleDraft(d.model, 128, graphs=graphs, compile_backend=backend))  # fmt: skip
+                log = record(engine.drafter)
+                out = engine.generate(ps, GenParams(max_tokens=24))
+                plain = engine.plain_generate(ps, GenParams(max_tokens=24))
+                assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+                runs.append((log, [r.token_ids for r in out]))
+            assert runs[1] == runs[0], (
+                f"{shape}, batch {batch}: the compiled drafter drafts differently"
+            )
