@@ -113,3 +113,19 @@ def test_batched_plain_decoding_stops_where_each_request_stops_alone(two_token_l
         outs.append([(g.token_ids, g.stats.finish_reason) for g in out])
     assert outs[1] == outs[0] and outs[2] == outs[0]
     assert {why for _, why in outs[0]} == {"stop", "length"}
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["chain-3", "tree-3x3x7", "tree-5x4x12"])
+def test_the_device_cycles_of_a_batch_equal_its_host_cycles(two_token_lm, shape):
+    """A batch of 4 on the device-side cycles (one host read a cycle; finished rows leave after
+    it) drafts, emits and accepts exactly what the host-side cycles (the reference) do."""
+    from test_engine_static_draft import record
+
+    runs = []
+    for glue in (False, True):
+        engine, _ = _engine(two_token_lm, shape, 4)
+        engine.device_glue = glue
+        log = record(engine.drafter)
+        out = engine.generate(prompts(), GenParams(max_tokens=40), max_tokens_each=LIMITS)
+        runs.append((log, [(g.token_ids, g.stats.accept_hist) for g in out]))
+    assert runs[1] == runs[0]

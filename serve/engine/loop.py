@@ -17,11 +17,11 @@ different counts per cycle, so the target cache may hold rejected entries of som
 attention mask hides them, the common tail is cropped, and the cache is compacted when holes pile
 up. `plain_generate` runs the same target path without speculation (the benchmark baseline).
 
-On the static runner with the static drafter (the GPU path), one greedy row keeps the cycle's
+On the static runner with the static drafter (the GPU path), a greedy batch keeps the cycle's
 glue on the device (`_device_cycles`: acceptance, the cache update and the drafter's next input
 are tensor ops between the graphs, one host read a cycle; plain decoding reads once per 8 steps,
-`_device_plain`). The host-side cycle is the reference (`device_glue=False`) and runs sampling,
-batches of several rows and the eager runner.
+`_device_plain`). The host-side cycle is the reference (`device_glue=False`) and runs sampling
+and the eager runner.
 
 Accounting follows SGLang: accept_len = completion_tokens / verify passes (the first token comes
 from prefill, the bonus token of each cycle is counted).
@@ -278,7 +278,7 @@ class SpecEngine:
         pos_next = valid.sum(1)  # position of x_next, not yet in the target cache
         done = [rows.append(r, [int(x_next[r])]) for r in range(len(prompts))]
         x_next, pos_next = _drop_finished(done, rows, runner, drafter, x_next, pos_next)
-        if len(rows.active) == 1 and self._on_device(params):
+        if rows.active and self._on_device(params):
             self._device_cycles(rows, x_next, pos_next, k, topk, n_tokens, tree)
             runner.release()
             return rows.results(t0)
@@ -327,8 +327,7 @@ class SpecEngine:
         return rows.results(t0)
 
     def _on_device(self, params: GenParams) -> bool:
-        """Whether one request runs `_device_cycles`: the static runner and drafter, greedy
-        (several rows run the host-side cycles)."""
+        """Whether a batch runs `_device_cycles`: the static runner and drafter, greedy."""
         return (
             self.device_glue
             and self.static is not None
@@ -346,15 +345,16 @@ class SpecEngine:
         n_tokens: int,
         tree: bool,
     ) -> None:
-        """The cycles of one greedy request on the static runner and drafter, with the glue on
-        the device (issue 50): acceptance, the cache update and the next draft's input are
-        tensor ops between the graphs, and the host reads the cycle's outcome (the accepted
-        count, the path's tokens, the bonus) once, from a pinned buffer, after the drafter's
-        extension is queued behind it. The host keeps what sizes the graphs (the committed
-        length, an upper bound of the drafter's top position) from those reads alone. The
-        drafter's extension is always k + 1 wide (rejected entries masked), so its width needs
-        no device value. Same tokens, drafts and statistics as the host-side cycles (the
-        reference, `device_glue=False`): tests/test_engine_device_cycle.py."""
+        """The cycles of a batch of greedy requests on the static runner and drafter, with the
+        glue on the device (issue 50): acceptance, the cache update and the next draft's input
+        are tensor ops between the graphs, and the host reads the cycle's outcome (each row's
+        accepted count, the path's tokens, the bonus) once, from a pinned buffer, after the
+        drafter's extension is queued behind it. The host keeps what sizes the graphs (the
+        committed lengths, an upper bound of the drafter's top position) from those reads alone.
+        The drafter's extension is always k + 1 wide (rejected entries masked), so its width
+        needs no device value; a finished row leaves the batch after the read. Same tokens,
+        drafts and statistics as the host-side cycles (the reference, `device_glue=False`):
+        tests/test_engine_device_cycle.py, tests/test_engine_static_batch.py."""
         runner, drafter = self.static, self.drafter
         assert runner is not None and isinstance(drafter, StaticEagleDraft)
         dev = runner.device
@@ -363,57 +363,67 @@ class SpecEngine:
         x, pos = (
             x_next.to(dev),
             pos_next.to(dev),
-        )  # [1] each: the token after the cache, its position
-        top = int(pos_next[0])  # host: pos, as known after the last read
-        host = torch.empty(k + 2, dtype=torch.long, pin_memory=cuda)
+        )  # [B] each: the token after the cache, its position
+        tops = pos_next.tolist()  # host: each row's pos, as known after the last read
+        host = torch.empty(len(tops) * (k + 2), dtype=torch.long, pin_memory=cuda)
         copied = torch.cuda.Event() if cuda else None
-        st = rows.stats[rows.active[0]]
-        marks: list[tuple[Any, ...]] = []  # per cycle: start, drafted, verified, accepted, extended
+        timed: list[tuple[tuple[Any, ...], list[int]]] = []  # each cycle's marks, its requests
         while rows.active:
-            mark = [_mark(cuda)]
+            B = len(rows.active)
+            marks = [_mark(cuda)]  # start, drafted, verified, accepted, extended
             if tree:
                 t = drafter.propose_tree(k, topk, n_tokens - 1)
-                mark.append(_mark(cuda))
-                ids = torch.cat([x, t.tokens[0]])
-                vpos = pos + torch.cat([j[:1] * 0, t.depths[0]])
-                anc = tree_ancestors_by_depth(t.parents, k)[0]
+                marks.append(_mark(cuda))
+                ids = torch.cat([x[:, None], t.tokens], 1)
+                vpos = pos[:, None] + torch.cat([torch.zeros_like(t.depths[:, :1]), t.depths], 1)
+                anc = tree_ancestors_by_depth(t.parents, k)
                 logits, aux = runner.verify(ids, vpos, anc, aux=True)
-                mark.append(_mark(cuda))
-                a, path, bonus = tree_greedy_accept_on_device(t, logits[None], k)
-                nodes = torch.cat([j[:1] * 0, path[0]])
-                runner.keep_path(nodes)
-                toks, aux = ids.gather(0, path[0]), aux[nodes]
+                marks.append(_mark(cuda))
+                a, path, bonus = tree_greedy_accept_on_device(t, logits, k)
+                nodes = torch.cat([torch.zeros_like(path[:, :1]), path], 1)
+                runner.keep_path(nodes, pos)
+                toks = ids.gather(1, path)
+                aux = aux.gather(1, nodes[..., None].expand(*nodes.shape, aux.shape[-1]))
             else:
                 drafts, _ = drafter.propose(k, 0.0, None)
-                mark.append(_mark(cuda))
-                logits, aux = runner.verify(torch.cat([x, drafts[0]]), pos + j, None, aux=True)
-                mark.append(_mark(cuda))
-                a, bonus = greedy_accept(drafts, logits[None])
-                toks = drafts[0]
-            host.copy_(torch.cat([a, toks, bonus]), non_blocking=True)  # the one host read
+                marks.append(_mark(cuda))
+                ids = torch.cat([x[:, None], drafts], 1)
+                logits, aux = runner.verify(ids, pos[:, None] + j, None, aux=True)
+                marks.append(_mark(cuda))
+                a, bonus = greedy_accept(drafts, logits)
+                toks = drafts
+            out = host[: B * (k + 2)].view(B, k + 2)
+            out.copy_(torch.cat([a[:, None], toks, bonus[:, None]], 1), non_blocking=True)
             if copied is not None:
-                copied.record()
-            mark.append(_mark(cuda))
+                copied.record()  # the one host read
+            marks.append(_mark(cuda))
             # slot pos + i gets the token after it: the i-th accepted draft, then the bonus
-            ext = torch.cat([torch.where(j[:k] < a, toks, bonus), bonus])
-            drafter.extend_on_device(ext[None], aux[None], (pos + j)[None], (j <= a)[None], top + k)  # fmt: skip
-            mark.append(_mark(cuda))
-            marks.append(tuple(mark))
+            ext = torch.cat([torch.where(j[None, :k] < a[:, None], toks, bonus[:, None]), bonus[:, None]], 1)  # fmt: skip
+            keep = j[None] <= a[:, None]
+            drafter.extend_on_device(ext, aux, pos[:, None] + j, keep, max(tops) + k)
+            marks.append(_mark(cuda))
             x, pos = bonus, pos + a + 1
             if copied is not None:
                 copied.synchronize()
-            n = int(host[0])
-            runner.advance(n + 1)
-            top += n + 1
-            st.spec_verify_ct += 1
-            st.accepted_drafts += n
-            st.accept_hist[n] += 1
-            if rows.append(0, host[1 : 1 + n].tolist() + [int(host[k + 1])]):
-                rows.active = []
-        draft_ms, verify_ms, accept_ms = _marks_ms(marks, cuda)
-        st.draft_ms += draft_ms
-        st.verify_ms += verify_ms
-        st.accept_ms += accept_ms
+            got = out.tolist()
+            runner.advance([r[0] + 1 for r in got])
+            timed.append((tuple(marks), list(rows.active)))
+            done = []
+            for r, (n, *rest) in enumerate(got):
+                st = rows.stats[rows.active[r]]
+                st.spec_verify_ct += 1
+                st.accepted_drafts += n
+                st.accept_hist[n] += 1
+                tops[r] += n + 1
+                done.append(rows.append(r, rest[:n] + [rest[k]]))
+            if any(done):
+                tops = [tops[r] for r, d in enumerate(done) if not d]
+                x, pos = _drop_finished(done, rows, runner, drafter, x, pos)
+        for marks, reqs in timed:  # read once the cycles ran: no sync inside them
+            ms = _marks_ms([marks], cuda)
+            for req in reqs:
+                st = rows.stats[req]
+                st.draft_ms, st.verify_ms, st.accept_ms = (a + b for a, b in zip((st.draft_ms, st.verify_ms, st.accept_ms), ms, strict=True))  # fmt: skip
 
     def _chain_cycle(
         self,

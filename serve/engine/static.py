@@ -501,8 +501,8 @@ class StaticTargetRunner:
     ) -> tuple[Tensor, Tensor | None]:
         """`forward` with its inputs already on the device, read by no host code: the q ids and
         positions [q] of the one row, or [B, q] of every row (each row's first position is its
-        committed length: slot i holds position i), and the tree's ancestor mask [q, q] (None: a
-        chain; one row). The inputs are packed on the device and copied into the graph's own, so
+        committed length: slot i holds position i), and the tree's ancestor mask [q, q] or
+        [B, q, q] (None: a chain). The inputs are packed on the device and copied into the graph's own, so
         the static path's cycle runs without a sync. Returns (logits [q, V] or [B, q, V], aux
         [q, 3·Ht]): on CUDA the graph's static outputs, valid until this runner's next replay
         (the cycle reads them before). Parity with `forward`: tests/test_engine_device_cycle.py
@@ -518,7 +518,7 @@ class StaticTargetRunner:
             t = self._causal_dev[q]
         else:
             t = tree.long()
-        t = t.reshape(1, q * q).expand(B, q * q)
+        t = t.reshape(-1, q * q).expand(B, q * q)
         packed = torch.cat([ids.long(), positions.long(), positions[:, :1].long(), t], 1)
         span = self._span(q)
         if not self.use_graphs:
@@ -532,21 +532,24 @@ class StaticTargetRunner:
             return logits, states
         return logits[0], (states[0] if states is not None else None)
 
-    def keep_path(self, nodes: Tensor) -> None:
-        """Move the entries of the last forward at offsets `nodes` [n] (device; the root's 0
-        first, then the accepted path, any padding after it) to the first n new slots, without
-        reading them on the host: the committed length moves later (`advance`), once the host
-        has read how many were accepted. Entries past the accepted ones are left as garbage
-        that no query reads (slots >= length are masked)."""
+    def keep_path(self, nodes: Tensor, base: Tensor) -> None:
+        """Move each row's entries of the last forward at offsets `nodes` [B, n] (device; the
+        root's 0 first, then the accepted path, any padding after it) to its first n new slots,
+        from `base` [B] (device: each row's committed length, its verify's first position),
+        without reading them on the host: the committed lengths move later (`advance`), once
+        the host has read how many were accepted. Entries past the accepted ones are left as
+        garbage that no query reads (slots >= length are masked)."""
         assert self.kv is not None
-        src = self.length + nodes
-        n = nodes.shape[0]
-        self.kv[:, :, 0, :, self.length : self.length + n] = self.kv[:, :, 0, :, src]
+        B, n = nodes.shape
+        rows = torch.arange(B, device=nodes.device)[:, None].expand(B, n)
+        dst = base[:, None] + torch.arange(n, device=nodes.device)
+        self.kv[:, :, rows, :, dst] = self.kv[:, :, rows, :, base[:, None] + nodes]
 
-    def advance(self, n: int) -> None:
-        """Commit n more entries in every row (of a chain, or a path that `keep_path` moved to
-        the front)."""
-        self.lengths = [a + n for a in self.lengths]
+    def advance(self, n: int | list[int]) -> None:
+        """Commit n more entries in every row, or n[r] in row r (of a chain, or a path that
+        `keep_path` moved to the front)."""
+        more = [n] * len(self.lengths) if isinstance(n, int) else n
+        self.lengths = [a + m for a, m in zip(self.lengths, more, strict=True)]
 
     def prefill(
         self, prompts: list[list[int]], aux: bool
