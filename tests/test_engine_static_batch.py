@@ -129,3 +129,24 @@ def test_the_device_cycles_of_a_batch_equal_its_host_cycles(two_token_lm, shape)
         out = engine.generate(prompts(), GenParams(max_tokens=40), max_tokens_each=LIMITS)
         runs.append((log, [(g.token_ids, g.stats.accept_hist) for g in out]))
     assert runs[1] == runs[0]
+
+
+@pytest.mark.parametrize("shape", ["plain", "chain", "tree"])
+def test_a_seeded_request_samples_in_a_batch_of_rows_what_it_samples_alone(tiny_lm, shape):
+    """Sampling on the static runner's rows (the host-side cycle; each row its own generator),
+    a random target whose draws matter: a seeded request's reply does not depend on its
+    batchmates."""
+    from serve.engine import random_drafter
+
+    params = GenParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=5, num_draft_tokens=7)
+    g = torch.Generator().manual_seed(2)
+    ps = [torch.randint(3, 49152, (int(n),), generator=g).tolist() for n in (4, 17, 9, 25)]
+    outs = []
+    for batch in (1, 4):
+        engine = SpecEngine(tiny_lm, random_drafter(tiny_lm, draft_vocab_size=500, aux_layer_ids=[2, 0, 1]),
+                            steps=3, topk=3 if shape == "tree" else 1, runner="static",
+                            static_capacity=64, static_batch=batch)  # fmt: skip
+        out = engine.generate(ps, params, speculative=shape != "plain", max_tokens_each=[12, 5, 9, 12])  # fmt: skip
+        outs.append([r.token_ids for r in out])
+    assert outs[1] == outs[0]
+    assert len({tuple(t) for t in outs[0]}) == 4
