@@ -1,7 +1,8 @@
 """Batched streams on the static runner (`SpecEngine(static_batch=...)`, issue 56): a batch of
 concurrent requests, each in its own row of the static KV cache at its own length, gives each
 request exactly the tokens it gets alone, greedy, plain decoding, chains and trees, with rows
-that accept different counts each cycle and leave at different lengths. On CPU the same code
+that accept different counts each cycle and leave at different lengths (a batch of 3 runs
+padded to 4 rows, as with graphs). On CPU the same code
 runs without graphs; the `gpu` test repeats it with the CUDA graphs of each batch size."""
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def _engine(target, shape: dict | None, batch: int) -> tuple[SpecEngine, list[in
     if shape:
         engine.set_drafter(two_token_drafter(target))
         assert isinstance(engine.drafter, StaticEagleDraft)
+    engine.static.bucket_rows = True  # as with graphs: 3 rows run as 4, padded (CPU: no graphs)
     seen: list[int] = []  # the rows of each target pass, host-side (forward) or device (verify)
     forward, verify = engine.static.forward, engine.static.verify
 

@@ -271,6 +271,7 @@ class StaticTargetRunner:
         compiled: bool | None = None,
         split_attention: bool | None = None,
         max_batch: int = 1,
+        compile_backend: str = "inductor",
     ):
         if (problem := static_runner_problem(model)) is not None:
             raise ValueError(f"StaticTargetRunner: {problem}; use TargetRunner")
@@ -295,7 +296,7 @@ class StaticTargetRunner:
         if split_attention and not can_split:
             raise ValueError("split_attention needs triton, CUDA and a power-of-two head dim")
         self.split_attention = can_split if split_attention is None else bool(split_attention)
-        self._fns = self._step_functions(self.compiled)
+        self._fns = self._step_functions(self.compiled, compile_backend)
         self.aux_ids: list[int] = []
         self.lengths = [0]  # each row's committed slots (host)
         self.kv: Tensor | None = None  # [L, 2, max_batch, Hkv, capacity, d], made on first use
@@ -305,17 +306,26 @@ class StaticTargetRunner:
         self._causal: dict[int, Tensor] = {}  # q -> the chain's mask, host (`_pack`)
         self._causal_dev: dict[int, Tensor] = {}  # q -> the same on the device (`verify`)
         self.valid = torch.zeros(1, 0, dtype=torch.bool)  # TargetRunner compatibility
+        # With graphs a forward of B rows runs as the next power of two (at most max_batch): a
+        # batch that shrinks as its requests finish replays a few graphs (and compiled
+        # specialisations), not one per size. The padding rows are free cache rows (a write to
+        # their first slots is never read: a prefill writes a row before it is read); their
+        # outputs are dropped.
+        self.bucket_rows = self.use_graphs
 
     @staticmethod
-    def _step_functions(compiled: bool) -> dict[str, Callable[..., Any]]:
+    def _step_functions(compiled: bool, backend: str) -> dict[str, Callable[..., Any]]:
         fns = {"attn_in": _attn_in, "probs": _probs, "attn_out_mlp": _attn_out_mlp, "head": _head}
         if not compiled:
             return fns
         # Static shapes give the best kernels; each (width, bucket) is one more specialisation
         # (compiled once, during the graph's warm-up), more than dynamo's default limit of 8.
         cfg = torch._dynamo.config
-        cfg.recompile_limit = max(cfg.recompile_limit, 64)
-        return {k: torch.compile(f, dynamic=False, fullgraph=True) for k, f in fns.items()}
+        cfg.recompile_limit = max(cfg.recompile_limit, 256)
+        return {
+            k: torch.compile(f, backend=backend, dynamic=False, fullgraph=True)
+            for k, f in fns.items()
+        }
 
     @property
     def num_layers(self) -> int:
@@ -473,13 +483,14 @@ class StaticTargetRunner:
                 f"StaticTargetRunner holds {len(self.lengths)} row(s), without padding: got "
                 f"{ids.shape[0]} row(s), new_valid all True: {bool(new_valid.all())}"
             )
-        q = ids.shape[1]
+        B, q = ids.shape
         self._check_room(q)
         aux = aux and bool(self.aux_ids)
-        packed = self._pack(ids, positions, tree)
+        packed = self._pad_rows(self._pack(ids, positions, tree), q)
         span = self._span(q)
         if not self.use_graphs:
-            return self._core(packed.to(self.device), q, span, aux)
+            logits, states = self._core(packed.to(self.device), q, span, aux)
+            return logits[:B], (states[:B] if states is not None else None)
         g = self._graph(q, span, aux, packed)
         g.copied.synchronize()  # the staging buffer may still be in flight
         g.staging.copy_(packed)
@@ -487,7 +498,22 @@ class StaticTargetRunner:
         g.copied.record()
         g.graph.replay()
         # Graphs share one memory pool: hand out copies, not the static outputs.
-        return g.logits.clone(), (g.aux.clone() if g.aux is not None else None)
+        return g.logits[:B].clone(), (g.aux[:B].clone() if g.aux is not None else None)
+
+    def _pad_rows(self, packed: Tensor, q: int) -> Tensor:
+        """`packed` [B, ...] with padding rows up to its bucket (`bucket_rows`): ids, positions
+        and base 0, a causal tree."""
+        B, b = packed.shape[0], 1
+        while self.bucket_rows and b < B:
+            b *= 2
+        b = min(b, self.max_batch) if self.bucket_rows else B
+        if b == B:
+            return packed
+        pad = packed.new_zeros(b - B, packed.shape[1])
+        pad[:, 2 * q + 1 :] = (
+            torch.ones(q, q, dtype=pad.dtype, device=pad.device).tril().reshape(-1)
+        )
+        return torch.cat([packed, pad])
 
     def _check_room(self, q: int) -> None:
         if max(self.lengths) + q > self.capacity:
@@ -520,6 +546,7 @@ class StaticTargetRunner:
             t = tree.long()
         t = t.reshape(-1, q * q).expand(B, q * q)
         packed = torch.cat([ids.long(), positions.long(), positions[:, :1].long(), t], 1)
+        packed = self._pad_rows(packed, q)
         span = self._span(q)
         if not self.use_graphs:
             logits, states = self._core(packed, q, span, aux)
@@ -529,7 +556,7 @@ class StaticTargetRunner:
             g.graph.replay()
             logits, states = g.logits, g.aux
         if not one:
-            return logits, states
+            return logits[:B], (states[:B] if states is not None else None)
         return logits[0], (states[0] if states is not None else None)
 
     def keep_path(self, nodes: Tensor, base: Tensor) -> None:
