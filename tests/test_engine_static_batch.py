@@ -152,3 +152,34 @@ def test_a_seeded_request_samples_in_a_batch_of_rows_what_it_samples_alone(tiny_
         outs.append([r.token_ids for r in out])
     assert outs[1] == outs[0]
     assert len({tuple(t) for t in outs[0]}) == 4
+
+
+def test_the_compiled_step_equals_the_eager_one_over_ragged_rows(tiny_lm):
+    """The static runner's step functions traced whole by torch.compile (aot_eager on CPU: the
+    trace and its functionalized graph without code generation; a GPU runs inductor, the
+    default) give the eager step's logits and aux states over a ragged batch of 3 rows padded
+    to 4: a chain, a tree, then a chain again after each row kept a different path."""
+    from serve.engine import StaticTargetRunner
+
+    eager = StaticTargetRunner(tiny_lm, 64, max_batch=4)
+    comp = StaticTargetRunner(tiny_lm, 64, max_batch=4, compiled=True, compile_backend="aot_eager")
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.randint(3, 49152, (int(n),), generator=g).tolist() for n in (5, 12, 8)]
+    ids = torch.randint(3, 49152, (3, 4), generator=g)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    keep = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    outs = []
+    for r in (eager, comp):
+        r.set_aux_layers([2, 0, 1])
+        r.bucket_rows = True
+        _, _, _, valid = r.prefill(ps, aux=True)
+        pos = valid.sum(1)[:, None] + torch.arange(4)
+        ones = torch.ones(3, 4, dtype=torch.bool)
+        a = r.forward(ids, pos, ones, aux=True)
+        b = r.forward(ids, pos, ones, aux=True, tree=tree.expand(3, 4, 4))
+        r.commit(keep)
+        c = r.forward(ids, pos + keep.sum(1, keepdim=True), ones, aux=True)
+        outs.append([t for pair in (a, b, c) for t in pair])
+    for e, c in zip(*outs, strict=True):
+        torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-4)
+    assert comp._fns["attn_in"] is not eager._fns["attn_in"]  # the compiled wrapper ran
