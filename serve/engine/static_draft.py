@@ -83,7 +83,8 @@ class StaticEagleDraft:
         self.compile_backend = compile_backend
         if self.use_graphs and self.device.type != "cuda":
             raise ValueError("StaticEagleDraft(graphs=True) needs the drafter on a CUDA device")
-        self.batch = 0
+        self.batch = 0  # rows of the buffers: a power of two
+        self.rows = 0  # the batch's rows in them (the first ones)
         self.k: Tensor | None = None  # [B, Hkv, capacity + 1, d]; the last slot takes padding
         self.v: Tensor | None = None
         self.h: Tensor | None = None  # [B, H] each row's last pre-norm output
@@ -124,33 +125,47 @@ class StaticEagleDraft:
 
     # -- state ------------------------------------------------------------------------------
     def start(self, batch: int, capacity: int) -> None:
-        """Fresh state for `batch` rows. The buffers (and the graphs over them) are made once per
-        batch size and reused: stale slots are never read, a query only sees slots <= its
-        position, and every one of those was written for the current request first."""
+        """Fresh state for `batch` rows, in buffers of the next power of two rows (`self.batch`;
+        the rows past `self.rows` are padding, free rows whose results are dropped). The buffers
+        (and the graphs over them) are made once per bucket and reused: stale slots are never
+        read, a query only sees slots <= its position, and every one of those was written for the
+        current request first."""
         if capacity > self.capacity:
             raise ValueError(
                 f"drafter needs {capacity} positions > static drafter capacity {self.capacity}; "
                 "build SpecEngine(static_capacity=...) larger"
             )
-        if batch != self.batch or self.k is None:
+        bucket = 1 << (batch - 1).bit_length()
+        if bucket != self.batch or self.k is None:
             w, cfg = self.model.fc.weight, self.cfg
-            shape = (batch, cfg.num_key_value_heads, self.capacity + 1, cfg.head_dim)
+            shape = (bucket, cfg.num_key_value_heads, self.capacity + 1, cfg.head_dim)
             self.k = torch.zeros(shape, device=w.device, dtype=w.dtype)
             self.v = torch.zeros_like(self.k)
-            self.h = w.new_zeros(batch, cfg.hidden_size)
-            self.pos = torch.zeros(batch, dtype=torch.long, device=w.device)
-            self.batch = batch
+            self.h = w.new_zeros(bucket, cfg.hidden_size)
+            self.pos = torch.zeros(bucket, dtype=torch.long, device=w.device)
+            self.batch = bucket
             self._graphs.clear()  # they point at the old buffers
+        self.rows = batch
         self.top, self._prompt = -1, True
 
     def select(self, rows: Tensor) -> None:
-        """Keep `rows` (new buffers of the smaller batch; its graphs are captured anew)."""
+        """Keep `rows`, moved to the first rows of the same buffers: the graphs stay (the rows
+        after them are padding now), so a batch that shrinks as its requests finish captures
+        nothing new."""
         assert self.k is not None and self.v is not None and self.h is not None
-        idx = rows.to(self.device)
-        self.k, self.v, self.h = self.k[idx], self.v[idx], self.h[idx]
-        self.pos = self.pos[idx]
-        self.batch = int(rows.numel())
-        self._graphs.clear()
+        assert self.pos is not None
+        idx, n = rows.to(self.device), int(rows.numel())
+        for buf in (self.k, self.v, self.h, self.pos):
+            buf[:n] = buf[idx]
+        self.rows = n
+
+    def _padded(self, t: Tensor, fill: int | float | bool = 0) -> Tensor:
+        """`t` [rows, ...] with padding rows up to the buffers' (their writes go to the spare
+        slot or to free rows)."""
+        if t.shape[0] == self.batch:
+            return t
+        pad = t.new_full((self.batch - t.shape[0], *t.shape[1:]), fill)
+        return torch.cat([t, pad])
 
     def _span(self, need: int) -> int:
         """Slots attention reads: the smallest of `span_buckets` >= need."""
@@ -182,8 +197,8 @@ class StaticEagleDraft:
         self.v[b, :, slots] = v.transpose(1, 2).to(self.v.dtype)
         B, H, n, d = q.shape
         rep = H // self.k.shape[1]
-        keys = self.k[:, :, :span].repeat_interleave(rep, 1).to(q.dtype)
-        vals = self.v[:, :, :span].repeat_interleave(rep, 1).to(q.dtype)
+        keys = self.k[:B, :, :span].repeat_interleave(rep, 1).to(q.dtype)
+        vals = self.v[:B, :, :span].repeat_interleave(rep, 1).to(q.dtype)
         visible = torch.arange(span, device=q.device)[None, None, :] <= positions[:, :, None]
         attn = F.scaled_dot_product_attention(q, keys, vals, attn_mask=visible[:, None])
         return m.midlayer.finish(hidden, attn.transpose(1, 2).reshape(B, n, H * d))
@@ -195,15 +210,19 @@ class StaticEagleDraft:
         assert self.h is not None and self.pos is not None
         b = torch.arange(ids.shape[0], device=ids.device)
         last = _last_true(write)
-        self.h.copy_(out[b, last])  # in place: the captured propose reads these buffers
-        self.pos.copy_(positions[b, last])
+        self.h[: len(b)].copy_(out[b, last])  # in place: the captured propose reads these buffers
+        self.pos[: len(b)].copy_(positions[b, last])
 
-    def _chain_core(self, steps: int, span: int, pick: Pick) -> tuple[Tensor, list[Tensor]]:
-        """`steps` chain drafts from the state: (target ids [B, steps], the draft distributions
-        when `pick` samples). Draft j's entry is written at slot pos + 1 + j (as EagleDraft)."""
+    def _chain_core(
+        self, steps: int, span: int, pick: Pick, rows: int | None = None
+    ) -> tuple[Tensor, list[Tensor]]:
+        """`steps` chain drafts from the state of the first `rows` rows (None: every row of the
+        buffers): (target ids [B, steps], the draft distributions when `pick` samples). Draft
+        j's entry is written at slot pos + 1 + j (as EagleDraft)."""
         m = self.model
         assert self.h is not None and self.pos is not None
-        h, logits = self.h[:, None], m.logits(self.h)
+        state, at = self.h[:rows], self.pos[:rows]
+        h, logits = state[:, None], m.logits(state)
         drafts, qs = [], []
         for j in range(steps):
             d, q = pick(logits)
@@ -212,7 +231,7 @@ class StaticEagleDraft:
             if q is not None:
                 qs.append(q)
             if j + 1 < steps:
-                h = self._forward(tok[:, None], h, (self.pos + 1 + j)[:, None], None, span)
+                h = self._forward(tok[:, None], h, (at + 1 + j)[:, None], None, span)
                 logits = m.logits(h[:, 0])
         return torch.stack(drafts, 1), qs
 
@@ -298,7 +317,8 @@ class StaticEagleDraft:
         self._check(top, "extend")
         self.top = top  # every row's last written entry is its new state (engine: keep[:, 0])
         span = self._span(top + 1)
-        args = (ids, aux.to(self.model.fc.weight.dtype), positions, write)
+        aux = aux.to(self.model.fc.weight.dtype)
+        args = (self._padded(ids), self._padded(aux), self._padded(positions), self._padded(write, False))  # fmt: skip
         if self._prompt:  # the prompt: any width, once per request -> eager, like prefill
             self._prompt = False
             self._extend_core(*args, span)
@@ -322,11 +342,11 @@ class StaticEagleDraft:
             def sample(logits: Tensor) -> tuple[Tensor, Tensor | None]:
                 return pick_draft(logits, temperature, gen, top_p, top_k)
 
-            drafts, qs = self._chain_core(steps, span, sample)
+            drafts, qs = self._chain_core(steps, span, sample, self.rows)
             return drafts, torch.stack([target_q(self.model, q) for q in qs], 1)
         key = ("chain", steps, span)
         drafts = self._graphed(key, lambda: self._chain_core(steps, span, _greedy)[0], ())
-        return drafts, None
+        return drafts[: self.rows], None
 
     def propose_tree(self, steps: int, topk: int, num_nodes: int) -> DraftTree:
         assert self.top >= 0, "extend() first"
@@ -338,7 +358,7 @@ class StaticEagleDraft:
         span = self._span(self.top + 1)  # tree nodes attend to verified slots only
         key = ("tree", steps, topk, num_nodes, span)
         out = self._graphed(key, lambda: self._tree_core(steps, topk, num_nodes, span), ())
-        return DraftTree(*out)
+        return DraftTree(*(t[: self.rows] for t in out))
 
     # -- CUDA graphs (GPU only; on CPU `_graphed` calls `fn` directly) -------------------------
     @torch.inference_mode()  # the buffers are made (and used) in inference mode
