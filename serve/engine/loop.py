@@ -154,8 +154,7 @@ class SpecEngine:
             and self.device.type == "cuda"
             and static_runner_problem(target) is None
         )
-        static = StaticTargetRunner(target, static_capacity, max_batch=static_batch) if use_static else None  # fmt: skip
-        self.static = static
+        self.static = StaticTargetRunner(target, static_capacity, max_batch=static_batch) if use_static else None  # fmt: skip
         self.static_draft = use_static if static_draft is None else static_draft
         self.static_capacity = static_capacity
         self.capture_chains = tuple(capture_chains)

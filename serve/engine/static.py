@@ -212,6 +212,24 @@ def _head(
     return F.linear(_rms(x + d, norm, eps), head, head_bias).float()
 
 
+def row_bucket(rows: int, most: int | None = None) -> int:
+    """Rows a batch of `rows` runs as in the static runner and drafter: the next power of two
+    (at most `most`), so a batch that shrinks replays a few graphs, not one per size."""
+    b = 1 << (rows - 1).bit_length()
+    return b if most is None else min(b, most)
+
+
+def moved_rows(rows: Tensor) -> tuple[Tensor, Tensor] | None:
+    """(to, from) of the kept `rows` (ascending) that move up to their new place in a select;
+    None when none moves. In ascending order no row is overwritten before it is read."""
+    keep = rows.tolist()
+    moved = [(i, r) for i, r in enumerate(keep) if r != i]
+    if not moved:
+        return None
+    dst, src = zip(*moved, strict=True)
+    return torch.tensor(dst), torch.tensor(src)
+
+
 def span_buckets(smallest: int, capacity: int) -> list[int]:
     """The attention spans of the static runners: powers of two from `smallest`, then capacity."""
     out, span = [], smallest
@@ -256,7 +274,7 @@ class StaticTargetRunner:
     the split-KV kernel; several run the batched products (the CPU path's).
 
     Same interface as `TargetRunner` (prefill / forward / commit / select / release), up to
-    `max_batch` rows; the device-side cycle (`verify`, `keep_path`, `advance`) is one row's.
+    `max_batch` rows, and the device-side cycle's (`verify`, `keep_path`, `advance`).
     Without CUDA (or with graphs=False) the same code runs eagerly: that is what the CPU tests pin.
     Building one makes the model's q/k/v and gate/up weights views of one fused tensor each
     (same values; see `_fuse_linears`)."""
@@ -303,9 +321,7 @@ class StaticTargetRunner:
         self._graphs: dict[tuple[int, int, int, bool], _Graph] = {}
         self.captures = 0  # graphs captured so far (SpecEngine.late_captures reads it)
         self._pool: Any = None
-        self._causal: dict[int, Tensor] = {}  # q -> the chain's mask, host (`_pack`)
-        self._causal_dev: dict[int, Tensor] = {}  # q -> the same on the device (`verify`)
-        self.valid = torch.zeros(1, 0, dtype=torch.bool)  # TargetRunner compatibility
+        self._causal: dict[tuple[int, str], Tensor] = {}  # (q, device type) -> the chain's mask
         # With graphs a forward of B rows runs as the next power of two (at most max_batch): a
         # batch that shrinks as its requests finish replays a few graphs (and compiled
         # specialisations), not one per size. The padding rows are free cache rows (a write to
@@ -333,12 +349,13 @@ class StaticTargetRunner:
 
     @property
     def length(self) -> int:
-        """The one row's committed slots (the device-side cycle runs one row)."""
+        """The first row's committed slots (one row's: what a batch of one has)."""
         return self.lengths[0]
 
-    @length.setter
-    def length(self, n: int) -> None:
-        self.lengths = [n]
+    @property
+    def valid(self) -> Tensor:
+        """[B, S] the cache slots each row attends to (TargetRunner's): its first `length`."""
+        return torch.arange(max(self.lengths))[None] < torch.tensor(self.lengths)[:, None]
 
     def set_aux_layers(self, ids: list[int]) -> None:
         _check_aux_ids(ids, self.num_layers)
@@ -401,9 +418,7 @@ class StaticTargetRunner:
         """[B, 2q + 1 + q*q] int64 on the host: each row's ids, positions, base slot, tree."""
         B, q = ids.shape
         if tree is None:
-            if q not in self._causal:
-                self._causal[q] = torch.ones(q, q, dtype=torch.long).tril().reshape(-1)
-            t = self._causal[q].expand(B, q * q)
+            t = self._causal_mask(q, torch.device("cpu")).expand(B, q * q)
         else:
             t = tree.long().cpu().reshape(B, q * q)
         base = torch.tensor(self.lengths, dtype=torch.long)[:, None]
@@ -420,9 +435,9 @@ class StaticTargetRunner:
 
     @torch.inference_mode()  # the buffers are made (and used) in inference mode
     def capture(self, widths: list[tuple[int, bool]]) -> int:
-        """Capture the one row's graph of every (width, with aux) at every span now, so that no request
-        pays a capture (nor torch.compile's specialisation) inside a measurement; returns how many
-        were new. Between requests only: the warm-ups write cache slots no request holds then.
+        """Capture the one row's graph of every (width, with aux) at every span now, so that no
+        request pays a capture (nor torch.compile's specialisation) inside a measurement; returns
+        how many were new. Between requests only: the warm-ups write cache slots no request holds then.
         GPU only (CUDA graphs); without graphs it does nothing. Verified by
         tests/test_engine_static_draft.py::test_capture_at_start_up_covers_the_requests (gpu)."""
         if not self.use_graphs:
@@ -503,17 +518,21 @@ class StaticTargetRunner:
     def _pad_rows(self, packed: Tensor, q: int) -> Tensor:
         """`packed` [B, ...] with padding rows up to its bucket (`bucket_rows`): ids, positions
         and base 0, a causal tree."""
-        B, b = packed.shape[0], 1
-        while self.bucket_rows and b < B:
-            b *= 2
-        b = min(b, self.max_batch) if self.bucket_rows else B
+        B = packed.shape[0]
+        b = row_bucket(B, self.max_batch) if self.bucket_rows else B
         if b == B:
             return packed
         pad = packed.new_zeros(b - B, packed.shape[1])
-        pad[:, 2 * q + 1 :] = (
-            torch.ones(q, q, dtype=pad.dtype, device=pad.device).tril().reshape(-1)
-        )
+        pad[:, 2 * q + 1 :] = self._causal_mask(q, packed.device)
         return torch.cat([packed, pad])
+
+    def _causal_mask(self, q: int, device: torch.device) -> Tensor:
+        """A chain's ancestor mask [q * q] (int64), made once per width and device: no kernels
+        per call on the device-side cycle."""
+        key = (q, device.type)
+        if key not in self._causal:
+            self._causal[key] = torch.ones(q, q, dtype=torch.long, device=device).tril().reshape(-1)
+        return self._causal[key]
 
     def _check_room(self, q: int) -> None:
         if max(self.lengths) + q > self.capacity:
@@ -528,8 +547,8 @@ class StaticTargetRunner:
         """`forward` with its inputs already on the device, read by no host code: the q ids and
         positions [q] of the one row, or [B, q] of every row (each row's first position is its
         committed length: slot i holds position i), and the tree's ancestor mask [q, q] or
-        [B, q, q] (None: a chain). The inputs are packed on the device and copied into the graph's own, so
-        the static path's cycle runs without a sync. Returns (logits [q, V] or [B, q, V], aux
+        [B, q, q] (None: a chain). The inputs are packed on the device and copied into the
+        graph's own, so the static path's cycle runs without a sync. Returns (logits [q, V] or [B, q, V], aux
         [q, 3·Ht]): on CUDA the graph's static outputs, valid until this runner's next replay
         (the cycle reads them before). Parity with `forward`: tests/test_engine_device_cycle.py
         and tests/test_engine_static_batch.py."""
@@ -538,12 +557,7 @@ class StaticTargetRunner:
         B, q = ids.shape
         self._check_room(q)
         aux = aux and bool(self.aux_ids)
-        if tree is None:
-            if q not in self._causal_dev:  # made once: no kernels per call
-                self._causal_dev[q] = torch.ones(q, q, dtype=torch.long, device=ids.device).tril()  # fmt: skip
-            t = self._causal_dev[q]
-        else:
-            t = tree.long()
+        t = self._causal_mask(q, ids.device) if tree is None else tree.long()
         t = t.reshape(-1, q * q).expand(B, q * q)
         packed = torch.cat([ids.long(), positions.long(), positions[:, :1].long(), t], 1)
         packed = self._pad_rows(packed, q)
@@ -605,7 +619,7 @@ class StaticTargetRunner:
         if states is not None:
             at = src.to(self.device)[..., None].expand(B, L, states.shape[-1])
             states = states.gather(1, at) * valid.to(self.device)[..., None]
-        self.lengths, self.valid = lens.tolist(), valid
+        self.lengths = lens.tolist()
         return logits, states, ids, valid
 
     def _prefill(self, ids: Tensor, lens: Tensor, aux: bool) -> tuple[Tensor, Tensor | None]:
@@ -662,19 +676,18 @@ class StaticTargetRunner:
             src = (at + keep[r].nonzero().squeeze(1)).to(self.device)
             self.kv[:, :, r, :, at : at + k] = self.kv[:, :, r, :, src]
         self.lengths = [a + k for a, k in zip(self.lengths, n.tolist(), strict=True)]
-        self.valid = torch.arange(max(self.lengths))[None] < torch.tensor(self.lengths)[:, None]
 
     def select(self, rows: Tensor) -> None:
         """Keep only `rows` (ascending), moved to the first rows of the cache: the graphs of
-        the smaller batch read them there."""
+        the smaller batch read them there. Only the rows that move are copied, and only their
+        committed slots."""
         keep = rows.tolist()
-        if keep != list(range(len(keep))):
+        if (move := moved_rows(rows)) is not None:
             assert self.kv is not None
-            idx = rows.to(self.device)
-            self.kv[:, :, : len(keep)] = self.kv[:, :, idx]
+            dst, src = (t.to(self.device) for t in move)
+            top = max(self.lengths[r] for r in keep)
+            self.kv[:, :, dst, :, :top] = self.kv[:, :, src, :, :top]
         self.lengths = [self.lengths[r] for r in keep]
-        self.valid = self.valid[rows]
 
     def release(self) -> None:
         self.lengths = [0]
-        self.valid = torch.zeros(1, 0, dtype=torch.bool)

@@ -39,7 +39,7 @@ from eagle3.cuda_graph import capture_graph
 from eagle3.model import Eagle3Drafter, rope_cos_sin
 from serve.engine.drafting import DraftTree, _last_true, pick_draft, target_q
 from serve.engine.law import Draws
-from serve.engine.static import span_buckets
+from serve.engine.static import moved_rows, row_bucket, span_buckets
 
 Pick = Callable[[Tensor], tuple[Tensor, Tensor | None]]
 
@@ -135,7 +135,7 @@ class StaticEagleDraft:
                 f"drafter needs {capacity} positions > static drafter capacity {self.capacity}; "
                 "build SpecEngine(static_capacity=...) larger"
             )
-        bucket = 1 << (batch - 1).bit_length()
+        bucket = row_bucket(batch)
         if bucket != self.batch or self.k is None:
             w, cfg = self.model.fc.weight, self.cfg
             shape = (bucket, cfg.num_key_value_heads, self.capacity + 1, cfg.head_dim)
@@ -154,10 +154,11 @@ class StaticEagleDraft:
         nothing new."""
         assert self.k is not None and self.v is not None and self.h is not None
         assert self.pos is not None
-        idx, n = rows.to(self.device), int(rows.numel())
-        for buf in (self.k, self.v, self.h, self.pos):
-            buf[:n] = buf[idx]
-        self.rows = n
+        if (move := moved_rows(rows)) is not None:
+            dst, src = (t.to(self.device) for t in move)
+            for buf in (self.k, self.v, self.h, self.pos):
+                buf[dst] = buf[src]
+        self.rows = int(rows.numel())
 
     def _padded(self, t: Tensor, fill: int | float | bool = 0) -> Tensor:
         """`t` [rows, ...] with padding rows up to the buffers' (their writes go to the spare
@@ -400,13 +401,11 @@ class StaticEagleDraft:
         then the arguments are copied in and the graph replayed. Outputs are copied out: the
         graphs share one memory pool. Only runs on a GPU (tests/test_engine_static_draft.py's
         `gpu` test)."""
-        if self.compile_backend is not None:
-            fn = self._compiled(key, fn)
         if not self.use_graphs:
-            return fn(*args)
+            return self._compiled(key, fn)(*args)
         g = self._graphs.get(key)
-        if g is None:
-            g = self._capture(fn, args)
+        if g is None:  # compiled (when it is) only here: a replay needs no lookup
+            g = self._capture(self._compiled(key, fn), args)
             self._graphs[key] = g
             self.captures += 1
         for dst, src in zip(g.inputs, args, strict=True):
@@ -421,7 +420,9 @@ class StaticEagleDraft:
     def _compiled(self, key: tuple, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` compiled once per key (and batch size: the buffers it reads are the batch's);
         static shapes, one graph (fullgraph), so a failure to trace is an error, not a silent
-        fallback to eager."""
+        fallback to eager. `fn` itself without `compile_backend`."""
+        if self.compile_backend is None:
+            return fn
         full = (self.batch, *key)
         if full not in self._compiled_fns:
             cfg = torch._dynamo.config
