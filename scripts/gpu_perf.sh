@@ -16,7 +16,8 @@
 # a time limit; a failed step does not stop the next. Usage:
 #   bash scripts/gpu_perf.sh OUT_DIR          # then read OUT_DIR/summary.md
 # Everything goes under OUT_DIR: env.log, pytest-gpu.log, engine_breakdown.{log,jsonl},
-# engine_shapes.{log,jsonl}, progress, summary.md (printed at the end).
+# engine_shapes.{log,jsonl}, progress, summary.md (printed at the end). STEPS="pytest-gpu
+# engine_breakdown_batched" runs only the steps named (env always runs), for a short GPU lease.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:?usage: bash scripts/gpu_perf.sh OUT_DIR}
@@ -30,6 +31,9 @@ export OUT=$DIR  # benchmarks/harness.py appends each result line to $OUT/<bench
 
 step() {  # step NAME LIMIT_S CMD...: run CMD into $DIR/NAME.log under a time limit
   local name=$1 limit=$2; shift 2
+  if [ -n "${STEPS:-}" ] && [ "$name" != env ] && [[ " $STEPS " != *" $name "* ]]; then
+    echo "$(date +%T) $name skipped (STEPS)" | tee -a "$DIR/progress"; return 0
+  fi
   echo "$(date +%T) $name start" | tee -a "$DIR/progress"
   timeout "$limit" "$@" >"$DIR/$name.log" 2>&1
   local rc=$?  # before any $(...) below resets it (124: over its time limit)
