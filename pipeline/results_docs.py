@@ -159,6 +159,13 @@ def runs_details(r: dict) -> list[str]:
     return lines
 
 
+def round_wall(x: dict) -> str:
+    """A round's wall time and its stages, as far as the record has them (older ones lack some)."""
+    stages = ", ".join(f"{k} {v:.0f}" for k, v in x.get("stage_s", {}).items())
+    wall = f"{x['wall_s']:.0f} s" if x.get("wall_s") is not None else "–"
+    return f"{wall}: {stages}" if stages else wall
+
+
 def loop_details(r: dict) -> str:
     lines = [f"### {r['date']}: {r['scenario']} ({r['status']})", ""]
     if r.get("note"):
@@ -170,7 +177,8 @@ def loop_details(r: dict) -> str:
              ("wall", f"{r['wall_s']} s"), ("source", r.get("source"))]  # fmt: skip
     lines += [f"- {k}: {v}" for k, v in facts if v]
     lines += ["", "| round | accept_len | chat | coding | math | shape served | speed vs plain "
-              "| train tokens | promoted |", "|---:|---:|---:|---:|---:|---|---:|---:|---|"]  # fmt: skip
+              "| train tokens | promoted | round wall (stages, s) |",
+              "|---:|---:|---:|---:|---:|---|---:|---:|---|---|"]  # fmt: skip
     for x in r["rounds"]:
         d = x.get("domains") or {}
         dom = " | ".join(f"{d[k]:.3f}" if k in d else "–" for k in ("chat", "coding", "math"))
@@ -179,7 +187,7 @@ def loop_details(r: dict) -> str:
         if x.get("kept_start"):
             promoted += " (kept its start)"
         lines.append(f"| {x['round']} | {x['accept_len']:.3f} | {dom} | {x['shape']} | "
-                     f"{x['served_speedup']:.2f}x | {tokens} | {promoted} |")  # fmt: skip
+                     f"{x['served_speedup']:.2f}x | {tokens} | {promoted} | {round_wall(x)} |")  # fmt: skip
     if r.get("runs"):
         lines += runs_details(r)
     return "\n".join(lines) + "\n"
