@@ -16,7 +16,7 @@ host glue also acceptance), accept ms (device glue: acceptance, the cache move a
 host copy, timed by CUDA events on a GPU), overhead ms (the rest of decoding: bookkeeping,
 Python, host transfers) and their shares, and `late_captures`: CUDA graphs captured after the
 engine's start-up (each one a capture inside a request's time; 0 when start-up captured every
-shape). With the static runner (a GPU, or `--runner static`) a batch runs in groups of
+shape; batches of several rows capture their buckets in an untimed warm-up call first). With the static runner (a GPU, or `--runner static`) a batch runs in groups of
 `--static-batch` rows (1: one request after the other, `batched: false` in the record).
 
     .venv/bin/python benchmarks/engine_breakdown.py --target smollm2 \\
@@ -127,9 +127,13 @@ def main() -> None:
     })  # fmt: skip
     params = GenParams(max_tokens=args.max_tokens, ignore_eos=True)
     with torch.inference_mode():
-        for mode in MODES:  # warm: first calls (allocation, graphs not captured up front)
-            breakdown(engines[mode], prompts[:1], GenParams(max_tokens=8, ignore_eos=True),
-                      mode, device)  # fmt: skip
+        # Warm each (batch, mode) first: allocation, and the graphs and compiled code of the
+        # batch's row bucket, which start-up captures only for one row. Without this a batch's
+        # first timed call pays them (a 4-row plain step measured 22.9 ms instead of about 1).
+        for b in batches:
+            for mode in MODES:
+                breakdown(engines[mode], prompts[:b], GenParams(max_tokens=8, ignore_eos=True),
+                          mode, device)  # fmt: skip
     summary = {}
     for b in batches:
         rows = {}

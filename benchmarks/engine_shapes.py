@@ -61,6 +61,8 @@ def main() -> None:
     ap.add_argument("--drafter-dtype", default="serving", choices=["serving", "float32"],
                     help="serving: the drafter in the target's dtype on a GPU (the default)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--drafter-compile", default=None,
+                    help="torch.compile backend of the static drafter's graphs (inductor)")  # fmt: skip
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -83,7 +85,8 @@ def main() -> None:
     engine = SpecEngine(model, load_eagle(args.drafter, model), steps=steps, topk=topk,
                         num_draft_tokens=n_tok, capture_chains=chains or (1,),
                         static_capacity=args.capacity, runner=args.runner,
-                        drafter_dtype=args.drafter_dtype)  # fmt: skip
+                        drafter_dtype=args.drafter_dtype,
+                        drafter_compile=args.drafter_compile)  # fmt: skip
     start_s = time.perf_counter() - t
     res = Results("engine_shapes", device, {
         "target": args.target, "drafter": args.drafter, "dtype": args.dtype,
@@ -91,6 +94,7 @@ def main() -> None:
         "runner": "static" if engine.static is not None else "eager",
         "graphs": bool(engine.static is not None and engine.static.use_graphs),
         "drafter_dtype": str(next(engine.drafter.model.parameters()).dtype),
+        "drafter_compile": args.drafter_compile,
     })  # fmt: skip
     glues = ["device", "host"] if args.host_glue else ["device"]
     runs = [(name, glue) for name, s in shapes.items() for glue in (glues if s else ["-"])]

