@@ -60,7 +60,7 @@ def _time_engine(cfg: Config, messages: list[dict[str, str]]) -> tuple[float, fl
 
     from actors.chat import prompt_ids
     from serve.engine.loading import load_eagle, load_target, random_drafter
-    from serve.engine.loop import SpecEngine
+    from serve.engine.loop import SpecEngine, serving_drafter_compile
 
     t, s = cfg.target, cfg.serve
     gpu = s.num_gpus > 0 and torch.cuda.is_available()
@@ -71,7 +71,8 @@ def _time_engine(cfg: Config, messages: list[dict[str, str]]) -> tuple[float, fl
         drafter = random_drafter(lm, cfg.drafter.draft_vocab_size)
     else:
         drafter = load_eagle(cfg.drafter.resolved_init(), lm)
-    engine = SpecEngine(lm, drafter, steps=s.steps, topk=s.topk, num_draft_tokens=s.num_draft_tokens)  # fmt: skip
+    engine = SpecEngine(lm, drafter, steps=s.steps, topk=s.topk, num_draft_tokens=s.num_draft_tokens,
+                        drafter_compile=serving_drafter_compile(s.drafter_compile, "cuda" if gpu else "cpu"))  # fmt: skip
     ids = [prompt_ids(tok, messages)]
     engine.plain_generate(ids, _params(2))  # warm-ups: the first call of each path pays
     engine.generate(ids, _params(2))  # one-time costs a benchmark's warm-up request pays

@@ -61,6 +61,7 @@ from serve.engine import (
     eos_ids,
     load_eagle,
     load_target,
+    serving_drafter_compile,
 )
 from serve.jobs import _Job, run_isolated
 from serve.shapes import Shape
@@ -157,6 +158,7 @@ class SpecServer:
             topk=int(options.get("topk", 1)),
             num_draft_tokens=options.get("num_draft_tokens"),
             static_batch=int(options.get("static_batch", 1)),
+            drafter_compile=serving_drafter_compile(options.get("drafter_compile"), device),
         )
         self.model_name = options.get("model_name") or str(target["model"])
         self.max_context = int(getattr(lm.config, "max_position_embeddings", 0) or 0)

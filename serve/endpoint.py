@@ -95,6 +95,7 @@ def deploy(
         "topk": s.get("topk", 1),
         "num_draft_tokens": s.get("num_draft_tokens"),
         "static_batch": s["static_batch"],
+        "drafter_compile": s["drafter_compile"],
         "torch_threads": torch_threads or max(1, int(num_cpus)),
         "max_batch_size": max_batch_size,
         "batch_wait_s": batch_wait_s,

@@ -313,12 +313,36 @@ def test_a_swap_to_the_same_architecture_keeps_the_graphs(target, prompts):
     assert engine.drafter is not d and isinstance(engine.drafter, StaticEagleDraft)
 
 
+def test_a_swap_of_a_compiled_drafter_drafts_the_new_weights(target, prompts):
+    """The server compiles its drafter (serve.drafter_compile) and swaps rounds' drafters in
+    place: the compiled functions must read the weights as inputs, not as constants baked in at
+    compile time, or a swap would silently serve the old drafter. aot_eager on CPU (the same
+    trace as inductor's); the `gpu` test below runs inductor in CUDA graphs."""
+    shape = dict(steps=3, topk=2, num_draft_tokens=6, runner="static", static_capacity=96)
+    engine = SpecEngine(target, drafter_compile="aot_eager", **shape)
+    engine.set_drafter(drafter(target, seed=5))
+    d = engine.drafter
+    engine.generate(prompts, GenParams(max_tokens=8))  # compiled with seed 5's weights
+    assert d._compiled_fns
+    engine.set_drafter(drafter(target, seed=6))
+    assert engine.drafter is d
+    fresh = SpecEngine(target, **shape)
+    fresh.set_drafter(drafter(target, seed=6))
+    runs = []
+    for e in (engine, fresh):
+        log = record(e.drafter)
+        runs.append((log, [g.token_ids for g in e.generate(prompts, GenParams(max_tokens=24))]))
+    assert runs[0] == runs[1] and len(runs[0][0]) > len(prompts)
+
+
 @pytest.mark.gpu
 @cuda
-def test_a_swap_keeps_the_cuda_graphs_and_drafts_the_new_weights():
+@pytest.mark.parametrize("backend", [None, "inductor"])
+def test_a_swap_keeps_the_cuda_graphs_and_drafts_the_new_weights(backend):
     """fp32 on the GPU (TF32 off): after a swap to a drafter of the same architecture the
-    captured graphs replay the new weights: the same drafts as that drafter without graphs, and
-    no graph captured by the swap or by the requests after it."""
+    captured graphs (compiled by inductor too, as the server runs them) replay the new weights:
+    the same drafts as that drafter without graphs, and no graph captured by the swap or by the
+    requests after it."""
     from test_gpu_perf_paths import tiny_llama
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -332,7 +356,7 @@ def test_a_swap_keeps_the_cuda_graphs_and_drafts_the_new_weights():
         return d
 
     engine = SpecEngine(model, new(1), steps=3, topk=2, num_draft_tokens=6, stop_ids=set(),
-                        static_capacity=128)  # fmt: skip
+                        static_capacity=128, drafter_compile=backend)  # fmt: skip
     graphed, n = engine.drafter, engine.drafter.captures
     engine.set_drafter(new(2))
     assert engine.drafter is graphed and graphed.captures == n
@@ -424,3 +448,20 @@ def test_a_shrinking_batch_captures_no_drafter_graph_anew(target, prompts):
             assert d.captures == counts[-1][1]
     assert logs[0] == logs[1]
     assert counts[1][0] == 4 and counts[1][1] > 0  # a bucket of 4 rows; graphs were captured
+
+
+def test_the_server_compiles_its_drafter_on_gpus_only():
+    """serve.drafter_compile (inductor by default) reaches the engine on CUDA; a CPU replica and
+    the start-up measurement on CPUs draft eagerly; a backend name it does not know is refused
+    naming the field."""
+    from pydantic import ValidationError
+
+    from serve.config import ServeConfig
+    from serve.engine import serving_drafter_compile
+
+    assert ServeConfig().drafter_compile == "inductor"
+    assert serving_drafter_compile("inductor", "cuda") == "inductor"
+    assert serving_drafter_compile("inductor", "cpu") is None
+    assert serving_drafter_compile(None, "cuda") is None
+    with pytest.raises(ValidationError, match="drafter_compile"):
+        ServeConfig(drafter_compile="inductr")
