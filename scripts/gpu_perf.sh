@@ -45,7 +45,7 @@ step env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --f
   $PY -c 'import torch, transformers, triton; print(\"torch\", torch.__version__, \"transformers\", \
   transformers.__version__, \"triton\", triton.__version__, \"cuda\", torch.cuda.is_available())'; git log -1 --format=%h"
 
-TESTS="tests/test_engine_static_draft.py tests/test_engine_device_cycle.py tests/test_gpu_perf_paths.py tests/test_engine_static_batch.py tests/test_engine.py tests/test_batch_decode.py tests/test_fast_paths.py"
+TESTS="tests/test_engine_static_draft.py tests/test_engine_device_cycle.py tests/test_gpu_perf_paths.py tests/test_engine_static_batch.py tests/test_engine_joins.py tests/test_engine.py tests/test_batch_decode.py tests/test_fast_paths.py"
 [ "${RAY:-0}" = 1 ] && TESTS="$TESTS tests/test_gpu_ray.py"
 step pytest-gpu 420 $PY -m pytest -q -m gpu -p no:cacheprovider $TESTS
 

@@ -54,6 +54,7 @@ from serve.engine.drafting import (
     tree_problem,
 )
 from serve.engine.eager import TargetRunner
+from serve.engine.joining import Joins, admit
 from serve.engine.law import Draws
 from serve.engine.linear import use_small_rows_linear
 from serve.engine.requests import Generation, GenParams, Rows, TokenCallback
@@ -244,13 +245,17 @@ class SpecEngine:
         on_tokens: TokenCallback | None = None,
         speculative: bool = True,
         max_tokens_each: list[int] | None = None,
+        joins: Joins | None = None,
     ) -> list[Generation]:
         """Speculative decoding of a batch (plain decoding without a drafter or when not
         `speculative`). `max_tokens_each` overrides `params.max_tokens` per prompt; `on_tokens` is
         called after every cycle with each request's new tokens; when it returns True that
-        request ends there (finish_reason "cancelled") and its row and cache leave the batch."""
+        request ends there (finish_reason "cancelled") and its row and cache leave the batch.
+        `joins` (serve/engine/joining.py): asked between cycles for requests that join the
+        running batch (greedy on the static runner; elsewhere never asked); their results follow
+        the prompts' in the order they joined."""
         if not speculative or self.drafter is None:
-            return self.plain_generate(prompts, params, on_tokens, max_tokens_each)
+            return self.plain_generate(prompts, params, on_tokens, max_tokens_each, joins)
         if self.static is not None and len(prompts) > self.static.max_batch:
             return self._in_groups(
                 lambda p, cb, lim: self.generate(p, params, cb, True, lim),
@@ -285,7 +290,7 @@ class SpecEngine:
         done = [rows.append(r, [int(x_next[r])]) for r in range(len(prompts))]
         x_next, pos_next = _drop_finished(done, rows, runner, drafter, x_next, pos_next)
         if rows.active and self._on_device(params):
-            self._device_cycles(rows, x_next, pos_next, k, topk, n_tokens, tree)
+            self._device_cycles(rows, x_next, pos_next, k, topk, n_tokens, tree, joins)
             runner.release()
             return rows.results(t0)
 
@@ -350,6 +355,7 @@ class SpecEngine:
         topk: int,
         n_tokens: int,
         tree: bool,
+        joins: Joins | None = None,
     ) -> None:
         """The cycles of a batch of greedy requests on the static runner and drafter, with the
         glue on the device (issue 50): acceptance, the cache update and the next draft's input
@@ -371,10 +377,18 @@ class SpecEngine:
             pos_next.to(dev),
         )  # [B] each: the token after the cache, its position
         tops = pos_next.tolist()  # host: each row's pos, as known after the last read
-        host = torch.empty(len(tops) * (k + 2), dtype=torch.long, pin_memory=cuda)
+        host = torch.empty(runner.max_batch * (k + 2), dtype=torch.long, pin_memory=cuda)
         copied = torch.cuda.Event() if cuda else None
         timed: list[tuple[tuple[Any, ...], list[int]]] = []  # each cycle's marks, its requests
         while rows.active:
+            if joins is not None:  # between cycles: requests that arrived join the batch
+                x, pos, done, new_tops = admit(joins, rows, runner, drafter, x, pos, k)
+                tops += new_tops
+                if any(done):
+                    tops = [tops[r] for r, d in enumerate(done) if not d]
+                    x, pos = _drop_finished(done, rows, runner, drafter, x, pos)
+                if not rows.active:
+                    break
             B = len(rows.active)
             marks = [_mark(cuda)]  # start, drafted, verified, accepted, extended
             if tree:
@@ -506,8 +520,10 @@ class SpecEngine:
         params: GenParams,
         on_tokens: TokenCallback | None = None,
         max_tokens_each: list[int] | None = None,
+        joins: Joins | None = None,
     ) -> list[Generation]:
-        """The target alone, one token per forward (the no-speculation baseline)."""
+        """The target alone, one token per forward (the no-speculation baseline); `joins` as in
+        `generate` (greedy on the static runner)."""
         if self.static is not None and len(prompts) > self.static.max_batch:
             return self._in_groups(
                 lambda p, cb, lim: self.plain_generate(p, params, cb, lim),
@@ -527,7 +543,7 @@ class SpecEngine:
         done = [rows.append(r, [int(x[r])]) for r in range(len(prompts))]
         x, pos = _drop_finished(done, rows, runner, None, x, pos)
         if rows.active and self.device_glue and self.static is not None and params.temperature <= 0:
-            self._device_plain(rows, x, pos)
+            self._device_plain(rows, x, pos, joins)
         while rows.active:
             t = time.perf_counter()
             ones = torch.ones(len(rows.active), 1, dtype=torch.bool)
@@ -543,7 +559,7 @@ class SpecEngine:
 
     PLAIN_STEPS_PER_READ = 8
 
-    def _device_plain(self, rows: Rows, x: Tensor, pos: Tensor) -> None:
+    def _device_plain(self, rows: Rows, x: Tensor, pos: Tensor, joins: Joins | None = None) -> None:
         """Greedy plain decoding of the batch on the static runner with the argmax fed back on
         the device and the host reading the tokens once per `PLAIN_STEPS_PER_READ` steps (as
         `BatchDecoder` does): never past a request's token limit, and a stop token ends its
@@ -555,9 +571,14 @@ class SpecEngine:
         dev = runner.device
         cuda = dev.type == "cuda"
         x, p = x.to(dev), pos.to(dev)  # [B] each
-        host = torch.empty(self.PLAIN_STEPS_PER_READ * len(rows.active), dtype=torch.long, pin_memory=cuda)  # fmt: skip
+        host = torch.empty(self.PLAIN_STEPS_PER_READ * runner.max_batch, dtype=torch.long, pin_memory=cuda)  # fmt: skip
         copied = torch.cuda.Event() if cuda else None
         while rows.active:
+            if joins is not None:  # between reads: requests that arrived join the batch
+                x, p, done, _ = admit(joins, rows, runner, None, x, p)
+                x, p = _drop_finished(done, rows, runner, None, x, p)
+                if not rows.active:
+                    break
             t, B = time.perf_counter(), len(rows.active)
             n = min(self.PLAIN_STEPS_PER_READ, *(rows.limits[r] - len(rows.out[r]) for r in rows.active))  # fmt: skip
             toks = []

@@ -114,6 +114,23 @@ class Rows:
         # a seeded request draws from its own generator (law.Draws): what it draws alone
         seed = params.seed
         self.gens = None if seed is None else [torch.Generator().manual_seed(seed) for _ in prompts]
+        self.joined_at: dict[int, float] = {}  # requests that joined the running batch: when
+
+    def add(self, prompt: list[int], limit: int, steps: int = 0) -> int:
+        """A request joining the running batch in a new last row; returns its index."""
+        if not prompt or limit < 1:
+            raise ValueError("a joining request needs a prompt token and max_tokens >= 1")
+        req = len(self.out)
+        self.out.append([])
+        self.limits.append(limit)
+        self.stats.append(RequestStats(prompt_tokens=len(prompt), steps=steps))
+        if steps:
+            self.stats[req].accept_hist = [0] * (steps + 1)
+        if self.gens is not None:
+            self.gens.append(torch.Generator().manual_seed(self.params.seed or 0))
+        self.active.append(req)
+        self.joined_at[req] = time.perf_counter()
+        return req
 
     def draws(self) -> Draws:
         """The active rows' generators, in batch-row order (None: torch's global one)."""
@@ -142,7 +159,7 @@ class Rows:
             setattr(self.stats[req], field_name, getattr(self.stats[req], field_name) + ms)
 
     def results(self, t0: float) -> list[Generation]:
-        total = (time.perf_counter() - t0) * 1000
-        for s in self.stats:
-            s.total_ms = total
+        now = time.perf_counter()
+        for req, s in enumerate(self.stats):
+            s.total_ms = (now - self.joined_at.get(req, t0)) * 1000
         return [Generation(o, s) for o, s in zip(self.out, self.stats, strict=True)]

@@ -593,15 +593,18 @@ class StaticTargetRunner:
         self.lengths = [a + m for a, m in zip(self.lengths, more, strict=True)]
 
     def prefill(
-        self, prompts: list[list[int]], aux: bool
+        self, prompts: list[list[int]], aux: bool, join: bool = False
     ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
         """Prefill of up to `max_batch` prompts, each in its own row, in one eager pass; returns
         (last logits [B, V], aux [B, L, 3·Ht], ids [B, L], valid [B, L]) like
         `TargetRunner.prefill`: left-padded to the longest prompt, so each row's last column is
-        its last token."""
+        its last token. `join`: the prompts join the running batch in the rows after its own,
+        whose caches stay (a request that joins between cycles); else they start a new batch."""
+        first = len(self.lengths) if join else 0
         B = len(prompts)
-        if not 1 <= B <= self.max_batch:
-            raise ValueError(f"{B} prompts: StaticTargetRunner(max_batch={self.max_batch}) holds 1 to {self.max_batch}")  # fmt: skip
+        if not 1 <= first + B <= self.max_batch or B < 1:
+            joining = f" joining {first} rows" if first else ""
+            raise ValueError(f"{B} prompts{joining}: StaticTargetRunner(max_batch={self.max_batch}) holds 1 to {self.max_batch}")  # fmt: skip
         lens = torch.tensor([len(p) for p in prompts])
         L = int(lens.max())
         if L > self.capacity:
@@ -611,7 +614,7 @@ class StaticTargetRunner:
         right = torch.zeros(B, L, dtype=torch.long)  # slot i of each row holds its position i
         for r, p in enumerate(prompts):
             right[r, : len(p)] = torch.tensor(p, dtype=torch.long)
-        logits, states = self._prefill(right.to(self.device), lens.to(self.device), aux)
+        logits, states = self._prefill(right.to(self.device), lens.to(self.device), aux, first)
         # right-padded -> left-padded: column j of row r is its token j - (L - len_r)
         src = (torch.arange(L)[None] - (L - lens)[:, None]).clamp(min=0)
         valid = torch.arange(L)[None] >= (L - lens)[:, None]
@@ -619,15 +622,17 @@ class StaticTargetRunner:
         if states is not None:
             at = src.to(self.device)[..., None].expand(B, L, states.shape[-1])
             states = states.gather(1, at) * valid.to(self.device)[..., None]
-        self.lengths = lens.tolist()
+        self.lengths = self.lengths[:first] + lens.tolist()
         return logits, states, ids, valid
 
-    def _prefill(self, ids: Tensor, lens: Tensor, aux: bool) -> tuple[Tensor, Tensor | None]:
+    def _prefill(
+        self, ids: Tensor, lens: Tensor, aux: bool, first: int = 0
+    ) -> tuple[Tensor, Tensor | None]:
         """The right-padded prompts [B, L] in one eager pass: the model's own modules (their
         q/k/v and gate/up weights are views of the fused ones) and causal SDPA; each row's keys
-        and values go to its cache row (a padding column's to slots past the row's length, which
-        no query reads before a forward overwrites them). Returns (each row's last logits [B, V],
-        the aux states [B, L, 3·Ht] or None)."""
+        and values go to its cache row, from row `first` on (a padding column's to slots past
+        the row's length, which no query reads before a forward overwrites them). Returns (each
+        row's last logits [B, V], the aux states [B, L, 3·Ht] or None)."""
         m, (B, L), kv = self.model, ids.shape, self.kv
         assert kv is not None
         pos = torch.arange(L, device=self.device)[None].expand(B, L)
@@ -646,8 +651,8 @@ class StaticTargetRunner:
                 qs, ks = at.q_norm(qs), at.k_norm(ks)
             qs = qs * cos + _rotate_half(qs) * sin
             ks = ks * cos + _rotate_half(ks) * sin
-            kv[i, 0, :B, :, :L] = ks
-            kv[i, 1, :B, :, :L] = vs
+            kv[i, 0, first : first + B, :, :L] = ks
+            kv[i, 1, first : first + B, :, :L] = vs
             o = F.scaled_dot_product_attention(
                 qs,
                 ks.repeat_interleave(H // Hkv, 1),

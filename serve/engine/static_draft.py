@@ -148,6 +148,26 @@ class StaticEagleDraft:
         self.rows = batch
         self.top, self._prompt = -1, True
 
+    def join(self, ids: Tensor, aux: Tensor, positions: Tensor, write: Tensor) -> None:
+        """Requests joining the running batch between cycles: their prompts' extension (as
+        `extend`'s first, eager) into the rows after the batch's own, whose state stays. A batch
+        that outgrows its buffers moves to the next bucket's (its graphs are captured anew)."""
+        assert self.k is not None and self.v is not None and self.h is not None
+        assert self.pos is not None
+        first, n, held = self.rows, ids.shape[0], self.top
+        if row_bucket(first + n) > self.batch:
+            old = (self.k, self.v, self.h, self.pos)
+            self.k = None  # start() makes the bigger bucket's buffers
+            self.start(first + n, self.capacity)
+            for dst, src in zip((self.k, self.v, self.h, self.pos), old, strict=True):
+                dst[:first] = src[:first]
+        top = int(torch.where(write, positions, -1).max())
+        self._check(top, "join")
+        self.rows, self.top, self._prompt = first + n, max(held, top), False
+        dev, dtype = self.device, self.model.fc.weight.dtype
+        args = (ids.to(dev), aux.to(dev, dtype), positions.to(dev), write.to(dev))
+        self._extend_core(*args, self._span(top + 1), first)
+
     def select(self, rows: Tensor) -> None:
         """Keep `rows`, moved to the first rows of the same buffers: the graphs stay (the rows
         after them are padding now), so a batch that shrinks as its requests finish captures
@@ -181,11 +201,18 @@ class StaticEagleDraft:
 
     # -- the pure step functions (no host reads; shapes fixed by the arguments' shapes) -----
     def _forward(
-        self, ids: Tensor, hidden: Tensor, positions: Tensor, write: Tensor | None, span: int
+        self,
+        ids: Tensor,
+        hidden: Tensor,
+        positions: Tensor,
+        write: Tensor | None,
+        span: int,
+        first: int = 0,
     ) -> Tensor:
-        """One drafter layer over n entries per row ([B, n]); writes their keys/values at their
-        positions (entries not in `write`: the spare slot) and attends over slots [0, span) with
-        the mask 'slot <= position'. Returns the pre-norm outputs [B, n, H]."""
+        """One drafter layer over n entries per row ([B, n]) of rows first..first+B-1; writes
+        their keys/values at their positions (entries not in `write`: the spare slot) and
+        attends over slots [0, span) with the mask 'slot <= position'. Returns the pre-norm
+        outputs [B, n, H]."""
         m = self.model
         assert self.k is not None and self.v is not None
         hidden = m.project(hidden)
@@ -193,26 +220,27 @@ class StaticEagleDraft:
         cos, sin = rope_cos_sin(m.inv_freq, m.rope_factor, positions)
         q, k, v = m.midlayer.self_attn.qkv(x, cos, sin)  # [B, Hq or Hkv, n, d]
         slots = positions if write is None else torch.where(write, positions, self.capacity)
-        b = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(slots)
+        b = torch.arange(first, first + ids.shape[0], device=ids.device)[:, None].expand_as(slots)
         self.k[b, :, slots] = k.transpose(1, 2).to(self.k.dtype)
         self.v[b, :, slots] = v.transpose(1, 2).to(self.v.dtype)
         B, H, n, d = q.shape
         rep = H // self.k.shape[1]
-        keys = self.k[:B, :, :span].repeat_interleave(rep, 1).to(q.dtype)
-        vals = self.v[:B, :, :span].repeat_interleave(rep, 1).to(q.dtype)
+        keys = self.k[first : first + B, :, :span].repeat_interleave(rep, 1).to(q.dtype)
+        vals = self.v[first : first + B, :, :span].repeat_interleave(rep, 1).to(q.dtype)
         visible = torch.arange(span, device=q.device)[None, None, :] <= positions[:, :, None]
         attn = F.scaled_dot_product_attention(q, keys, vals, attn_mask=visible[:, None])
         return m.midlayer.finish(hidden, attn.transpose(1, 2).reshape(B, n, H * d))
 
     def _extend_core(
-        self, ids: Tensor, aux: Tensor, positions: Tensor, write: Tensor, span: int
+        self, ids: Tensor, aux: Tensor, positions: Tensor, write: Tensor, span: int, first: int = 0
     ) -> None:
-        out = self._forward(ids, aux, positions, write, span)
+        out = self._forward(ids, aux, positions, write, span, first)
         assert self.h is not None and self.pos is not None
         b = torch.arange(ids.shape[0], device=ids.device)
         last = _last_true(write)
-        self.h[: len(b)].copy_(out[b, last])  # in place: the captured propose reads these buffers
-        self.pos[: len(b)].copy_(positions[b, last])
+        rows = slice(first, first + len(b))  # in place: the captured propose reads these buffers
+        self.h[rows].copy_(out[b, last])
+        self.pos[rows].copy_(positions[b, last])
 
     def _chain_core(
         self, steps: int, span: int, pick: Pick, rows: int | None = None
