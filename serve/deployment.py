@@ -12,6 +12,8 @@ through a handle, `respond`, and sends it again when the replica dies).
   that names no shape drafts; plain = requests that leave `speculative` out do not draft.
 - Concurrent requests are batched (`serve.batch`): one engine call per group of requests with the
   same sampling settings; streaming requests join batches too and get tokens after every cycle.
+  A greedy batch on the static runner (a GPU, `static_batch` > 1) takes requests of its settings
+  that arrive while it runs into its free rows between cycles (`JoinQueue`).
 - Nobody waits without bound (serve/config.py has the knobs): a body must arrive within
   `body_timeout_s` (408, from the router); a request the engine cannot take soon (more than `max_batch_size` +
   `max_queued_requests` already wait or run) gets a 503 with `Retry-After` at once; one past
@@ -63,7 +65,7 @@ from serve.engine import (
     load_target,
     serving_drafter_compile,
 )
-from serve.jobs import _Job, run_isolated
+from serve.jobs import JoinQueue, _Job, run_isolated, settle
 from serve.shapes import Shape
 from serve.startup import grpc_on_loopback
 from serve.stops import StopWatch
@@ -159,6 +161,7 @@ class SpecServer:
             num_draft_tokens=options.get("num_draft_tokens"),
             static_batch=int(options.get("static_batch", 1)),
             drafter_compile=serving_drafter_compile(options.get("drafter_compile"), device),
+            runner=options.get("runner", "auto"),  # tests: "static" runs the GPU's code on CPU
         )
         self.model_name = options.get("model_name") or str(target["model"])
         self.max_context = int(getattr(lm.config, "max_position_embeddings", 0) or 0)
@@ -174,6 +177,7 @@ class SpecServer:
         # tokens it generated
         self.counts = {"hung_up": 0, "cancelled": 0, "completion_tokens": 0}
         self.lock = threading.Lock()  # the engine runs one batch at a time
+        self.joining = JoinQueue()  # requests that join the running batch between its cycles
         self.drafter_path: str | None = None
         self.drafter_digest: str | None = None
         self.swap_error: str | None = None
@@ -314,35 +318,81 @@ class SpecServer:
         finally:
             for j in jobs:
                 j.push(None)
-        gens = [g for g in results if isinstance(g, Generation)]
+        self._count([g for g in results if isinstance(g, Generation)])
+        return results  # type: ignore[return-value]
+
+    def _count(self, gens: list[Generation]) -> None:
         self.counts["cancelled"] += sum(g.stats.finish_reason == "cancelled" for g in gens)
         self.counts["completion_tokens"] += sum(g.stats.completion_tokens for g in gens)
-        return results  # type: ignore[return-value]
 
     def _generate(self, sub: list[_Job]) -> list[Generation]:
         """One engine call for jobs of one key (equal sampling settings); a job nobody waits
         for any more (`_Job.stopped`, e.g. while it waited for the lock) is not started, and
-        one that stops while it runs leaves the batch at the engine's next step."""
+        one that stops while it runs leaves the batch at the engine's next step. A greedy batch
+        on the static runner takes requests of its key that arrive while it runs (`joining`)."""
         with self.lock:
             live = [j for j in sub if not j.stopped]
-            out = iter(
-                self.engine.generate(
-                    [j.prompt for j in live],
-                    live[0].params,
-                    on_tokens=lambda r, toks: live[r].push(toks),
-                    speculative=live[0].speculative,
-                    max_tokens_each=[j.params.max_tokens for j in live],
+            started, joined = len(live), []
+            joins = None
+            if live and self.engine.static is not None and live[0].params.temperature <= 0:
+                self.joining.open(live[0].key)
+
+                def joins(free: int) -> list[tuple[list[int], int]]:
+                    taken = self.joining.take(free, lambda j: self.engine.fits(j.prompt, j.params.max_tokens))  # fmt: skip
+                    joined.extend(taken)
+                    live.extend(w[0] for w in taken)
+                    return [(w[0].prompt, w[0].params.max_tokens) for w in taken]
+
+            gens: list[Generation] | None = None
+            try:
+                gens = (
+                    self.engine.generate(
+                        [j.prompt for j in live],
+                        live[0].params,
+                        on_tokens=lambda r, toks: live[r].push(toks),
+                        speculative=live[0].speculative,
+                        max_tokens_each=[j.params.max_tokens for j in live],
+                        joins=joins,
+                    )
+                    if live
+                    else []
                 )
-                if live
-                else []
-            )
+            finally:  # joined requests get their answer; those that never joined run next
+                for w in self.joining.close() + (joined if gens is None else []):
+                    w[0].restart()
+                    self._rerun(w)
+            for w, g in zip(joined, gens[started:], strict=True):
+                self._finish(w[0], g)
+                w[0].push(None)
+                settle(w, g)
+            self._count(gens[started:])
+        out = iter(gens[:started])
         ran = {id(j) for j in live}  # by identity: equal requests are equal dataclasses
         skipped = lambda j: Generation([], RequestStats(len(j.prompt), finish_reason="cancelled"))  # noqa: E731
         gens = [next(out) if id(j) in ran else skipped(j) for j in sub]
         for j, g in zip(sub, gens, strict=True):
-            if j.stops is not None and j.stops.hit:  # fed every token the engine gave `j`
-                g.stats.finish_reason = "stop"  # the engine dropped it at its stop string
+            self._finish(j, g)
         return gens
+
+    def _finish(self, job: _Job, gen: Generation) -> None:
+        if job.stops is not None and job.stops.hit:  # fed every token the engine gave `job`
+            gen.stats.finish_reason = "stop"  # the engine dropped it at its stop string
+
+    def _rerun(self, waiter: tuple[_Job, Any, Any]) -> None:
+        """A request that waited to join a batch that ended without it (or failed): it runs in
+        the next engine call, its answer to the future it waits on."""
+        job, _, loop = waiter
+
+        async def run() -> None:
+            settle(waiter, await self._run(job))
+
+        asyncio.run_coroutine_threadsafe(run(), loop)
+
+    async def _submit(self, job: _Job) -> Generation | Exception:
+        """The request's Generation: it joins the batch that runs now when it can, else it
+        waits for the next engine call (`serve.batch`)."""
+        fut = self.joining.offer(job)
+        return await (fut if fut is not None else self._run(job))
 
     def _text(self, job: _Job, gen: Generation) -> str:
         """The reply's text, cut where its first stop string begins."""
@@ -399,7 +449,7 @@ class SpecServer:
         Past `deadline` (time.monotonic()) the engine drops it and RequestTimeout is raised."""
         job = await self._job(body, chat, stream=False, deadline=deadline, request_id=request_id)
         try:
-            gen = await self._run(job)
+            gen = await self._submit(job)
         except asyncio.CancelledError:  # the client hung up (Serve cancels its task)
             job.cancelled = True  # the engine drops it at its next step
             self.counts["hung_up"] += 1  # one still queued never reaches the engine
@@ -502,7 +552,7 @@ class SpecServer:
                 body["usage"] = usage
             return f"data: {json.dumps(body)}\n\n"
 
-        task = asyncio.ensure_future(self._run(job))
+        task = asyncio.ensure_future(self._submit(job))
         tokens: list[int] = []
         sent = ""
         try:

@@ -5,6 +5,7 @@ engine fails only itself. serve/deployment.py batches them (`serve.batch`)."""
 import asyncio
 import logging
 import math
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -95,3 +96,55 @@ def run_isolated(
         j.restart()
         out += run_isolated(run, [j])
     return out
+
+
+class JoinQueue:
+    """Requests waiting to join the batch the engine runs now (continuous batching on the static
+    runner): while a greedy batch runs, a request of its key is offered here instead of waiting
+    for the batch to end; the engine's thread takes waiting requests between cycles (`take`,
+    behind the engine's `joins`); those the batch ended without taking run in the next engine
+    call (`close` hands them back). The event loop offers, the engine's thread takes: one lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.key: tuple | None = None  # the running batch's key; None: no batch takes joins
+        self._waiting: list[tuple[_Job, asyncio.Future, asyncio.AbstractEventLoop]] = []
+
+    def open(self, key: tuple) -> None:
+        with self._lock:
+            self.key = key
+
+    def offer(self, job: _Job) -> asyncio.Future | None:
+        """A future of `job`'s Generation when a batch of its key runs now, else None."""
+        with self._lock:
+            if self.key is None or job.key != self.key:
+                return None
+            loop = asyncio.get_running_loop()
+            fut = loop.create_future()
+            self._waiting.append((job, fut, loop))
+            return fut
+
+    def take(self, free: int, fits: Callable[[_Job], bool]) -> list[tuple[_Job, Any, Any]]:
+        """Up to `free` waiting requests that `fits` (in arrival order); one whose client is
+        gone is left for `close` (the next call skips it)."""
+        with self._lock:
+            taken = [w for w in self._waiting if not w[0].stopped and fits(w[0])][:free]
+            self._waiting = [w for w in self._waiting if w not in taken]
+            return taken
+
+    def close(self) -> list[tuple[_Job, Any, Any]]:
+        """The batch ended: nothing joins it any more; the requests still waiting."""
+        with self._lock:
+            self.key, left, self._waiting = None, self._waiting, []
+            return left
+
+
+def settle(waiter: tuple[_Job, Any, Any], result: Any) -> None:
+    """Resolve a joined request's future on its event loop (from the engine's thread)."""
+    _, fut, loop = waiter
+
+    def done() -> None:
+        if not fut.done():
+            fut.set_result(result)
+
+    loop.call_soon_threadsafe(done)

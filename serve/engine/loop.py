@@ -596,6 +596,14 @@ class SpecEngine:
             done = [rows.append(r, toks_r) for r, toks_r in enumerate(got.tolist())]
             x, p = _drop_finished(done, rows, runner, None, x, p)
 
+    def fits(self, prompt: list[int], max_tokens: int) -> bool:
+        """Whether a request fits the static cache beside any shape of this engine (what a
+        request that joins a running batch must, as `_check_fits` checks a batch's)."""
+        if self.static is None:
+            return True
+        width = max(self.num_draft_tokens or 0, self.steps + 1, *self.capture_chains) + 1
+        return len(prompt) + max_tokens + width + 1 <= self.static.capacity
+
     def _check_fits(self, prompts: list[list[int]], limits: list[int], width: int) -> None:
         """The static cache must hold prompt + completion + one verify's spare entries."""
         if self.static is None:
