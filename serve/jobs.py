@@ -129,7 +129,8 @@ class JoinQueue:
         gone is left for `close` (the next call skips it)."""
         with self._lock:
             taken = [w for w in self._waiting if not w[0].stopped and fits(w[0])][:free]
-            self._waiting = [w for w in self._waiting if w not in taken]
+            gone = {id(w[0]) for w in taken}  # by identity: equal requests are equal dataclasses
+            self._waiting = [w for w in self._waiting if id(w[0]) not in gone]
             return taken
 
     def close(self) -> list[tuple[_Job, Any, Any]]:

@@ -89,3 +89,24 @@ def test_a_sampled_request_never_joins_a_greedy_batch(server):
     finally:
         del server.engine.generate
     assert sorted(calls) == [1, 1] and len(ga.token_ids) == 120 and len(gb.token_ids) == 8
+
+
+def test_the_join_queue_takes_equal_requests_one_by_one():
+    """Two equal requests (same prompt and settings) wait to join: a batch with one free row
+    takes one, the other still waits (and `close` hands it back to run next); a request of
+    other settings is never offered, nor one once the batch ended."""
+    from serve.jobs import JoinQueue, _Job
+
+    async def run():
+        q = JoinQueue()
+        a, b = (_Job([1, 2, 3], GenParams(max_tokens=4), speculative=True) for _ in range(2))
+        other = _Job([1, 2, 3], GenParams(max_tokens=4, temperature=0.5), speculative=True)
+        assert q.offer(a) is None  # no batch runs
+        q.open(a.key)
+        assert q.offer(a) is not None and q.offer(b) is not None and q.offer(other) is None
+        first = q.take(1, lambda j: True)
+        left = q.close()
+        assert [w[0] for w in first] == [a] and len(left) == 1 and left[0][0] is b
+        assert q.offer(b) is None
+
+    asyncio.run(run())
