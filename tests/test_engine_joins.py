@@ -117,3 +117,33 @@ def test_joins_on_cuda_with_graphs(shape):
     alone, _ = _outputs(target, shape, 1)
     got, seen, _ = _joined(target, shape, {2: [2], 3: [3]})
     assert got == alone and max(seen) >= 3
+
+
+def test_start_up_captures_every_row_bucket_so_a_growing_batch_captures_nothing(two_token_lm):
+    """`capture` (start-up, each swap) covers the drafter's graphs in every row bucket of the
+    runner's batch (stand-in graphs on CPU): a batch that grows from 1 row to 4 as requests join
+    and shrinks as they end captures nothing inside its requests, and each request gets its
+    tokens alone."""
+    from test_engine_device_cycle import two_token_drafter
+    from test_engine_static_draft import stand_in_graphs
+
+    from serve.engine import SpecEngine
+
+    engine = SpecEngine(two_token_lm, steps=3, runner="static", static_capacity=160,
+                        static_batch=4, stop_ids=set())  # fmt: skip
+    engine.set_drafter(two_token_drafter(two_token_lm))
+    d = engine.drafter
+    stand_in_graphs(d)
+    engine.capture()
+    n = d.captures
+    assert set(d._buckets) == {1, 2, 4} and n > 0
+    ps, calls = prompts(), []
+
+    def joins(free: int):
+        calls.append(free)
+        return [(ps[i], LIMITS[i]) for i in {1: [1], 2: [2, 3]}.get(len(calls), [])]
+
+    out = engine.generate(ps[:1], GenParams(max_tokens=40), max_tokens_each=LIMITS[:1], joins=joins)  # fmt: skip
+    assert d.captures == n and engine.late_captures() == 0
+    alone, _ = _outputs(two_token_lm, SHAPES[0], 1)
+    assert [(g.token_ids, g.stats.accept_hist) for g in out] == alone

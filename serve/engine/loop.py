@@ -203,27 +203,36 @@ class SpecEngine:
 
     def capture_shapes(self) -> list[tuple[int, int, int]]:
         """(steps, topk, tokens per verify) of the configured shape and `capture_chains`."""
+        return sorted({(c, 1, c + 1) for c in self.capture_chains} | {self.configured_shape()})
+
+    def configured_shape(self) -> tuple[int, int, int]:
         k, topk = self.steps, self.topk
-        shapes = {(c, 1, c + 1) for c in self.capture_chains}
-        shapes.add((k, topk, (self.num_draft_tokens or k + 1) if topk > 1 else k + 1))
-        return sorted(shapes)
+        return k, topk, (self.num_draft_tokens or k + 1) if topk > 1 else k + 1
 
     @torch.inference_mode()  # the buffers are made (and used) in inference mode
     def capture(self) -> dict[str, int]:
         """Capture now every CUDA graph the default shapes replay (`capture_shapes`, and plain
         decoding): the target's verify of each width and the static drafter's extensions,
-        chains and trees, at every attention span. Called by `set_drafter` (start-up and each
+        chains and trees, at every attention span, in every row bucket of the static runner's
+        batch (`static_batch`; 1, 2, 4, ...). Called by `set_drafter` (start-up and each
         swap: the drafter's graphs are its own), so no request, and no shape probe of the
         benchmark, pays a capture inside its timing. Returns the new graphs per part; empty
         without graphs (CPU). GPU only: verified by tests/test_engine_static_draft.py's `gpu`
         test test_capture_at_start_up_covers_the_requests."""
         shapes = self.capture_shapes() if self.drafter is not None else []
-        out = {}
-        if self.static is not None and self.static.use_graphs:
-            widths = [(1, False)] + [(w, True) for w in sorted({n for _, _, n in shapes})]
-            out["target"] = self.static.capture(widths)
-        if isinstance(self.drafter, StaticEagleDraft) and self.drafter.use_graphs:
-            out["drafter"] = self.drafter.capture(shapes)
+        out: dict[str, int] = {}
+        # One row: every shape (the benchmark's shape probe runs them one request at a time).
+        # The other batch sizes the runner holds: plain and the configured shape (each row
+        # bucket's graphs, so a batch that shrinks as requests end or grows as they join
+        # replays them; a graph and a compile per bucket, width and span).
+        more = tuple(range(2, self.static.max_batch + 1)) if self.static is not None else ()
+        plan = [((1,), shapes), (more, [self.configured_shape()] if shapes else [])]
+        for rows, these in plan if more else plan[:1]:
+            if self.static is not None and self.static.use_graphs:
+                widths = [(1, False)] + [(w, True) for w in sorted({n for _, _, n in these})]
+                out["target"] = out.get("target", 0) + self.static.capture(widths, rows)
+            if isinstance(self.drafter, StaticEagleDraft) and self.drafter.use_graphs:
+                out["drafter"] = out.get("drafter", 0) + self.drafter.capture(these, rows)
         self._captures_at_start = self.graph_captures()
         return out
 

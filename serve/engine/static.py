@@ -4,6 +4,7 @@ pure functions of tensors that torch.compile fuses."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -434,25 +435,25 @@ class StaticTargetRunner:
         return span_buckets(self.MIN_BUCKET, self.capacity)
 
     @torch.inference_mode()  # the buffers are made (and used) in inference mode
-    def capture(self, widths: list[tuple[int, bool]]) -> int:
-        """Capture the one row's graph of every (width, with aux) at every span now, so that no
-        request pays a capture (nor torch.compile's specialisation) inside a measurement; returns
-        how many were new. Between requests only: the warm-ups write cache slots no request holds then.
-        GPU only (CUDA graphs); without graphs it does nothing. Verified by
-        tests/test_engine_static_draft.py::test_capture_at_start_up_covers_the_requests (gpu)."""
+    def capture(self, widths: list[tuple[int, bool]], rows: tuple[int, ...] = (1,)) -> int:
+        """Capture the graph of every (width, with aux) at every span, in the row buckets of
+        `rows` (batch sizes), now, so that no request pays a capture (nor torch.compile's
+        specialisation) inside a measurement; returns how many were new. Between requests only
+        (the warm-ups write cache slots no request holds then). GPU only; without graphs it does
+        nothing. Verified by tests/test_engine_static_draft.py's `gpu` test."""
         if not self.use_graphs:
             return 0
         self._alloc()
-        saved, self.lengths, n = self.lengths, [0], 0
+        saved, n = self.lengths, 0
         try:
-            for q, aux in widths:
-                aux = aux and bool(self.aux_ids)
-                for span in self.spans():
-                    if span < q or (1, q, span, aux) in self._graphs:
+            for b in sorted({row_bucket(r, self.max_batch) for r in rows}):
+                self.lengths = [0] * b
+                for (q, aux), span in itertools.product(widths, self.spans()):
+                    aux = aux and bool(self.aux_ids)
+                    if span < q or (b, q, span, aux) in self._graphs:
                         continue
-                    packed = self._pack(torch.zeros(1, q, dtype=torch.long),
-                                        torch.arange(q)[None], None)  # fmt: skip
-                    self._graph(q, span, aux, packed)
+                    ids = torch.zeros(b, q, dtype=torch.long)
+                    self._graph(q, span, aux, self._pack(ids, torch.arange(q).expand(b, q), None))
                     n += 1
         finally:
             self.lengths = saved

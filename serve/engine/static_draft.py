@@ -91,7 +91,10 @@ class StaticEagleDraft:
         self.pos: Tensor | None = None  # [B] its position (device)
         self.top = -1  # host: the highest position any row's state holds
         self._prompt = True  # the next extend is a prompt's (eager; any width)
-        self._graphs: dict[tuple, _Graph] = {}
+        self._graphs: dict[tuple, _Graph] = {}  # the current bucket's (they read its buffers)
+        # each bucket's buffers and graphs, made once: a batch that moves between buckets (one
+        # that grows as requests join, or the next batch) replays what it captured there
+        self._buckets: dict[int, tuple[Tensor, Tensor, Tensor, Tensor, dict[tuple, _Graph]]] = {}
         self._compiled_fns: dict[tuple, Callable[..., Any]] = {}
         self.captures = 0  # graphs captured so far, recaptures included (SpecEngine.late_captures)
         self._pool: Any = None
@@ -137,27 +140,26 @@ class StaticEagleDraft:
             )
         bucket = row_bucket(batch)
         if bucket != self.batch or self.k is None:
-            w, cfg = self.model.fc.weight, self.cfg
-            shape = (bucket, cfg.num_key_value_heads, self.capacity + 1, cfg.head_dim)
-            self.k = torch.zeros(shape, device=w.device, dtype=w.dtype)
-            self.v = torch.zeros_like(self.k)
-            self.h = w.new_zeros(bucket, cfg.hidden_size)
-            self.pos = torch.zeros(bucket, dtype=torch.long, device=w.device)
+            if bucket not in self._buckets:
+                w, cfg = self.model.fc.weight, self.cfg
+                shape = (bucket, cfg.num_key_value_heads, self.capacity + 1, cfg.head_dim)
+                k = torch.zeros(shape, device=w.device, dtype=w.dtype)
+                pos = torch.zeros(bucket, dtype=torch.long, device=w.device)
+                self._buckets[bucket] = (k, torch.zeros_like(k), w.new_zeros(bucket, cfg.hidden_size), pos, {})  # fmt: skip
+            self.k, self.v, self.h, self.pos, self._graphs = self._buckets[bucket]
             self.batch = bucket
-            self._graphs.clear()  # they point at the old buffers
         self.rows = batch
         self.top, self._prompt = -1, True
 
     def join(self, ids: Tensor, aux: Tensor, positions: Tensor, write: Tensor) -> None:
         """Requests joining the running batch between cycles: their prompts' extension (as
         `extend`'s first, eager) into the rows after the batch's own, whose state stays. A batch
-        that outgrows its buffers moves to the next bucket's (its graphs are captured anew)."""
+        that outgrows its buffers moves to the next bucket's (and its graphs)."""
         assert self.k is not None and self.v is not None and self.h is not None
         assert self.pos is not None
         first, n, held = self.rows, ids.shape[0], self.top
-        if row_bucket(first + n) > self.batch:
+        if row_bucket(first + n) > self.batch:  # the bigger bucket's buffers and graphs
             old = (self.k, self.v, self.h, self.pos)
-            self.k = None  # start() makes the bigger bucket's buffers
             self.start(first + n, self.capacity)
             for dst, src in zip((self.k, self.v, self.h, self.pos), old, strict=True):
                 dst[:first] = src[:first]
@@ -391,36 +393,37 @@ class StaticEagleDraft:
 
     # -- CUDA graphs (GPU only; on CPU `_graphed` calls `fn` directly) -------------------------
     @torch.inference_mode()  # the buffers are made (and used) in inference mode
-    def capture(self, shapes: list[tuple[int, int, int]]) -> int:
+    def capture(self, shapes: list[tuple[int, int, int]], rows: tuple[int, ...] = (1,)) -> int:
         """Capture every graph requests of these (steps, topk, tokens per verify) shapes can
-        replay, at every span: the extensions of 1..steps+1 slots and each greedy chain or tree;
-        returns how many were new. Between requests only (the state is reset). GPU only;
-        without graphs it does nothing. Verified by the `gpu` test
-        tests/test_engine_static_draft.py::test_capture_at_start_up_covers_the_requests."""
+        replay, at every span and in the buckets of `rows` (batch sizes): the extensions of
+        1..steps+1 slots and each greedy chain or tree; returns how many were new. Between
+        requests only (the state is reset). GPU only; without graphs it does nothing. Verified
+        by the `gpu` test tests/test_engine_static_draft.py::test_capture_at_start_up_covers_the_requests."""
         if not self.use_graphs or not shapes:
             return 0
-        self.start(1, self.capacity)
-        before, dev = len(self._graphs), self.device
+        before, dev = self.captures, self.device
         dtype, width = self.model.fc.weight.dtype, self.model.fc.in_features
         widest = max(steps for steps, _, _ in shapes) + 1
-        for span in span_buckets(self.min_bucket, self.capacity):
-            for w in range(1, widest + 1):
-                args = (torch.zeros(1, w, dtype=torch.long, device=dev),
-                        torch.zeros(1, w, width, dtype=dtype, device=dev),
-                        torch.arange(w, device=dev)[None],
-                        torch.ones(1, w, dtype=torch.bool, device=dev))  # fmt: skip
-                self._graphed(
-                    ("extend", w, span), lambda *a, s=span: self._extend_core(*a, s), args
-                )
-            for steps, topk, tokens in shapes:
-                if topk == 1:
-                    fn = lambda s=span, k=steps: self._chain_core(k, s, _greedy)[0]  # noqa: E731
-                    self._graphed(("chain", steps, span), fn, ())
-                else:
-                    key = ("tree", steps, topk, tokens - 1, span)
-                    self._graphed(key, lambda k=key: self._tree_core(*k[1:]), ())
+        for b in sorted({row_bucket(r) for r in rows}):
+            self.start(b, self.capacity)
+            for span in span_buckets(self.min_bucket, self.capacity):
+                for w in range(1, widest + 1):
+                    args = (torch.zeros(b, w, dtype=torch.long, device=dev),
+                            torch.zeros(b, w, width, dtype=dtype, device=dev),
+                            torch.arange(w, device=dev)[None].expand(b, w).contiguous(),
+                            torch.ones(b, w, dtype=torch.bool, device=dev))  # fmt: skip
+                    self._graphed(
+                        ("extend", w, span), lambda *a, s=span: self._extend_core(*a, s), args
+                    )
+                for steps, topk, tokens in shapes:
+                    if topk == 1:
+                        fn = lambda s=span, k=steps: self._chain_core(k, s, _greedy)[0]  # noqa: E731
+                        self._graphed(("chain", steps, span), fn, ())
+                    else:
+                        key = ("tree", steps, topk, tokens - 1, span)
+                        self._graphed(key, lambda k=key: self._tree_core(*k[1:]), ())
         self.start(1, self.capacity)  # what the warm-ups left in the state is no request's
-        return len(self._graphs) - before
+        return self.captures - before
 
     def _graphed(self, key: tuple, fn: Callable[..., Any], args: tuple[Tensor, ...]) -> Any:
         """fn(*args), on CUDA through one graph per key: captured on first use over static
