@@ -12,8 +12,8 @@ through a handle, `respond`, and sends it again when the replica dies).
   that names no shape drafts; plain = requests that leave `speculative` out do not draft.
 - Concurrent requests are batched (`serve.batch`): one engine call per group of requests with the
   same sampling settings; streaming requests join batches too and get tokens after every cycle.
-  A greedy batch on the static runner (a GPU, `static_batch` > 1) takes requests of its settings
-  that arrive while it runs into its free rows between cycles (`JoinQueue`).
+  A batch on the static runner (a GPU, `static_batch` > 1) takes requests of its settings that
+  arrive while it runs into its free rows between cycles (`JoinQueue`).
 - Nobody waits without bound (serve/config.py has the knobs): a body must arrive within
   `body_timeout_s` (408, from the router); a request the engine cannot take soon (more than `max_batch_size` +
   `max_queued_requests` already wait or run) gets a 503 with `Retry-After` at once; one past
@@ -328,13 +328,13 @@ class SpecServer:
     def _generate(self, sub: list[_Job]) -> list[Generation]:
         """One engine call for jobs of one key (equal sampling settings); a job nobody waits
         for any more (`_Job.stopped`, e.g. while it waited for the lock) is not started, and
-        one that stops while it runs leaves the batch at the engine's next step. A greedy batch
-        on the static runner takes requests of its key that arrive while it runs (`joining`)."""
+        one that stops while it runs leaves the batch at the engine's next step. A batch on the
+        static runner takes requests of its key that arrive while it runs (`joining`)."""
         with self.lock:
             live = [j for j in sub if not j.stopped]
             started, joined = len(live), []
             joins = None
-            if live and self.engine.static is not None and live[0].params.temperature <= 0:
+            if live and self.engine.takes_joins(live[0].params, live[0].speculative):
                 self.joining.open(live[0].key)
 
                 def joins(free: int) -> list[tuple[list[int], int]]:

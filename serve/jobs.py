@@ -100,7 +100,7 @@ def run_isolated(
 
 class JoinQueue:
     """Requests waiting to join the batch the engine runs now (continuous batching on the static
-    runner): while a greedy batch runs, a request of its key is offered here instead of waiting
+    runner): while a batch runs, a request of its key is offered here instead of waiting
     for the batch to end; the engine's thread takes waiting requests between cycles (`take`,
     behind the engine's `joins`); those the batch ended without taking run in the next engine
     call (`close` hands them back). The event loop offers, the engine's thread takes: one lock."""

@@ -91,17 +91,36 @@ def test_joins_beyond_the_free_rows_are_refused(two_token_lm):
         engine.plain_generate(ps[:1], GenParams(max_tokens=20), joins=lambda free: [(ps[1], 5), (ps[2], 5)])  # fmt: skip
 
 
-def test_a_sampled_batch_never_asks_for_joins(two_token_lm):
-    """Joins are the greedy device paths': a sampled batch runs the host cycles and ends as it
-    began (a request that arrives waits for the next batch)."""
-    engine, _ = _engine(two_token_lm, SHAPES[0], 4)
+@pytest.mark.parametrize("shape", ["plain", "chain", "tree"])
+def test_a_seeded_request_that_joins_samples_what_it_samples_alone(shape):
+    """Sampling (the host-side cycles, each row its own generator) on a random target whose draws
+    matter: seeded requests that join a running batch draw what they draw alone, and so do the
+    batch's own."""
+    from test_gpu_perf_paths import tiny_llama
+
+    from serve.engine import SpecEngine, random_drafter
+
+    target = tiny_llama("cpu")
+    params = GenParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=5, num_draft_tokens=7)
+    ps, limits = prompts(), [12, 5, 9, 12]
+
+    def engine(batch: int) -> SpecEngine:
+        d = random_drafter(target, draft_vocab_size=500, aux_layer_ids=[2, 0, 1])
+        return SpecEngine(target, d, steps=3, topk=3 if shape == "tree" else 1, runner="static",
+                          static_capacity=96, static_batch=batch)  # fmt: skip
+
+    spec = shape != "plain"
+    alone = [r.token_ids for r in engine(1).generate(ps, params, speculative=spec, max_tokens_each=limits)]  # fmt: skip
+    calls: list[int] = []
 
     def joins(free: int):
-        raise AssertionError("asked")
+        calls.append(free)
+        return [(ps[i], limits[i]) for i in {2: [2], 3: [3]}.get(len(calls), [])]
 
-    out = engine.generate(prompts()[:2], GenParams(max_tokens=8, temperature=0.7, seed=1), joins=joins)  # fmt: skip
-    assert len(out) == 2
-    torch.testing.assert_close(torch.tensor(len(out[0].token_ids)), torch.tensor(8))
+    got = engine(4).generate(ps[:2], params, speculative=spec, max_tokens_each=limits[:2], joins=joins)  # fmt: skip
+    assert [r.token_ids for r in got] == alone and len(calls) >= 3
+    greedy = engine(1).generate(ps, GenParams(max_tokens=12), speculative=spec, max_tokens_each=limits)  # fmt: skip
+    assert [r.token_ids for r in greedy] != alone  # the draws matter
 
 
 @pytest.mark.gpu

@@ -1,7 +1,9 @@
 """Requests that join a running batch between cycles (continuous batching) on the static runner:
 their prompts are prefilled into the rows after the batch's own, whose caches stay, and they run
-the next cycle with it. Greedy batches on the device paths only (`SpecEngine._device_cycles`,
-`_device_plain`); elsewhere a request waits for the batch to end."""
+the next cycle with it. Greedy batches on the device paths (`SpecEngine._device_cycles`,
+`_device_plain`) and sampled ones on the host cycles with the static drafter (a seeded request
+draws from its own generator, as alone); on the eager runner a request waits for the batch to
+end (`SpecEngine.takes_joins`)."""
 
 from __future__ import annotations
 
@@ -29,9 +31,11 @@ def admit(
     x: Tensor,
     pos: Tensor,
     steps: int = 0,
+    first_token: Callable[[Tensor, list[int]], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, list[bool], list[int]]:
     """Ask `joins` for requests and start them in the running batch: the target's prefill of
-    their prompts (one pass), their first token (greedy), the drafter's prompt extension. Returns
+    their prompts (one pass), their first token (`first_token(logits, their request indices)`,
+    on the host; greedy without it), the drafter's prompt extension. Returns
     the batch's (next token, its position) with the new rows after the old, which rows are
     finished already (a limit of one token, a stop token), and the new rows' positions."""
     free = runner.max_batch - len(rows.active)
@@ -46,13 +50,14 @@ def admit(
         rows.add(prompt, limit, steps)
     prompts = [p for p, _ in new]
     logits, aux, ids, valid = runner.prefill(prompts, aux=drafter is not None, join=True)
-    x_new = logits.argmax(-1).cpu()
+    reqs = rows.active[first:]
+    x_new = logits.argmax(-1).cpu() if first_token is None else first_token(logits, reqs)
     if drafter is not None:
         positions = (valid.long().cumsum(1) - 1).clamp(min=0)
         drafter.join(torch.cat([ids[:, 1:], x_new[:, None]], 1), aux, positions, valid)
     pos_new = valid.sum(1)
     ms = (time.perf_counter() - t) * 1000
-    for req in rows.active[first:]:
+    for req in reqs:
         rows.stats[req].prefill_ms += ms
     done = [False] * first + [rows.append(first + i, [int(v)]) for i, v in enumerate(x_new)]
     x = torch.cat([x, x_new.to(x.device)])

@@ -40,7 +40,6 @@ from torch import Tensor
 from serve.engine.acceptance import (
     greedy_accept,
     rejection_accept,
-    sample_token,
     tree_greedy_accept,
     tree_greedy_accept_on_device,
     tree_sample_accept,
@@ -57,10 +56,11 @@ from serve.engine.eager import TargetRunner
 from serve.engine.joining import Joins, admit
 from serve.engine.law import Draws
 from serve.engine.linear import use_small_rows_linear
-from serve.engine.requests import Generation, GenParams, Rows, TokenCallback
+from serve.engine.requests import Generation, GenParams, Rows, TokenCallback, host_sample
 from serve.engine.runner import Runner
 from serve.engine.static import StaticTargetRunner, static_runner_problem
 from serve.engine.static_draft import StaticEagleDraft
+from serve.engine.timing import _mark, _marks_ms
 
 # ----------------------------------------------------------------------------------------------
 # The engine
@@ -288,7 +288,7 @@ class SpecEngine:
 
         t = time.perf_counter()
         logits, aux, ids, valid = runner.prefill(prompts, aux=True)
-        x_next = _host_sample(logits, params, rows.draws())
+        x_next = host_sample(logits, params, rows.draws())
         rows.charge("prefill_ms", _ms(t))
         t = time.perf_counter()
         drafter.start(len(prompts), max(map(len, prompts)) + max(rows.limits) + k + 2)
@@ -304,7 +304,14 @@ class SpecEngine:
             return rows.results(t0)
 
         j = torch.arange(k + 1)
+        takes = joins is not None and self.takes_joins(params)
         while rows.active:
+            if takes:  # between cycles: requests that arrived join the batch (sampled ones)
+                assert joins is not None and self.static is not None
+                x_next, pos_next, done, _ = admit(joins, rows, self.static, drafter, x_next, pos_next, k, rows.first_token)  # fmt: skip
+                x_next, pos_next = _drop_finished(done, rows, runner, drafter, x_next, pos_next)
+                if not rows.active:
+                    break
             if tree:
                 cyc = self._tree_cycle(x_next, pos_next, k, topk, n_tokens, params, rows.draws())
             else:
@@ -345,6 +352,14 @@ class SpecEngine:
                 rows.charge("draft_ms", _ms(t))
         runner.release()
         return rows.results(t0)
+
+    def takes_joins(self, params: GenParams, speculative: bool = True) -> bool:
+        """Whether a batch of these settings takes requests that join it between cycles: on the
+        static runner, with the static drafter when it drafts (serve/engine/joining.py)."""
+        drafts = speculative and self.drafter is not None
+        return self.static is not None and (
+            not drafts or isinstance(self.drafter, StaticEagleDraft)
+        )
 
     def _on_device(self, params: GenParams) -> bool:
         """Whether a batch runs `_device_cycles`: the static runner and drafter, greedy."""
@@ -546,7 +561,7 @@ class SpecEngine:
         t0 = time.perf_counter()
         t = time.perf_counter()
         logits, _, _, valid = runner.prefill(prompts, aux=False)
-        x = _host_sample(logits, params, rows.draws())
+        x = host_sample(logits, params, rows.draws())
         rows.charge("prefill_ms", _ms(t))
         pos = valid.sum(1)
         done = [rows.append(r, [int(x[r])]) for r in range(len(prompts))]
@@ -554,11 +569,16 @@ class SpecEngine:
         if rows.active and self.device_glue and self.static is not None and params.temperature <= 0:
             self._device_plain(rows, x, pos, joins)
         while rows.active:
+            if joins is not None and self.static is not None:  # sampled: joins between steps
+                x, pos, done, _ = admit(joins, rows, self.static, None, x, pos, 0, rows.first_token)
+                x, pos = _drop_finished(done, rows, runner, None, x, pos)
+                if not rows.active:
+                    break
             t = time.perf_counter()
             ones = torch.ones(len(rows.active), 1, dtype=torch.bool)
             logits, _ = runner.forward(x[:, None], pos[:, None], ones)
             runner.commit(ones)
-            x = _host_sample(logits[:, -1], params, rows.draws())
+            x = host_sample(logits[:, -1], params, rows.draws())
             pos = pos + 1
             rows.charge("verify_ms", _ms(t))
             done = [rows.append(r, [int(x[r])]) for r in range(len(rows.active))]
@@ -638,40 +658,6 @@ class SpecEngine:
             lim = None if max_tokens_each is None else max_tokens_each[a : a + n]
             out += run(prompts[a : a + n], cb, lim)
         return out
-
-
-def _mark(cuda: bool) -> Any:
-    """A point in time of the device cycle: a CUDA event on the stream (read at the end, so
-    timing adds no sync), else the host clock."""
-    if not cuda:
-        return time.perf_counter()
-    e = torch.cuda.Event(enable_timing=True)
-    e.record()
-    return e
-
-
-def _marks_ms(marks: list[tuple[Any, ...]], cuda: bool) -> tuple[float, float, float]:
-    """(draft, verify, accept) ms summed over cycles of (start, drafted, verified, accepted,
-    extended) marks: drafting is the proposal plus the extension, verifying the target's pass
-    (with its inputs' packing), accepting the acceptance, the tree's cache move and the queued
-    host copy."""
-    if not marks:
-        return 0.0, 0.0, 0.0
-    if cuda:
-        marks[-1][-1].synchronize()
-        span = lambda a, b: a.elapsed_time(b)  # noqa: E731
-    else:
-        span = lambda a, b: (b - a) * 1000  # noqa: E731
-    draft = sum(span(m[0], m[1]) + span(m[3], m[4]) for m in marks)
-    return draft, sum(span(m[1], m[2]) for m in marks), sum(span(m[2], m[3]) for m in marks)
-
-
-def _host_sample(logits: Tensor, params: GenParams, gen: Draws) -> Tensor:
-    """`sample_token` at the request's temperature, top_p and top_k, its result on the host:
-    argmax on the logits' device, sampling on the CPU (the engine's generator is a CPU one)."""
-    if params.temperature > 0:
-        logits = logits.cpu()
-    return sample_token(logits, params.temperature, gen, params.top_p, params.top_k).cpu()
 
 
 def _to_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
+from serve.engine.acceptance import sample_token
 from serve.engine.law import Draws
 
 # ----------------------------------------------------------------------------------------------
@@ -132,6 +134,10 @@ class Rows:
         self.joined_at[req] = time.perf_counter()
         return req
 
+    def first_token(self, logits: Tensor, reqs: list[int]) -> Tensor:
+        """The first token of requests `reqs` from their prefill's logits, drawn as alone."""
+        return host_sample(logits, self.params, None if self.gens is None else [self.gens[r] for r in reqs])  # fmt: skip
+
     def draws(self) -> Draws:
         """The active rows' generators, in batch-row order (None: torch's global one)."""
         return None if self.gens is None else [self.gens[req] for req in self.active]
@@ -163,3 +169,11 @@ class Rows:
         for req, s in enumerate(self.stats):
             s.total_ms = (now - self.joined_at.get(req, t0)) * 1000
         return [Generation(o, s) for o, s in zip(self.out, self.stats, strict=True)]
+
+
+def host_sample(logits: Tensor, params: GenParams, gen: Draws) -> Tensor:
+    """`sample_token` at the request's temperature, top_p and top_k, its result on the host:
+    argmax on the logits' device, sampling on the CPU (the engine's generator is a CPU one)."""
+    if params.temperature > 0:
+        logits = logits.cpu()
+    return sample_token(logits, params.temperature, gen, params.top_p, params.top_k).cpu()
