@@ -569,7 +569,8 @@ class SpecEngine:
         if rows.active and self.device_glue and self.static is not None and params.temperature <= 0:
             self._device_plain(rows, x, pos, joins)
         while rows.active:
-            if joins is not None and self.static is not None:  # sampled: joins between steps
+            if joins is not None and self.takes_joins(params, False):  # sampled: between steps
+                assert self.static is not None
                 x, pos, done, _ = admit(joins, rows, self.static, None, x, pos, 0, rows.first_token)
                 x, pos = _drop_finished(done, rows, runner, None, x, pos)
                 if not rows.active:
