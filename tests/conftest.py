@@ -153,6 +153,14 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
+def two_token_lm():
+    """A random tiny Llama whose answer is A or B (tests/test_engine_device_cycle.py)."""
+    from test_engine_device_cycle import make_two_token_lm
+
+    return make_two_token_lm()
+
+
+@pytest.fixture(scope="module")
 def tiny_lm(tiny_target):
     """tiny_target loaded in fp32, eval mode (the engine tests' target)."""
     import torch

@@ -36,11 +36,6 @@ def _one_thread(one_thread):
     pass
 
 
-@pytest.fixture(scope="module")
-def two_token_lm() -> LlamaForCausalLM:
-    return make_two_token_lm()
-
-
 def make_two_token_lm() -> LlamaForCausalLM:
     """A random tiny Llama whose answer is A or B by the sign of one feature of its state."""
     torch.manual_seed(0)

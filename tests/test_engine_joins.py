@@ -8,12 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_device_cycle import SHAPES, make_two_token_lm, prompts
+from test_engine_device_cycle import SHAPES, prompts
 from test_engine_static_batch import LIMITS, _engine, _outputs
-
-from serve.engine import GenParams
-
-IDS = ["plain", "chain-3", "tree-3x3x7", "tree-5x4x12"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -21,9 +17,9 @@ def _one_thread(one_thread):
     pass
 
 
-@pytest.fixture(scope="module")
-def two_token_lm():
-    return make_two_token_lm()
+from serve.engine import GenParams
+
+IDS = ["plain", "chain-3", "tree-3x3x7", "tree-5x4x12"]
 
 
 def _joined(target, shape: dict | None, schedule: dict[int, list[int]], limits=LIMITS):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_device_cycle import SHAPES, make_two_token_lm, prompts, two_token_drafter
+from test_engine_device_cycle import SHAPES, prompts, two_token_drafter
 
 from serve.engine import GenParams, SpecEngine, StaticEagleDraft
 
@@ -20,11 +20,6 @@ LIMITS = [5, 40, 19, 33]  # rows leave the batch at different cycles
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread(one_thread):
     pass
-
-
-@pytest.fixture(scope="module")
-def two_token_lm():
-    return make_two_token_lm()
 
 
 def _engine(target, shape: dict | None, batch: int) -> tuple[SpecEngine, list[int]]:
