@@ -13,7 +13,8 @@ through a handle, `respond`, and sends it again when the replica dies).
 - Concurrent requests are batched (`serve.batch`): one engine call per group of requests with the
   same sampling settings; streaming requests join batches too and get tokens after every cycle.
   A batch on the static runner (a GPU, `static_batch` > 1) takes requests of its settings that
-  arrive while it runs into its free rows between cycles (`JoinQueue`).
+  arrive while it runs into its free rows between cycles (`JoinQueue`). Each request is
+  answered as it leaves the batch (`_done`), not when the batch ends.
 - Nobody waits without bound (serve/config.py has the knobs): a body must arrive within
   `body_timeout_s` (408, from the router); a request the engine cannot take soon (more than `max_batch_size` +
   `max_queued_requests` already wait or run) gets a 503 with `Retry-After` at once; one past
@@ -65,7 +66,7 @@ from serve.engine import (
     load_target,
     serving_drafter_compile,
 )
-from serve.jobs import JoinQueue, _Job, run_isolated, settle
+from serve.jobs import JoinQueue, _Job, answer, answered, await_answer, run_isolated
 from serve.shapes import Shape
 from serve.startup import grpc_on_loopback
 from serve.stops import StopWatch
@@ -331,7 +332,7 @@ class SpecServer:
         one that stops while it runs leaves the batch at the engine's next step. A batch on the
         static runner takes requests of its key that arrive while it runs (`joining`)."""
         with self.lock:
-            live = [j for j in sub if not j.stopped]
+            live = [j for j in sub if not j.stopped and not answered(j)]
             started, joined = len(live), []
             joins = None
             if live and self.engine.takes_joins(live[0].params, live[0].speculative):
@@ -340,8 +341,8 @@ class SpecServer:
                 def joins(free: int) -> list[tuple[list[int], int]]:
                     taken = self.joining.take(free, lambda j: self.engine.fits(j.prompt, j.params.max_tokens))  # fmt: skip
                     joined.extend(taken)
-                    live.extend(w[0] for w in taken)
-                    return [(w[0].prompt, w[0].params.max_tokens) for w in taken]
+                    live.extend(taken)
+                    return [(j.prompt, j.params.max_tokens) for j in taken]
 
             gens: list[Generation] | None = None
             try:
@@ -353,18 +354,17 @@ class SpecServer:
                         speculative=live[0].speculative,
                         max_tokens_each=[j.params.max_tokens for j in live],
                         joins=joins,
+                        on_done=lambda r, g: self._done(live[r], g),
                     )
                     if live
                     else []
                 )
-            finally:  # joined requests get their answer; those that never joined run next
-                for w in self.joining.close() + (joined if gens is None else []):
-                    w[0].restart()
-                    self._rerun(w)
-            for w, g in zip(joined, gens[started:], strict=True):
-                self._finish(w[0], g)
-                w[0].push(None)
-                settle(w, g)
+            finally:  # requests that waited to join and never did (or whose batch failed) run next
+                for j in self.joining.close() + (joined if gens is None else []):
+                    j.restart()
+                    self._rerun(j)
+            for j, g in zip(joined, gens[started:], strict=True):
+                answer(j, g)  # `_done` answered each as it left; the first answer stands
             self._count(gens[started:])
         out = iter(gens[:started])
         ran = {id(j) for j in live}  # by identity: equal requests are equal dataclasses
@@ -378,21 +378,40 @@ class SpecServer:
         if job.stops is not None and job.stops.hit:  # fed every token the engine gave `job`
             gen.stats.finish_reason = "stop"  # the engine dropped it at its stop string
 
-    def _rerun(self, waiter: tuple[_Job, Any, Any]) -> None:
+    def _done(self, job: _Job, gen: Generation) -> None:
+        """The engine's thread, as `job` leaves its batch: its answer now (its stream ends, its
+        client gets the response), not when the batch's last request ends."""
+        self._finish(job, gen)
+        job.push(None)
+        answer(job, gen)
+
+    def _rerun(self, job: _Job) -> None:
         """A request that waited to join a batch that ended without it (or failed): it runs in
         the next engine call, its answer to the future it waits on."""
-        job, _, loop = waiter
+        assert job.answer is not None
 
         async def run() -> None:
-            settle(waiter, await self._run(job))
+            answer(job, await self._run(job))
 
-        asyncio.run_coroutine_threadsafe(run(), loop)
+        asyncio.run_coroutine_threadsafe(run(), job.answer[1])
 
     async def _submit(self, job: _Job) -> Generation | Exception:
-        """The request's Generation: it joins the batch that runs now when it can, else it
-        waits for the next engine call (`serve.batch`)."""
+        """The request's Generation as soon as it leaves the engine's batch: it joins the batch
+        that runs now when it can, else it runs in the next engine call (`serve.batch`)."""
         fut = self.joining.offer(job)
-        return await (fut if fut is not None else self._run(job))
+        if fut is not None:
+            return await fut
+        fut = await_answer(job)
+        task = asyncio.ensure_future(self._run(job))
+        try:
+            await asyncio.wait({fut, task}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()  # as before: the batch call's cancellation drops a queued request
+            raise
+        if fut.done():
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # no stray warning
+            return fut.result()
+        return task.result()  # it never reached the engine's answer (an error, a skipped job)
 
     def _text(self, job: _Job, gen: Generation) -> str:
         """The reply's text, cut where its first stop string begins."""

@@ -33,6 +33,10 @@ class _Job:
     stops: StopWatch | None = None  # its stop strings: the engine drops it once one appears
     # the response's and the traffic record's id: the router's, the same in every attempt
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # (future, its event loop): the Generation, set as the request leaves the engine's batch
+    answer: tuple[asyncio.Future, asyncio.AbstractEventLoop] | None = field(
+        default=None, compare=False
+    )
 
     @property
     def stopped(self) -> bool:
@@ -98,17 +102,43 @@ def run_isolated(
     return out
 
 
+def await_answer(job: _Job) -> asyncio.Future:
+    """A future of `job`'s Generation on this event loop: the engine answers it the moment the
+    request leaves its batch (`answer`), not when the whole batch ends."""
+    loop = asyncio.get_running_loop()
+    job.answer = (loop.create_future(), loop)
+    return job.answer[0]
+
+
+def answered(job: _Job) -> bool:
+    """Whether `job` has its answer (a batch retried after a failure skips it)."""
+    return job.answer is not None and job.answer[0].done()
+
+
+def answer(job: _Job, result: Any) -> None:
+    """Resolve `job`'s future (from the engine's thread); the first answer stands."""
+    if job.answer is None:
+        return
+    fut, loop = job.answer
+
+    def done() -> None:
+        if not fut.done():
+            fut.set_result(result)
+
+    loop.call_soon_threadsafe(done)
+
+
 class JoinQueue:
     """Requests waiting to join the batch the engine runs now (continuous batching on the static
-    runner): while a batch runs, a request of its key is offered here instead of waiting
-    for the batch to end; the engine's thread takes waiting requests between cycles (`take`,
-    behind the engine's `joins`); those the batch ended without taking run in the next engine
-    call (`close` hands them back). The event loop offers, the engine's thread takes: one lock."""
+    runner): while a batch runs, a request of its key is offered here instead of waiting for the
+    batch to end; the engine's thread takes waiting requests between cycles (`take`, behind the
+    engine's `joins`); those the batch ended without taking run in the next engine call (`close`
+    hands them back). The event loop offers, the engine's thread takes: one lock."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.key: tuple | None = None  # the running batch's key; None: no batch takes joins
-        self._waiting: list[tuple[_Job, asyncio.Future, asyncio.AbstractEventLoop]] = []
+        self._waiting: list[_Job] = []
 
     def open(self, key: tuple) -> None:
         with self._lock:
@@ -119,33 +149,20 @@ class JoinQueue:
         with self._lock:
             if self.key is None or job.key != self.key:
                 return None
-            loop = asyncio.get_running_loop()
-            fut = loop.create_future()
-            self._waiting.append((job, fut, loop))
-            return fut
+            self._waiting.append(job)
+            return await_answer(job)
 
-    def take(self, free: int, fits: Callable[[_Job], bool]) -> list[tuple[_Job, Any, Any]]:
+    def take(self, free: int, fits: Callable[[_Job], bool]) -> list[_Job]:
         """Up to `free` waiting requests that `fits` (in arrival order); one whose client is
         gone is left for `close` (the next call skips it)."""
         with self._lock:
-            taken = [w for w in self._waiting if not w[0].stopped and fits(w[0])][:free]
-            gone = {id(w[0]) for w in taken}  # by identity: equal requests are equal dataclasses
-            self._waiting = [w for w in self._waiting if id(w[0]) not in gone]
+            taken = [j for j in self._waiting if not j.stopped and fits(j)][:free]
+            gone = {id(j) for j in taken}  # by identity: equal requests are equal dataclasses
+            self._waiting = [j for j in self._waiting if id(j) not in gone]
             return taken
 
-    def close(self) -> list[tuple[_Job, Any, Any]]:
+    def close(self) -> list[_Job]:
         """The batch ended: nothing joins it any more; the requests still waiting."""
         with self._lock:
             self.key, left, self._waiting = None, self._waiting, []
             return left
-
-
-def settle(waiter: tuple[_Job, Any, Any], result: Any) -> None:
-    """Resolve a joined request's future on its event loop (from the engine's thread)."""
-    _, fut, loop = waiter
-
-    def done() -> None:
-        if not fut.done():
-            fut.set_result(result)
-
-    loop.call_soon_threadsafe(done)

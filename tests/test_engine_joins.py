@@ -162,3 +162,20 @@ def test_start_up_captures_every_row_bucket_so_a_growing_batch_captures_nothing(
     assert d.captures == n and engine.late_captures() == 0
     alone, _ = _outputs(two_token_lm, SHAPES[0], 1)
     assert [(g.token_ids, g.stats.accept_hist) for g in out] == alone
+
+
+def test_each_request_is_answered_as_it_leaves_the_batch(two_token_lm):
+    """`on_done` gets each request's final generation the moment it leaves the batch (the
+    shortest first), before `generate` returns, joined ones too: the server answers it then."""
+    engine, _ = _engine(two_token_lm, SHAPES[0], 4)
+    ps, done, calls = prompts(), [], []
+
+    def joins(free: int):
+        calls.append(free)
+        return [(ps[2], LIMITS[2])] if len(calls) == 2 else []
+
+    out = engine.generate(ps[:2], GenParams(max_tokens=40), max_tokens_each=LIMITS[:2], joins=joins,
+                          on_done=lambda r, g: done.append((r, list(g.token_ids), len(calls))))  # fmt: skip
+    assert [r for r, _, _ in done] == [0, 2, 1]  # limits 5, 19 (joined), 40
+    assert [t for _, t, _ in sorted(done)] == [g.token_ids for g in out]
+    assert done[0][2] < len(calls)  # the first was answered while the batch went on

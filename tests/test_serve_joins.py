@@ -47,6 +47,8 @@ def _calls(srv) -> list[int]:
 
 @pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "plain"])
 def test_a_request_that_arrives_mid_batch_joins_it(server, speculative):
+    """b arrives while a (160 tokens) runs: it joins a's batch (one engine call) and gets its
+    answer as it leaves the batch, while a still runs; both are their greedy answers alone."""
     calls = _calls(server)
     try:
 
@@ -56,6 +58,7 @@ def test_a_request_that_arrives_mid_batch_joins_it(server, speculative):
             ta = asyncio.ensure_future(server._submit(a))
             streamed = await a.queue.get()  # a's batch runs: its first tokens are out
             gb = await server._submit(b)
+            assert a.seen < 160  # b has its answer while a still decodes in the batch
             ga = await ta
             while (item := await a.queue.get()) is not None:
                 streamed += item
@@ -106,7 +109,7 @@ def test_the_join_queue_takes_equal_requests_one_by_one():
         assert q.offer(a) is not None and q.offer(b) is not None and q.offer(other) is None
         first = q.take(1, lambda j: True)
         left = q.close()
-        assert [w[0] for w in first] == [a] and len(left) == 1 and left[0][0] is b
+        assert first == [a] and first[0] is a and len(left) == 1 and left[0] is b
         assert q.offer(b) is None
 
     asyncio.run(run())

@@ -56,7 +56,14 @@ from serve.engine.eager import TargetRunner
 from serve.engine.joining import Joins, admit
 from serve.engine.law import Draws
 from serve.engine.linear import use_small_rows_linear
-from serve.engine.requests import Generation, GenParams, Rows, TokenCallback, host_sample
+from serve.engine.requests import (
+    DoneCallback,
+    Generation,
+    GenParams,
+    Rows,
+    TokenCallback,
+    host_sample,
+)
 from serve.engine.runner import Runner
 from serve.engine.static import StaticTargetRunner, static_runner_problem
 from serve.engine.static_draft import StaticEagleDraft
@@ -76,6 +83,8 @@ def _drop_finished(
     """Remove finished requests from the batch: target cache, drafter state and per-row tensors."""
     if not any(done):
         return tensors
+    for req in [r for r, d in zip(rows.active, done, strict=True) if d]:
+        rows.finish(req)
     keep = torch.tensor([i for i, d in enumerate(done) if not d], dtype=torch.long)
     rows.active = [rows.active[i] for i in keep.tolist()]
     if rows.active:
@@ -255,22 +264,25 @@ class SpecEngine:
         speculative: bool = True,
         max_tokens_each: list[int] | None = None,
         joins: Joins | None = None,
+        on_done: DoneCallback | None = None,
     ) -> list[Generation]:
         """Speculative decoding of a batch (plain decoding without a drafter or when not
         `speculative`). `max_tokens_each` overrides `params.max_tokens` per prompt; `on_tokens` is
         called after every cycle with each request's new tokens; when it returns True that
         request ends there (finish_reason "cancelled") and its row and cache leave the batch.
         `joins` (serve/engine/joining.py): asked between cycles for requests that join the
-        running batch (greedy on the static runner; elsewhere never asked); their results follow
-        the prompts' in the order they joined."""
+        running batch (on the static runner: `takes_joins`); their results follow the prompts'
+        in the order they joined. `on_done(request, generation)` as each request leaves the
+        batch, so its caller can answer it before the batch ends."""
         if not speculative or self.drafter is None:
-            return self.plain_generate(prompts, params, on_tokens, max_tokens_each, joins)
+            return self.plain_generate(prompts, params, on_tokens, max_tokens_each, joins, on_done)
         if self.static is not None and len(prompts) > self.static.max_batch:
             return self._in_groups(
-                lambda p, cb, lim: self.generate(p, params, cb, True, lim),
+                lambda p, cb, lim, done: self.generate(p, params, cb, True, lim, None, done),
                 prompts,
                 on_tokens,
                 max_tokens_each,
+                on_done,
             )
         drafter, runner = self.drafter, self._runner
         k = params.steps or self.steps
@@ -279,10 +291,9 @@ class SpecEngine:
         n_tokens = params.num_draft_tokens or self.num_draft_tokens or k + 1
         if tree and (problem := tree_problem(k, topk, n_tokens)):
             raise ValueError(problem)
-        rows = Rows(prompts, params, self.stop_ids, on_tokens, max_tokens_each)
+        rows = Rows(prompts, params, self.stop_ids, on_tokens, max_tokens_each, on_done)
         # the drafter's chain writes up to k slots past the last verified one, even for a tree
         self._check_fits(prompts, rows.limits, max(n_tokens, k + 1) if tree else k + 1)
-        t0 = time.perf_counter()
         for s in rows.stats:
             s.steps, s.accept_hist = k, [0] * (k + 1)
 
@@ -301,7 +312,7 @@ class SpecEngine:
         if rows.active and self._on_device(params):
             self._device_cycles(rows, x_next, pos_next, k, topk, n_tokens, tree, joins)
             runner.release()
-            return rows.results(t0)
+            return rows.results()
 
         j = torch.arange(k + 1)
         takes = joins is not None and self.takes_joins(params)
@@ -351,7 +362,7 @@ class SpecEngine:
                 )
                 rows.charge("draft_ms", _ms(t))
         runner.release()
-        return rows.results(t0)
+        return rows.results()
 
     def takes_joins(self, params: GenParams, speculative: bool = True) -> bool:
         """Whether a batch of these settings takes requests that join it between cycles: on the
@@ -545,20 +556,21 @@ class SpecEngine:
         on_tokens: TokenCallback | None = None,
         max_tokens_each: list[int] | None = None,
         joins: Joins | None = None,
+        on_done: DoneCallback | None = None,
     ) -> list[Generation]:
-        """The target alone, one token per forward (the no-speculation baseline); `joins` as in
-        `generate` (greedy on the static runner)."""
+        """The target alone, one token per forward (the no-speculation baseline); `joins` and
+        `on_done` as in `generate`."""
         if self.static is not None and len(prompts) > self.static.max_batch:
             return self._in_groups(
-                lambda p, cb, lim: self.plain_generate(p, params, cb, lim),
+                lambda p, cb, lim, done: self.plain_generate(p, params, cb, lim, None, done),
                 prompts,
                 on_tokens,
                 max_tokens_each,
+                on_done,
             )
         runner = self._runner
-        rows = Rows(prompts, params, self.stop_ids, on_tokens, max_tokens_each)
+        rows = Rows(prompts, params, self.stop_ids, on_tokens, max_tokens_each, on_done)
         self._check_fits(prompts, rows.limits, 1)
-        t0 = time.perf_counter()
         t = time.perf_counter()
         logits, _, _, valid = runner.prefill(prompts, aux=False)
         x = host_sample(logits, params, rows.draws())
@@ -585,7 +597,7 @@ class SpecEngine:
             done = [rows.append(r, [int(x[r])]) for r in range(len(rows.active))]
             x, pos = _drop_finished(done, rows, runner, None, x, pos)
         runner.release()
-        return rows.results(t0)
+        return rows.results()
 
     PLAIN_STEPS_PER_READ = 8
 
@@ -647,17 +659,20 @@ class SpecEngine:
 
     def _in_groups(
         self,
-        run: Callable[[list[list[int]], TokenCallback | None, list[int] | None], list[Generation]],
+        run: Callable[..., list[Generation]],
         prompts: list[list[int]],
         on_tokens: TokenCallback | None,
         max_tokens_each: list[int] | None,
+        on_done: DoneCallback | None = None,
     ) -> list[Generation]:
-        """The static runner holds `max_batch` rows: a batch's requests in groups of as many."""
+        """The static runner holds `max_batch` rows: a batch's requests in groups of as many
+        (`run(prompts, on_tokens, limits, on_done)`, the callbacks' indices the batch's)."""
         n, out = self.static.max_batch if self.static is not None else 1, []
         for a in range(0, len(prompts), n):
             cb = None if on_tokens is None else (lambda r, toks, a=a: on_tokens(a + r, toks))
+            done = None if on_done is None else (lambda r, g, a=a: on_done(a + r, g))
             lim = None if max_tokens_each is None else max_tokens_each[a : a + n]
-            out += run(prompts[a : a + n], cb, lim)
+            out += run(prompts[a : a + n], cb, lim, done)
         return out
 
 

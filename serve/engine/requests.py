@@ -20,6 +20,8 @@ from serve.engine.law import Draws
 # (request index, new token ids) -> True to stop that request (its client is gone); called once
 # per engine step for every request still running, so a stop takes effect at the next step
 TokenCallback = Callable[[int, list[int]], bool | None]
+# (request index, its Generation) as the request leaves the batch, before the batch ends
+DoneCallback = Callable[[int, "Generation"], None]
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,7 @@ class Rows:
         stop_ids: set[int],
         on_tokens: TokenCallback | None,
         limits: list[int] | None,
+        on_done: DoneCallback | None = None,
     ):
         self.limits = list(limits) if limits is not None else [params.max_tokens] * len(prompts)
         if len(self.limits) != len(prompts) or min(self.limits, default=1) < 1:
@@ -117,6 +120,7 @@ class Rows:
         seed = params.seed
         self.gens = None if seed is None else [torch.Generator().manual_seed(seed) for _ in prompts]
         self.joined_at: dict[int, float] = {}  # requests that joined the running batch: when
+        self.on_done, self.t0 = on_done, time.perf_counter()
 
     def add(self, prompt: list[int], limit: int, steps: int = 0) -> int:
         """A request joining the running batch in a new last row; returns its index."""
@@ -160,14 +164,19 @@ class Rows:
             return True
         return self.stats[req].finish_reason == "stop" or len(self.out[req]) >= self.limits[req]
 
+    def finish(self, req: int) -> None:
+        """Request `req` left the batch: its total time, and its answer to `on_done` now."""
+        start = self.joined_at.get(req, self.t0)
+        self.stats[req].total_ms = (time.perf_counter() - start) * 1000
+        if self.on_done is not None:
+            self.on_done(req, Generation(self.out[req], self.stats[req]))
+
     def charge(self, field_name: str, ms: float) -> None:
         for req in self.active:
             setattr(self.stats[req], field_name, getattr(self.stats[req], field_name) + ms)
 
-    def results(self, t0: float) -> list[Generation]:
-        now = time.perf_counter()
-        for req, s in enumerate(self.stats):
-            s.total_ms = (now - self.joined_at.get(req, t0)) * 1000
+    def results(self) -> list[Generation]:
+        """Every request's, in index order (each timed when it left the batch: `finish`)."""
         return [Generation(o, s) for o, s in zip(self.out, self.stats, strict=True)]
 
 
