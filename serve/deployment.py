@@ -363,25 +363,18 @@ class SpecServer:
                 for j in self.joining.close() + (joined if gens is None else []):
                     j.restart()
                     self._rerun(j)
-            for j, g in zip(joined, gens[started:], strict=True):
-                answer(j, g)  # `_done` answered each as it left; the first answer stands
-            self._count(gens[started:])
+            self._count(gens[started:])  # the joined requests (`_done` answered each)
         out = iter(gens[:started])
         ran = {id(j) for j in live}  # by identity: equal requests are equal dataclasses
         skipped = lambda j: Generation([], RequestStats(len(j.prompt), finish_reason="cancelled"))  # noqa: E731
-        gens = [next(out) if id(j) in ran else skipped(j) for j in sub]
-        for j, g in zip(sub, gens, strict=True):
-            self._finish(j, g)
-        return gens
-
-    def _finish(self, job: _Job, gen: Generation) -> None:
-        if job.stops is not None and job.stops.hit:  # fed every token the engine gave `job`
-            gen.stats.finish_reason = "stop"  # the engine dropped it at its stop string
+        return [next(out) if id(j) in ran else skipped(j) for j in sub]
 
     def _done(self, job: _Job, gen: Generation) -> None:
         """The engine's thread, as `job` leaves its batch: its answer now (its stream ends, its
-        client gets the response), not when the batch's last request ends."""
-        self._finish(job, gen)
+        client gets the response), not when the batch's last request ends. The generation's
+        stats are the ones `generate` returns too."""
+        if job.stops is not None and job.stops.hit:  # fed every token the engine gave `job`
+            gen.stats.finish_reason = "stop"  # the engine dropped it at its stop string
         job.push(None)
         answer(job, gen)
 

@@ -31,11 +31,10 @@ def admit(
     x: Tensor,
     pos: Tensor,
     steps: int = 0,
-    first_token: Callable[[Tensor, list[int]], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, list[bool], list[int]]:
     """Ask `joins` for requests and start them in the running batch: the target's prefill of
-    their prompts (one pass), their first token (`first_token(logits, their request indices)`,
-    on the host; greedy without it), the drafter's prompt extension. Returns
+    their prompts (one pass), their first token (`Rows.first_token`: greedy, or drawn from each
+    request's own generator), the drafter's prompt extension. Returns
     the batch's (next token, its position) with the new rows after the old, which rows are
     finished already (a limit of one token, a stop token), and the new rows' positions."""
     free = runner.max_batch - len(rows.active)
@@ -51,7 +50,7 @@ def admit(
     prompts = [p for p, _ in new]
     logits, aux, ids, valid = runner.prefill(prompts, aux=drafter is not None, join=True)
     reqs = rows.active[first:]
-    x_new = logits.argmax(-1).cpu() if first_token is None else first_token(logits, reqs)
+    x_new = rows.first_token(logits, reqs)
     if drafter is not None:
         positions = (valid.long().cumsum(1) - 1).clamp(min=0)
         drafter.join(torch.cat([ids[:, 1:], x_new[:, None]], 1), aux, positions, valid)

@@ -234,9 +234,11 @@ class SpecEngine:
         # The other batch sizes the runner holds: plain and the configured shape (each row
         # bucket's graphs, so a batch that shrinks as requests end or grows as they join
         # replays them; a graph and a compile per bucket, width and span).
-        more = tuple(range(2, self.static.max_batch + 1)) if self.static is not None else ()
-        plan = [((1,), shapes), (more, [self.configured_shape()] if shapes else [])]
-        for rows, these in plan if more else plan[:1]:
+        plan = [((1,), shapes)]
+        if self.static is not None and self.static.max_batch > 1:
+            more = tuple(range(2, self.static.max_batch + 1))
+            plan.append((more, [self.configured_shape()] if shapes else []))
+        for rows, these in plan:
             if self.static is not None and self.static.use_graphs:
                 widths = [(1, False)] + [(w, True) for w in sorted({n for _, _, n in these})]
                 out["target"] = out.get("target", 0) + self.static.capture(widths, rows)
@@ -319,7 +321,7 @@ class SpecEngine:
         while rows.active:
             if takes:  # between cycles: requests that arrived join the batch (sampled ones)
                 assert joins is not None and self.static is not None
-                x_next, pos_next, done, _ = admit(joins, rows, self.static, drafter, x_next, pos_next, k, rows.first_token)  # fmt: skip
+                x_next, pos_next, done, _ = admit(joins, rows, self.static, drafter, x_next, pos_next, k)  # fmt: skip
                 x_next, pos_next = _drop_finished(done, rows, runner, drafter, x_next, pos_next)
                 if not rows.active:
                     break
@@ -583,7 +585,7 @@ class SpecEngine:
         while rows.active:
             if joins is not None and self.takes_joins(params, False):  # sampled: between steps
                 assert self.static is not None
-                x, pos, done, _ = admit(joins, rows, self.static, None, x, pos, 0, rows.first_token)
+                x, pos, done, _ = admit(joins, rows, self.static, None, x, pos)
                 x, pos = _drop_finished(done, rows, runner, None, x, pos)
                 if not rows.active:
                     break
@@ -638,19 +640,23 @@ class SpecEngine:
             done = [rows.append(r, toks_r) for r, toks_r in enumerate(got.tolist())]
             x, p = _drop_finished(done, rows, runner, None, x, p)
 
+    def _need(self, prompt: list[int], max_tokens: int, width: int) -> int:
+        """Static cache slots a request takes: prompt + completion + one verify's spare entries."""
+        return len(prompt) + max_tokens + width + 1
+
     def fits(self, prompt: list[int], max_tokens: int) -> bool:
         """Whether a request fits the static cache beside any shape of this engine (what a
         request that joins a running batch must, as `_check_fits` checks a batch's)."""
         if self.static is None:
             return True
         width = max(self.num_draft_tokens or 0, self.steps + 1, *self.capture_chains) + 1
-        return len(prompt) + max_tokens + width + 1 <= self.static.capacity
+        return self._need(prompt, max_tokens, width) <= self.static.capacity
 
     def _check_fits(self, prompts: list[list[int]], limits: list[int], width: int) -> None:
-        """The static cache must hold prompt + completion + one verify's spare entries."""
+        """The static cache must hold every request (`_need`)."""
         if self.static is None:
             return
-        need = max(len(p) + n for p, n in zip(prompts, limits, strict=True)) + width + 1
+        need = max(self._need(p, n, width) for p, n in zip(prompts, limits, strict=True))
         if need > self.static.capacity:
             raise ValueError(
                 f"prompt + max_tokens + {width} verify slots = {need} > static KV cache capacity "

@@ -119,8 +119,8 @@ class Rows:
         # a seeded request draws from its own generator (law.Draws): what it draws alone
         seed = params.seed
         self.gens = None if seed is None else [torch.Generator().manual_seed(seed) for _ in prompts]
-        self.joined_at: dict[int, float] = {}  # requests that joined the running batch: when
-        self.on_done, self.t0 = on_done, time.perf_counter()
+        self.on_done = on_done
+        self.started = [time.perf_counter()] * len(prompts)  # each request's: it joined then
 
     def add(self, prompt: list[int], limit: int, steps: int = 0) -> int:
         """A request joining the running batch in a new last row; returns its index."""
@@ -132,10 +132,10 @@ class Rows:
         self.stats.append(RequestStats(prompt_tokens=len(prompt), steps=steps))
         if steps:
             self.stats[req].accept_hist = [0] * (steps + 1)
-        if self.gens is not None:
-            self.gens.append(torch.Generator().manual_seed(self.params.seed or 0))
+        if self.gens is not None and self.params.seed is not None:
+            self.gens.append(torch.Generator().manual_seed(self.params.seed))
         self.active.append(req)
-        self.joined_at[req] = time.perf_counter()
+        self.started.append(time.perf_counter())
         return req
 
     def first_token(self, logits: Tensor, reqs: list[int]) -> Tensor:
@@ -166,8 +166,7 @@ class Rows:
 
     def finish(self, req: int) -> None:
         """Request `req` left the batch: its total time, and its answer to `on_done` now."""
-        start = self.joined_at.get(req, self.t0)
-        self.stats[req].total_ms = (time.perf_counter() - start) * 1000
+        self.stats[req].total_ms = (time.perf_counter() - self.started[req]) * 1000
         if self.on_done is not None:
             self.on_done(req, Generation(self.out[req], self.stats[req]))
 
