@@ -59,7 +59,7 @@ if $PY -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('llm_smoll
   step engine_breakdown_batched 240 $PY benchmarks/engine_breakdown.py --device cuda \
     --dtype bfloat16 --target smollm2 --drafter drafters/smollm2-135m-base --batches 1,4,16 \
     --max-tokens 128 --capacity 1024 --static-batch 16
-  # the static drafter's graphs compiled by inductor (off by default until this measures it)
+  # the static drafter's graphs compiled by inductor (the server's default since 2026-12-07)
   step engine_breakdown_compiled 240 $PY benchmarks/engine_breakdown.py --device cuda \
     --dtype bfloat16 --target smollm2 --drafter drafters/smollm2-135m-base --batches 1,4,16 \
     --max-tokens 128 --capacity 1024 --static-batch 16 --drafter-compile inductor

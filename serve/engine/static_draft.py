@@ -79,7 +79,7 @@ class StaticEagleDraft:
         # torch.compile of each graphed function (its extension, chain or tree at one span): the
         # step's norms, rotary, attention mask and its glue fuse into fewer kernels, and a
         # captured step's cost is its launches (0.2-0.29 ms a step on an H100, 2026-12-07).
-        # "inductor" on a GPU; None = eager. Off by default until a GPU measures it.
+        # "inductor" on a GPU (the server's default, serve.drafter_compile); None = eager.
         self.compile_backend = compile_backend
         if self.use_graphs and self.device.type != "cuda":
             raise ValueError("StaticEagleDraft(graphs=True) needs the drafter on a CUDA device")
