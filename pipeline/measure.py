@@ -60,7 +60,8 @@ def _time_engine(cfg: Config, messages: list[dict[str, str]]) -> tuple[float, fl
 
     from actors.chat import prompt_ids
     from serve.engine.loading import load_eagle, load_target, random_drafter
-    from serve.engine.loop import SpecEngine, serving_drafter_compile
+    from serve.engine.loop import SpecEngine
+    from serve.engine.static_draft import serving_drafter_compile
 
     t, s = cfg.target, cfg.serve
     gpu = s.num_gpus > 0 and torch.cuda.is_available()

@@ -25,11 +25,11 @@ from serve.engine.eager import TargetRunner, decoder_layers
 from serve.engine.kernels import ATTN_BLOCK_N, ATTN_SPLITS, triton_attention_ok
 from serve.engine.linear import SMALL_ROWS, small_rows_linear, use_small_rows_linear
 from serve.engine.loading import check_drafter_for_target, load_eagle, load_target, random_drafter
-from serve.engine.loop import SpecEngine, eos_ids, serving_drafter_compile
+from serve.engine.loop import SpecEngine, eos_ids
 from serve.engine.requests import Generation, GenParams, RequestStats, TokenCallback
 from serve.engine.runner import Runner, _check_aux_ids
 from serve.engine.static import StaticTargetRunner, static_runner_problem
-from serve.engine.static_draft import StaticEagleDraft
+from serve.engine.static_draft import StaticEagleDraft, serving_drafter_compile
 
 __all__ = [
     "ATTN_BLOCK_N",

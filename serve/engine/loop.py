@@ -110,13 +110,6 @@ class _Cycle:
     verify_ms: float
 
 
-def serving_drafter_compile(backend: str | None, device: str) -> str | None:
-    """The torch.compile backend the serving engine gives its static drafter on `device`
-    (serve.drafter_compile): on CUDA the configured one; on CPUs none, where the drafter runs
-    without graphs, inductor's C++ build takes minutes and the step's cost is its matmuls."""
-    return backend if str(device).startswith("cuda") else None
-
-
 class SpecEngine:
     """Target + optional drafter. Not thread-safe: callers serialize `generate` calls."""
 

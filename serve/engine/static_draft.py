@@ -55,6 +55,13 @@ def _greedy(logits: Tensor) -> tuple[Tensor, Tensor | None]:
     return logits.argmax(-1), None
 
 
+def serving_drafter_compile(backend: str | None, device: str) -> str | None:
+    """The torch.compile backend the serving engine gives its static drafter on `device`
+    (serve.drafter_compile): on CUDA the configured one; on CPUs none, where the drafter runs
+    without graphs, inductor's C++ build takes minutes and the step's cost is its matmuls."""
+    return backend if str(device).startswith("cuda") else None
+
+
 class StaticEagleDraft:
     """A `DraftSource` over an `Eagle3Drafter` at static shapes (module doc); same methods and
     results as `EagleDraft`. `positions`/`write` given to `extend` must be host tensors (the
