@@ -81,7 +81,8 @@ if $PY -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('llm_smoll
     --capacity 1024 --host-glue
   step engine_shapes_compiled 180 $PY benchmarks/engine_shapes.py --device cuda \
     --dtype bfloat16 --target smollm2 --drafter drafters/smollm2-135m-base --prompts 24 \
-    --max-tokens 96 --capacity 1024 --drafter-compile inductor
+    --max-tokens 96 --capacity 1024 --drafter-compile inductor \
+    --shapes plain,chain-1,chain-2,chain-3,chain-4,chain-5,chain-6,tree-5x4x12
   if [ "${DRAFTER_FP32:-0}" = 1 ]; then  # acceptance of an fp32 drafter beside the bf16 one
     step engine_shapes_fp32_drafter 150 $PY benchmarks/engine_shapes.py --device cuda \
       --dtype bfloat16 --drafter-dtype float32 --shapes plain,chain-3,tree-5x4x12 --prompts 24 \
