@@ -67,16 +67,9 @@ if $PY -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('llm_smoll
   step engine_breakdown_compiled 300 $PY benchmarks/engine_breakdown.py --device cuda \
     --dtype bfloat16 --target smollm2 --drafter drafters/smollm2-135m-base --batches 1,4,16 \
     --max-tokens 128 --capacity 1024 --static-batch 16 --drafter-compile inductor
-  # the kernels of one target step (plain and a chain-3 verify), as compiled now and with
-  # inductor's matmul autotuning (triton templates that may fuse the norms into the matmuls)
+  # the kernels of one target step (plain and a chain-3 verify), as compiled now
   step engine_profile 150 $PY benchmarks/engine_breakdown.py --device cuda --dtype bfloat16 \
     --target smollm2 --capacity 1024 --profile-only
-  step engine_profile_autotune 300 $PY benchmarks/engine_breakdown.py --device cuda \
-    --dtype bfloat16 --target smollm2 --capacity 1024 --profile-only \
-    --target-compile-mode max-autotune-no-cudagraphs
-  # 16 requests arriving 20 ms apart: whole batches against joins (continuous batching)
-  step engine_streams 300 $PY benchmarks/engine_streams.py --device cuda --dtype bfloat16 \
-    --drafter-compile inductor --streams 16 --static-batch 16 --max-tokens 128 --gap-ms 20
   step engine_shapes 180 $PY benchmarks/engine_shapes.py --device cuda --dtype bfloat16 \
     --target smollm2 --drafter drafters/smollm2-135m-base --prompts 24 --max-tokens 96 \
     --capacity 1024 --host-glue
@@ -89,6 +82,14 @@ if $PY -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('llm_smoll
     --target smollm2 --drafter drafters/smollm2-135m-base --prompts 32 --batch 16 \
     --max-tokens 96 --capacity 1024 --drafter-compile inductor \
     --shapes plain,chain-1,chain-2,chain-3,chain-4,tree-5x4x12
+  # 16 requests arriving 20 ms apart: whole batches against joins (continuous batching)
+  step engine_streams 300 $PY benchmarks/engine_streams.py --device cuda --dtype bfloat16 \
+    --drafter-compile inductor --streams 16 --static-batch 16 --max-tokens 128 --gap-ms 20
+  # the same with inductor's matmul autotuning (triton templates that may fuse the norms into
+  # the matmuls; minutes of autotuning)
+  step engine_profile_autotune 300 $PY benchmarks/engine_breakdown.py --device cuda \
+    --dtype bfloat16 --target smollm2 --capacity 1024 --profile-only \
+    --target-compile-mode max-autotune-no-cudagraphs
   if [ "${DRAFTER_FP32:-0}" = 1 ]; then  # acceptance of an fp32 drafter beside the bf16 one
     step engine_shapes_fp32_drafter 150 $PY benchmarks/engine_shapes.py --device cuda \
       --dtype bfloat16 --drafter-dtype float32 --shapes plain,chain-3,tree-5x4x12 --prompts 24 \
