@@ -178,3 +178,26 @@ def test_the_compiled_step_equals_the_eager_one_over_ragged_rows(tiny_lm):
     for e, c in zip(*outs, strict=True):
         torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-4)
     assert comp._fns["attn_in"] is not eager._fns["attn_in"]  # the compiled wrapper ran
+
+
+def test_a_compiled_batch_compiles_one_code_for_every_row_count_and_span(tiny_lm):
+    """Start-up captures every row bucket at every span; with one compiled code per (rows,
+    width, span) that is dozens of compiles a server waits for (an H100, 2026-12-07: one 16-row
+    engine had not finished its start and warm-up batches in 4 minutes). Batches of 2 to 8 rows
+    over contexts of several lengths add no compiled code after the first batch of several
+    rows: rows and span are dynamic (seen failing without: 5, 10, 15, 20 codes)."""
+    from torch._dynamo.utils import counters
+
+    from serve.engine import StaticTargetRunner
+
+    comp = StaticTargetRunner(tiny_lm, 128, max_batch=8, compiled=True, compile_backend="aot_eager")
+    g = torch.Generator().manual_seed(5)
+    made = []
+    for rows, length in ((2, 6), (3, 20), (5, 9), (8, 40)):
+        ps = [torch.randint(3, 49152, (length + r,), generator=g).tolist() for r in range(rows)]
+        _, _, _, valid = comp.prefill(ps, aux=False)
+        pos = valid.sum(1)[:, None]
+        comp.forward(torch.randint(3, 49152, (rows, 1), generator=g), pos, torch.ones(rows, 1, dtype=torch.bool))  # fmt: skip
+        comp.release()
+        made.append(counters["stats"]["unique_graphs"])
+    assert made[1:] == [made[0]] * 3, f"compiled codes after each batch: {made}"

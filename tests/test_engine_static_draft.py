@@ -200,7 +200,7 @@ def test_graphed_drafter_equals_eager_on_cuda():
 
 def test_capture_plan_covers_the_configured_shape_and_the_chains(target):
     """What `SpecEngine.capture` captures on a GPU (the shapes, the spans); on CPU, nothing."""
-    from serve.engine.static import span_buckets
+    from serve.engine.buckets import span_buckets
 
     assert span_buckets(256, 4096) == [256, 512, 1024, 2048, 4096]
     assert span_buckets(256, 3000) == [256, 512, 1024, 2048, 3000]

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from eagle3.cuda_graph import capture_graph
+from serve.engine.buckets import moved_rows, row_bucket, span_buckets
 from serve.engine.eager import decoder_layers
 from serve.engine.kernels import _split_attention, triton_attention_ok
 from serve.engine.runner import _check_aux_ids
@@ -206,38 +207,22 @@ def _attn_out_mlp(
     return x, F.linear(F.silu(g) * u, w.down, w.down_bias)
 
 
+def _rows_dynamic(*marks: tuple) -> None:
+    """Mark dims (tensor, dim, ...) of a compiled step's inputs as dynamic: a batch of several
+    rows (and, in `_probs`, its span) then runs one compiled code for every row bucket and span
+    instead of one per (rows, width, span), so start-up compiles a few codes, not dozens. One
+    row stays specialised (torch.compile specialises sizes 1 anyway): batch 1 keeps its static
+    kernels. Marks are read at tracing, so with CUDA graphs this runs at capture only."""
+    for t, *dims in marks:
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
 def _head(
     x: Tensor, d: Tensor, norm: Tensor, eps: float, head: Tensor, head_bias: Tensor | None
 ) -> Tensor:
     """Last residual add, final norm, lm_head; float logits."""
     return F.linear(_rms(x + d, norm, eps), head, head_bias).float()
-
-
-def row_bucket(rows: int, most: int | None = None) -> int:
-    """Rows a batch of `rows` runs as in the static runner and drafter: the next power of two
-    (at most `most`), so a batch that shrinks replays a few graphs, not one per size."""
-    b = 1 << (rows - 1).bit_length()
-    return b if most is None else min(b, most)
-
-
-def moved_rows(rows: Tensor) -> tuple[Tensor, Tensor] | None:
-    """(to, from) of the kept `rows` (ascending) that move up to their new place in a select;
-    None when none moves. In ascending order no row is overwritten before it is read."""
-    keep = rows.tolist()
-    moved = [(i, r) for i, r in enumerate(keep) if r != i]
-    if not moved:
-        return None
-    dst, src = zip(*moved, strict=True)
-    return torch.tensor(dst), torch.tensor(src)
-
-
-def span_buckets(smallest: int, capacity: int) -> list[int]:
-    """The attention spans of the static runners: powers of two from `smallest`, then capacity."""
-    out, span = [], smallest
-    while span < capacity:
-        out.append(span)
-        span *= 2
-    return out + [capacity]
 
 
 @dataclass
@@ -392,7 +377,10 @@ class StaticTargetRunner:
         heads_ix = torch.arange(self.n_kv, device=dev)[None, :, None]
         d = torch.zeros_like(x)
         states = []
+        dyn = _rows_dynamic if self.compiled and B > 1 else lambda *marks: None
+        dyn((mask, 0, 2), (cos, 0), (sin, 0))
         for i, w in enumerate(self.weights):
+            dyn((x, 0), (d, 0))
             x, rot = fns["attn_in"](x, d, w, cos, sin, heads, self.eps)
             queries, new_kv = _gqa_views(rot, heads)
             if self.split_attention and B == 1:  # also writes the new keys/values
@@ -402,12 +390,15 @@ class StaticTargetRunner:
                 kv[i][:, rows, heads_ix, slots[:, None]] = new_kv  # [2, B, Hkv, q, d]
                 queries = queries.reshape(B, self.n_kv, rep * q, self.head_dim)
                 scores = torch.matmul(queries, kv[i, 0, :, :, :span].transpose(2, 3))
+                dyn((scores, 0, 3))
                 p = fns["probs"](scores, mask, self.scale, rep)
                 o = torch.matmul(p, kv[i, 1, :, :, :span])  # [B, Hkv, rep*q, d] = [B, H, q, d]
+            dyn((o, 0), (x, 0))
             x, d = fns["attn_out_mlp"](o, x, w, heads, self.eps)
             if aux and i in self.aux_ids:
                 states.append((i, x + d))
         norm, head = m.model.norm, m.get_output_embeddings()
+        dyn((x, 0), (d, 0))
         logits = fns["head"](
             x, d, norm.weight, float(norm.variance_epsilon), head.weight, head.bias
         )

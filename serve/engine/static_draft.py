@@ -37,9 +37,9 @@ from torch import Tensor
 
 from eagle3.cuda_graph import capture_graph
 from eagle3.model import Eagle3Drafter, rope_cos_sin
+from serve.engine.buckets import moved_rows, row_bucket, span_buckets
 from serve.engine.drafting import DraftTree, _last_true, pick_draft, target_q
 from serve.engine.law import Draws
-from serve.engine.static import moved_rows, row_bucket, span_buckets
 
 Pick = Callable[[Tensor], tuple[Tensor, Tensor | None]]
 
