@@ -397,6 +397,25 @@ def test_a_compiled_drafter_drafts_what_the_eager_one_drafts(target, prompts, sh
     assert runs[1][:2] == runs[0][:2] and runs[0][2] == 0 and runs[1][2] > 0
 
 
+def test_a_compiled_drafter_compiles_one_code_for_every_row_bucket(target, prompts):
+    """Batches of 2, 3 and 5 rows (buckets of 2, 4 and 8) add no compiled drafter code after
+    the first: rows are dynamic for batches of several rows, so an engine of 16 rows compiles
+    its shapes twice (one row, several), not once per bucket (a 16-row engine on an H100 had
+    not finished start-up and warm-up in 4 minutes, 2026-12-07)."""
+    from torch._dynamo.utils import counters
+
+    # fast_linear off: the CPU-only fp32 trick pads 1 and 3 rows, specialising the rows (a GPU
+    # never runs it)
+    engine = SpecEngine(target, steps=K, runner="static", static_capacity=96, static_batch=8,
+                        fast_linear=False)  # fmt: skip
+    engine.set_drafter(StaticEagleDraft(drafter(target).model, 96, graphs=False, compile_backend="aot_eager"))  # fmt: skip
+    made = []
+    for rows in (2, 3, 5):
+        engine.generate([prompts[i % len(prompts)] for i in range(rows)], GenParams(max_tokens=6))
+        made.append(counters["stats"]["unique_graphs"])
+    assert made[1:] == [made[0]] * 2, f"compiled codes after each batch: {made}"
+
+
 @pytest.mark.gpu
 @cuda
 def test_the_inductor_compiled_drafter_in_cuda_graphs_drafts_what_the_eager_one_drafts():

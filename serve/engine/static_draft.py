@@ -153,6 +153,9 @@ class StaticEagleDraft:
                 k = torch.zeros(shape, device=w.device, dtype=w.dtype)
                 pos = torch.zeros(bucket, dtype=torch.long, device=w.device)
                 self._buckets[bucket] = (k, torch.zeros_like(k), w.new_zeros(bucket, cfg.hidden_size), pos, {})  # fmt: skip
+                if bucket > 1:  # rows dynamic: one compiled code for every bucket (`_compiled`)
+                    for t in self._buckets[bucket][:4]:
+                        torch._dynamo.maybe_mark_dynamic(t, 0)
             self.k, self.v, self.h, self.pos, self._graphs = self._buckets[bucket]
             self.batch = bucket
         self.rows = batch
@@ -439,6 +442,9 @@ class StaticEagleDraft:
         then the arguments are copied in and the graph replayed. Outputs are copied out: the
         graphs share one memory pool. Only runs on a GPU (tests/test_engine_static_draft.py's
         `gpu` test)."""
+        if self.batch > 1:  # as the buffers' rows (`start`)
+            for t in args:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         if not self.use_graphs:
             return self._compiled(key, fn)(*args)
         g = self._graphs.get(key)
@@ -456,12 +462,14 @@ class StaticEagleDraft:
         return g.outputs.clone()
 
     def _compiled(self, key: tuple, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """`fn` compiled once per key (and batch size: the buffers it reads are the batch's);
-        static shapes, one graph (fullgraph), so a failure to trace is an error, not a silent
-        fallback to eager. `fn` itself without `compile_backend`."""
+        """`fn` compiled once per key for one row and once for several: static shapes but the
+        rows of a batch of several (its buffers and arguments are marked dynamic), so every
+        bucket of 2 and more rows runs one code instead of compiling its own at start-up. One
+        graph (fullgraph), so a failure to trace is an error, not a silent fallback to eager.
+        `fn` itself without `compile_backend`. It reads the buffers of the bucket in use."""
         if self.compile_backend is None:
             return fn
-        full = (self.batch, *key)
+        full = (self.batch > 1, *key)
         if full not in self._compiled_fns:
             cfg = torch._dynamo.config
             cfg.recompile_limit = max(cfg.recompile_limit, 256)
