@@ -9,6 +9,8 @@ built with the tree shape configured and the chains in `capture_chains`, so star
 every graph (its `late_captures` is printed and must stay 0). The shapes run interleaved per
 prompt, so drifting load hits them alike. `--batch N` decodes the prompts N at a time as one
 batch in the static runner's rows (an untimed first batch of each shape captures its row bucket).
+Each row also splits the time: prefill ms per call (the target's and the drafter's over the
+prompt), decode ms per token (the rest), and the garbage collector's pauses inside the calls.
 
     python benchmarks/engine_shapes.py --dtype bfloat16                      # an H200
     .venv/bin/python benchmarks/engine_shapes.py --device cpu --prompts 2 --max-tokens 8 \\
@@ -20,6 +22,8 @@ Prints one JSON line per (shape, glue) and a summary line with the markdown tabl
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import re
 import sys
 import time
@@ -104,6 +108,8 @@ def main() -> None:
     tokens = {r: 0 for r in runs}
     secs = {r: 0.0 for r in runs}
     passes = {r: 0 for r in runs}
+    prefill = {r: 0.0 for r in runs}  # ms: where a request's time goes besides decoding
+    gc_ms = {r: 0.0 for r in runs}  # the garbage collector's pauses inside the timed calls
     outs: dict[tuple[str, str], list[list[int]]] = {r: [] for r in runs}
     groups = [prompts[i : i + args.batch] for i in range(0, len(prompts), args.batch)]
     with torch.inference_mode():
@@ -113,7 +119,10 @@ def main() -> None:
         for group in groups:
             for name, glue in runs:
                 params = GenParams(max_tokens=args.max_tokens, ignore_eos=True)
-                gens, s = measure(engine, group, params, shapes[name], glue, device)
+                with gc_clock() as paused:
+                    gens, s = measure(engine, group, params, shapes[name], glue, device)
+                gc_ms[name, glue] += paused[0]
+                prefill[name, glue] += max(g.stats.prefill_ms for g in gens)
                 tokens[name, glue] += sum(len(g.token_ids) for g in gens)
                 secs[name, glue] += s
                 passes[name, glue] += sum(g.stats.spec_verify_ct for g in gens)
@@ -134,18 +143,41 @@ def main() -> None:
             "same_tokens_as_plain": outs[name, glue] == outs["plain", "-"]
             if ("plain", "-") in runs
             else None,
-        }
+            "prefill_ms_per_call": round(prefill[name, glue] / len(groups), 2),
+            "decode_ms_per_token": round((secs[name, glue] * 1000 - prefill[name, glue]) * args.batch / tokens[name, glue], 3),
+            "gc_ms_total": round(gc_ms[name, glue], 1),
+        }  # fmt: skip
         res.emit(row)
         rows.append(row)
     table = [
-        "| shape | glue | tok/s | ms/token | speedup | accept_len |",
-        "|---|---|---|---|---|---|",
-    ]
+        "| shape | glue | tok/s | ms/token | speedup | accept_len | prefill ms | decode ms/token | gc ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
     table += [f"| {r['shape']} | {r['glue']} | {r['tok_per_s']} | {r['ms_per_token']} | "
-              f"{r['speedup']} | {r['accept_len']} |" for r in rows]  # fmt: skip
+              f"{r['speedup']} | {r['accept_len']} | {r['prefill_ms_per_call']} | "
+              f"{r['decode_ms_per_token']} | {r['gc_ms_total']} |" for r in rows]  # fmt: skip
     res.emit({"shape": "summary", "start_up_s": round(start_s, 1),
               "late_captures": engine.late_captures(), "table": "\n".join(table)})  # fmt: skip
     print("\n".join(table))
+
+
+@contextlib.contextmanager
+def gc_clock():
+    """Milliseconds the cyclic garbage collector ran inside the block (a one-item list, filled
+    at its end): a full collection over a process that compiled code scans its objects."""
+    paused, began = [0.0], [0.0]
+
+    def clock(phase: str, info: dict) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            paused[0] += (time.perf_counter() - began[0]) * 1000
+
+    gc.callbacks.append(clock)
+    try:
+        yield paused
+    finally:
+        gc.callbacks.remove(clock)
 
 
 def measure(engine, prompts: list[list[int]], params, shape, glue: str, device):
