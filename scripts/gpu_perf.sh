@@ -64,7 +64,7 @@ if $PY -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('llm_smoll
     --max-tokens 128 --capacity 1024 --static-batch 16
   # the static drafter eager and compiled by inductor (the server's default since 2026-12-07) in
   # one run: the before/after table at 1, 4 and 16 rows
-  step engine_breakdown_compiled 300 $PY benchmarks/engine_breakdown.py --device cuda \
+  step engine_breakdown_compiled 420 $PY benchmarks/engine_breakdown.py --device cuda \
     --dtype bfloat16 --target smollm2 --drafter drafters/smollm2-135m-base --batches 1,4,16 \
     --max-tokens 128 --capacity 1024 --static-batch 16 --drafter-compile inductor
   # the kernels of one target step (plain and a chain-3 verify), as compiled now
@@ -78,7 +78,7 @@ if $PY -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('llm_smoll
     --max-tokens 96 --capacity 1024 --drafter-compile inductor \
     --shapes plain,chain-1,chain-2,chain-3,chain-4,chain-5,chain-6,tree-5x4x12
   # the same shapes with 16 requests decoded together (the shape choice at batch 16)
-  step engine_shapes_16 240 $PY benchmarks/engine_shapes.py --device cuda --dtype bfloat16 \
+  step engine_shapes_16 360 $PY benchmarks/engine_shapes.py --device cuda --dtype bfloat16 \
     --target smollm2 --drafter drafters/smollm2-135m-base --prompts 32 --batch 16 \
     --max-tokens 96 --capacity 1024 --drafter-compile inductor \
     --shapes plain,chain-1,chain-2,chain-3,chain-4,tree-5x4x12
