@@ -191,6 +191,7 @@ def test_a_compiled_batch_compiles_one_code_for_every_row_count_and_span(tiny_lm
     from serve.engine import StaticTargetRunner
 
     comp = StaticTargetRunner(tiny_lm, 128, max_batch=8, compiled=True, compile_backend="aot_eager")
+    torch._dynamo.reset()  # codes another test compiled for the same functions would serve
     g = torch.Generator().manual_seed(5)
     made = []
     for rows, length in ((2, 6), (3, 20), (5, 9), (8, 40)):

@@ -397,18 +397,36 @@ def test_a_compiled_drafter_drafts_what_the_eager_one_drafts(target, prompts, sh
     assert runs[1][:2] == runs[0][:2] and runs[0][2] == 0 and runs[1][2] > 0
 
 
-def test_a_compiled_drafter_compiles_one_code_for_every_row_bucket(target, prompts):
+@pytest.mark.parametrize("graphs", [False, True], ids=["direct", "graph-path"])
+def test_a_compiled_drafter_compiles_one_code_for_every_row_bucket(target, prompts, monkeypatch, graphs):  # fmt: skip
     """Batches of 2, 3 and 5 rows (buckets of 2, 4 and 8) add no compiled drafter code after
     the first: rows are dynamic for batches of several rows, so an engine of 16 rows compiles
     its shapes twice (one row, several), not once per bucket (a 16-row engine on an H100 had
-    not finished start-up and warm-up in 4 minutes, 2026-12-07)."""
+    not finished start-up and warm-up in 4 minutes, 2026-12-07). `graph-path`: through
+    `_capture` with a stand-in for CUDA's capture (it reruns the function at each replay), whose
+    static copies of the arguments must keep the marks (a clone drops them)."""
     from torch._dynamo.utils import counters
+
+    import serve.engine.static_draft as sd
 
     # fast_linear off: the CPU-only fp32 trick pads 1 and 3 rows, specialising the rows (a GPU
     # never runs it)
     engine = SpecEngine(target, steps=K, runner="static", static_capacity=96, static_batch=8,
                         fast_linear=False)  # fmt: skip
-    engine.set_drafter(StaticEagleDraft(drafter(target).model, 96, graphs=False, compile_backend="aot_eager"))  # fmt: skip
+    d = StaticEagleDraft(drafter(target).model, 96, graphs=False, compile_backend="aot_eager")
+    engine.set_drafter(d)
+    torch._dynamo.reset()  # codes another test compiled for the same functions would serve
+    if graphs:
+
+        def capture(fn, pool):
+            class Replay:
+                def replay(self):
+                    fn()
+
+            return Replay(), fn()
+
+        monkeypatch.setattr(sd, "capture_graph", capture)
+        d.use_graphs, d._pool = True, "stand-in"
     made = []
     for rows in (2, 3, 5):
         engine.generate([prompts[i % len(prompts)] for i in range(rows)], GenParams(max_tokens=6))

@@ -442,11 +442,8 @@ class StaticEagleDraft:
         then the arguments are copied in and the graph replayed. Outputs are copied out: the
         graphs share one memory pool. Only runs on a GPU (tests/test_engine_static_draft.py's
         `gpu` test)."""
-        if self.batch > 1:  # as the buffers' rows (`start`)
-            for t in args:
-                torch._dynamo.maybe_mark_dynamic(t, 0)
         if not self.use_graphs:
-            return self._compiled(key, fn)(*args)
+            return self._compiled(key, fn)(*self._rows_dynamic(args))
         g = self._graphs.get(key)
         if g is None:  # compiled (when it is) only here: a replay needs no lookup
             g = self._capture(self._compiled(key, fn), args)
@@ -478,8 +475,16 @@ class StaticEagleDraft:
             )
         return self._compiled_fns[full]
 
+    def _rows_dynamic(self, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """`args` with their rows marked dynamic in a batch of several rows, as the buffers'
+        (`start`), so that one compiled code serves every bucket (`_compiled`)."""
+        if self.batch > 1:
+            for t in args:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        return args
+
     def _capture(self, fn: Callable[..., Any], args: tuple[Tensor, ...]) -> _Graph:
-        inputs = tuple(a.clone() for a in args)
+        inputs = self._rows_dynamic(tuple(a.clone() for a in args))  # a clone drops the marks
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph, outputs = capture_graph(lambda: fn(*inputs), self._pool)
