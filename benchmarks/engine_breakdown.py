@@ -155,6 +155,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)
+    if (args.profile or args.profile_only) and device.type != "cuda":
+        raise SystemExit("--profile: the kernels of a step are CUDA's; use --device cuda")
 
     from actors.chat import prompt_ids
     from actors.prompts import builtin_prompts, split_prompts
