@@ -92,13 +92,14 @@ def step_profile(runner, q: int, aux: bool, reps: int = 50) -> dict:
     their count, summed µs, and the 12 that cost most (name, calls, µs)."""
     from torch.profiler import ProfilerActivity, profile
 
+    aux = aux and bool(runner.aux_ids)
     runner.release()
     runner.prefill([[1] * 256], aux=aux)
     packed = runner._pack(
         torch.zeros(1, q, dtype=torch.long), torch.arange(256, 256 + q)[None], None
     )
     span = runner._span(q)
-    g = runner._graph(q, span, aux and bool(runner.aux_ids), packed)
+    g = runner._graph(q, span, aux, packed)
     g.inputs.copy_(packed)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(5):
@@ -110,11 +111,11 @@ def step_profile(runner, q: int, aux: bool, reps: int = 50) -> dict:
     torch.cuda.synchronize()
     replay_us = start.elapsed_time(end) * 1000 / reps
     inputs = packed.to(runner.device)
-    runner._core(inputs, q, span, aux and bool(runner.aux_ids))  # warm (compiled already)
+    runner._core(inputs, q, span, aux)  # warm (compiled already)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            runner._core(inputs, q, span, aux and bool(runner.aux_ids))
+            runner._core(inputs, q, span, aux)
         torch.cuda.synchronize()
     kernels: dict[str, list[float]] = {}
     for ev in prof.events():

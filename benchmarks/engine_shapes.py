@@ -10,7 +10,8 @@ every graph (its `late_captures` is printed and must stay 0). The shapes run int
 prompt, so drifting load hits them alike. `--batch N` decodes the prompts N at a time as one
 batch in the static runner's rows (an untimed first batch of each shape captures its row bucket).
 Each row also splits the time: prefill ms per call (the target's and the drafter's over the
-prompt), decode ms per token (the rest), and the garbage collector's pauses inside the calls.
+prompt), decode ms per token (the rest, per position of each call's longest request), and the
+garbage collector's pauses inside the calls.
 
     python benchmarks/engine_shapes.py --dtype bfloat16                      # an H200
     .venv/bin/python benchmarks/engine_shapes.py --device cpu --prompts 2 --max-tokens 8 \\
@@ -109,6 +110,7 @@ def main() -> None:
     secs = {r: 0.0 for r in runs}
     passes = {r: 0 for r in runs}
     prefill = {r: 0.0 for r in runs}  # ms: where a request's time goes besides decoding
+    steps = {r: 0 for r in runs}  # decoded positions: each call's longest request's tokens
     gc_ms = {r: 0.0 for r in runs}  # the garbage collector's pauses inside the timed calls
     outs: dict[tuple[str, str], list[list[int]]] = {r: [] for r in runs}
     groups = [prompts[i : i + args.batch] for i in range(0, len(prompts), args.batch)]
@@ -123,6 +125,7 @@ def main() -> None:
                     gens, s = measure(engine, group, params, shapes[name], glue, device)
                 gc_ms[name, glue] += paused[0]
                 prefill[name, glue] += max(g.stats.prefill_ms for g in gens)
+                steps[name, glue] += max(len(g.token_ids) for g in gens)
                 tokens[name, glue] += sum(len(g.token_ids) for g in gens)
                 secs[name, glue] += s
                 passes[name, glue] += sum(g.stats.spec_verify_ct for g in gens)
@@ -144,7 +147,7 @@ def main() -> None:
             if ("plain", "-") in runs
             else None,
             "prefill_ms_per_call": round(prefill[name, glue] / len(groups), 2),
-            "decode_ms_per_token": round((secs[name, glue] * 1000 - prefill[name, glue]) * args.batch / tokens[name, glue], 3),
+            "decode_ms_per_token": round((secs[name, glue] * 1000 - prefill[name, glue]) / steps[name, glue], 3),
             "gc_ms_total": round(gc_ms[name, glue], 1),
         }  # fmt: skip
         res.emit(row)

@@ -4,6 +4,7 @@ pure functions of tensors that torch.compile fuses."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,7 +15,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from eagle3.cuda_graph import capture_graph
-from serve.engine.buckets import moved_rows, row_bucket, span_buckets
+from serve.engine.buckets import (
+    compile_static,
+    dynamic_rows,
+    moved_rows,
+    row_bucket,
+    span_buckets,
+)
 from serve.engine.eager import decoder_layers
 from serve.engine.kernels import _split_attention, triton_attention_ok
 from serve.engine.runner import _check_aux_ids
@@ -207,17 +214,6 @@ def _attn_out_mlp(
     return x, F.linear(F.silu(g) * u, w.down, w.down_bias)
 
 
-def _rows_dynamic(*marks: tuple) -> None:
-    """Mark dims (tensor, dim, ...) of a compiled step's inputs as dynamic: a batch of several
-    rows (and, in `_probs`, its span) then runs one compiled code for every row bucket and span
-    instead of one per (rows, width, span), so start-up compiles a few codes, not dozens. One
-    row stays specialised (torch.compile specialises sizes 1 anyway): batch 1 keeps its static
-    kernels. Marks are read at tracing, so with CUDA graphs this runs at capture only."""
-    for t, *dims in marks:
-        for dim in dims:
-            torch._dynamo.maybe_mark_dynamic(t, dim)
-
-
 def _head(
     x: Tensor, d: Tensor, norm: Tensor, eps: float, head: Tensor, head_bias: Tensor | None
 ) -> Tensor:
@@ -321,14 +317,9 @@ class StaticTargetRunner:
         fns = {"attn_in": _attn_in, "probs": _probs, "attn_out_mlp": _attn_out_mlp, "head": _head}
         if not compiled:
             return fns
-        # Each (width, bucket) is one static-shape specialisation: more than dynamo's default 8.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         # `mode` "max-autotune-no-cudagraphs": inductor times triton matmul templates that may
         # fuse norms and SwiGLU into the matmuls (minutes of autotuning per shape at start-up).
-        return {
-            k: torch.compile(f, backend=backend, mode=mode, dynamic=False, fullgraph=True)
-            for k, f in fns.items()
-        }
+        return {k: compile_static(f, backend, mode) for k, f in fns.items()}
 
     @property
     def num_layers(self) -> int:
@@ -377,7 +368,7 @@ class StaticTargetRunner:
         heads_ix = torch.arange(self.n_kv, device=dev)[None, :, None]
         d = torch.zeros_like(x)
         states = []
-        dyn = _rows_dynamic if self.compiled and B > 1 else lambda *marks: None
+        dyn = functools.partial(dynamic_rows, B if self.compiled else 1)  # compiled: see there
         dyn((mask, 0, 2), (cos, 0), (sin, 0))
         for i, w in enumerate(self.weights):
             dyn((x, 0), (d, 0))

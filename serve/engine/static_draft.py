@@ -37,7 +37,13 @@ from torch import Tensor
 
 from eagle3.cuda_graph import capture_graph
 from eagle3.model import Eagle3Drafter, rope_cos_sin
-from serve.engine.buckets import moved_rows, row_bucket, span_buckets
+from serve.engine.buckets import (
+    compile_static,
+    dynamic_rows,
+    moved_rows,
+    row_bucket,
+    span_buckets,
+)
 from serve.engine.drafting import DraftTree, _last_true, pick_draft, target_q
 from serve.engine.law import Draws
 
@@ -153,9 +159,8 @@ class StaticEagleDraft:
                 k = torch.zeros(shape, device=w.device, dtype=w.dtype)
                 pos = torch.zeros(bucket, dtype=torch.long, device=w.device)
                 self._buckets[bucket] = (k, torch.zeros_like(k), w.new_zeros(bucket, cfg.hidden_size), pos, {})  # fmt: skip
-                if bucket > 1:  # rows dynamic: one compiled code for every bucket (`_compiled`)
-                    for t in self._buckets[bucket][:4]:
-                        torch._dynamo.maybe_mark_dynamic(t, 0)
+                # rows dynamic: one compiled code for every bucket of several rows (`_compiled`)
+                dynamic_rows(bucket, *((t, 0) for t in self._buckets[bucket][:4]))
             self.k, self.v, self.h, self.pos, self._graphs = self._buckets[bucket]
             self.batch = bucket
         self.rows = batch
@@ -459,28 +464,21 @@ class StaticEagleDraft:
         return g.outputs.clone()
 
     def _compiled(self, key: tuple, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """`fn` compiled once per key for one row and once for several: static shapes but the
-        rows of a batch of several (its buffers and arguments are marked dynamic), so every
-        bucket of 2 and more rows runs one code instead of compiling its own at start-up. One
-        graph (fullgraph), so a failure to trace is an error, not a silent fallback to eager.
-        `fn` itself without `compile_backend`. It reads the buffers of the bucket in use."""
+        """`fn` compiled (`compile_static`) once per key for one row and once for several (a
+        batch's buffers and arguments mark their rows dynamic), so every bucket of 2 and more
+        rows runs one code instead of compiling its own at start-up. `fn` itself without
+        `compile_backend`. It reads the buffers of the bucket in use."""
         if self.compile_backend is None:
             return fn
         full = (self.batch > 1, *key)
         if full not in self._compiled_fns:
-            cfg = torch._dynamo.config
-            cfg.recompile_limit = max(cfg.recompile_limit, 256)
-            self._compiled_fns[full] = torch.compile(
-                fn, backend=self.compile_backend, dynamic=False, fullgraph=True
-            )
+            self._compiled_fns[full] = compile_static(fn, self.compile_backend)
         return self._compiled_fns[full]
 
     def _rows_dynamic(self, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         """`args` with their rows marked dynamic in a batch of several rows, as the buffers'
         (`start`), so that one compiled code serves every bucket (`_compiled`)."""
-        if self.batch > 1:
-            for t in args:
-                torch._dynamo.maybe_mark_dynamic(t, 0)
+        dynamic_rows(self.batch, *((t, 0) for t in args))
         return args
 
     def _capture(self, fn: Callable[..., Any], args: tuple[Tensor, ...]) -> _Graph:
