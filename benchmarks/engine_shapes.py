@@ -72,6 +72,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1,
                     help="requests decoded together (rows of the static runner)")  # fmt: skip
     args = ap.parse_args()
+    if args.batch < 1:
+        raise SystemExit(f"--batch {args.batch}: requests decoded together; give 1 or more")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)

@@ -67,6 +67,11 @@ if $PY -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('llm_smoll
   step engine_breakdown_compiled 420 $PY benchmarks/engine_breakdown.py --device cuda \
     --dtype bfloat16 --target smollm2 --drafter drafters/smollm2-135m-base --batches 1,4,16 \
     --max-tokens 128 --capacity 1024 --static-batch 16 --drafter-compile inductor
+  # the tree of the shape table (5 steps, top-4, 12 nodes) at batch 1: where its cycle goes
+  step engine_breakdown_tree 240 $PY benchmarks/engine_breakdown.py --device cuda \
+    --dtype bfloat16 --target smollm2 --drafter drafters/smollm2-135m-base --batches 1 \
+    --max-tokens 128 --capacity 1024 --steps 5 --topk 4 --num-draft-tokens 12 \
+    --drafter-compile inductor
   # the kernels of one target step (plain and a chain-3 verify), as compiled now
   step engine_profile 150 $PY benchmarks/engine_breakdown.py --device cuda --dtype bfloat16 \
     --target smollm2 --capacity 1024 --profile-only
@@ -109,6 +114,8 @@ fi
   grep '^|' "$DIR/engine_breakdown_batched.log" 2>/dev/null || echo "(not run or failed: see engine_breakdown_batched.log)"
   echo; echo '## engine_breakdown, the drafter compiled (--drafter-compile inductor)'
   grep '^|' "$DIR/engine_breakdown_compiled.log" 2>/dev/null || echo "(not run or failed: see engine_breakdown_compiled.log)"
+  echo; echo '## engine_breakdown, the tree 5x4x12 at batch 1 (the drafter compiled)'
+  grep '^|' "$DIR/engine_breakdown_tree.log" 2>/dev/null || echo "(not run or failed: see engine_breakdown_tree.log)"
   for p in engine_profile engine_profile_autotune; do
     echo; echo "## $p (kernels of one target step at batch 1)"; echo '```'
     grep -A13 '^target step' "$DIR/$p.log" 2>/dev/null || echo "(not run or failed: see $p.log)"; echo '```'

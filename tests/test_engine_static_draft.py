@@ -246,12 +246,12 @@ def stand_in_graphs(d: StaticEagleDraft) -> None:
     the function on the static inputs (the real capture is CUDA's: the `gpu` tests)."""
     from serve.engine.static_draft import _Graph
 
-    def stand_in(fn, args):
+    def stand_in(fn, args, span):
         g = _Graph(None, tuple(a.clone() for a in args), None)
 
         class Replay:
             def replay(self):
-                g.outputs = fn(*g.inputs)
+                g.outputs = fn(*g.inputs, span)
 
         g.graph = Replay()
         return g
@@ -381,13 +381,15 @@ def test_a_compiled_drafter_drafts_what_the_eager_one_drafts(target, prompts, sh
     break is an error). Here with the aot_eager backend (the trace and its functionalized graph,
     no code generation: inductor's C++ build would take minutes on 2 cores); a GPU runs inductor
     (the `gpu` test below). Same drafts, tokens and accept histograms as the eager drafter, in
-    a ragged batch of the static runner's rows."""
+    a ragged batch of the static runner's rows, whose contexts cross spans of 32 and 64 slots
+    (one compiled code reads both: `span_arg`)."""
     runs = []
     for backend in (None, "aot_eager"):
         engine = SpecEngine(target, steps=shape["steps"], topk=shape.get("topk", 1),
                             num_draft_tokens=shape.get("num_draft_tokens"), runner="static",
                             static_capacity=96, static_batch=3)  # fmt: skip
-        d = StaticEagleDraft(drafter(target).model, 96, graphs=False, compile_backend=backend)
+        d = StaticEagleDraft(drafter(target).model, 96, graphs=False, min_bucket=32,
+                             compile_backend=backend)  # fmt: skip
         engine.set_drafter(d)
         log = record(engine.drafter)
         out = engine.generate(
@@ -432,6 +434,33 @@ def test_a_compiled_drafter_compiles_one_code_for_every_row_bucket(target, promp
         engine.generate([prompts[i % len(prompts)] for i in range(rows)], GenParams(max_tokens=6))
         made.append(counters["stats"]["unique_graphs"])
     assert made[1:] == [made[0]] * 2, f"compiled codes after each batch: {made}"
+
+
+def test_a_compiled_drafter_compiles_one_code_for_every_span(target, monkeypatch):
+    """Start-up's capture over three spans (32, 64 and 96 slots) compiles one code per
+    extension width, chain and tree, not one per span: the span reaches the code as a dynamic
+    size (`span_arg`). A 16-row engine with every chain had not finished start-up in 4 minutes
+    on an H100 (2026-12-07), compiling each (shape, rows, span) apart. Through `_capture`, with a
+    stand-in for CUDA's capture that runs the function."""
+    from torch._dynamo.utils import counters
+
+    import serve.engine.static_draft as sd
+
+    class Replay:
+        def __init__(self, fn):
+            self.replay = fn
+
+    monkeypatch.setattr(sd, "capture_graph", lambda fn, pool: (Replay(fn), fn()))
+    d = StaticEagleDraft(drafter(target).model, 96, graphs=False, min_bucket=32,
+                         compile_backend="aot_eager")  # fmt: skip
+    d.use_graphs, d._pool = True, "stand-in"
+    torch._dynamo.reset()  # codes another test compiled for the same functions would serve
+    before = counters["stats"]["unique_graphs"]
+    d.capture([(3, 1, 4), (2, 2, 4)])  # a chain of 3 and a tree of 3 nodes
+    keys = d.graph_keys()
+    assert {k[-1] for k in keys} == {32, 64, 96}
+    shapes = {k[:-1] for k in keys}  # extensions of 1-4 entries, the chain, the tree
+    assert counters["stats"]["unique_graphs"] - before == len(shapes) == 6
 
 
 @pytest.mark.gpu

@@ -58,3 +58,13 @@ def dynamic_rows(rows: int, *marks: tuple) -> None:
         for t, *dims in marks:
             for dim in dims:
                 torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+def span_arg(span: int, device: torch.device) -> Tensor:
+    """`span` as the size of an empty [span, 0] tensor marked dynamic: a compiled function that
+    reads its span from this argument's shape (`compile_static` specialises plain ints) runs one
+    code for every span bucket instead of compiling one per span at start-up. Spans are 256
+    slots and up, so the code is general in them, and its kernels take the span at run time."""
+    carrier = torch.empty(span, 0, device=device)
+    torch._dynamo.maybe_mark_dynamic(carrier, 0)
+    return carrier

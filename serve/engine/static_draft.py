@@ -42,6 +42,7 @@ from serve.engine.buckets import (
     dynamic_rows,
     moved_rows,
     row_bucket,
+    span_arg,
     span_buckets,
 )
 from serve.engine.drafting import DraftTree, _last_true, pick_draft, target_q
@@ -369,8 +370,7 @@ class StaticEagleDraft:
             self._prompt = False
             self._extend_core(*args, span)
             return
-        key = ("extend", ids.shape[1], span)
-        self._graphed(key, lambda *a: self._extend_core(*a, span), args)
+        self._graphed(("extend", ids.shape[1]), self._extend_core, args, span)
 
     def propose(
         self,
@@ -390,8 +390,8 @@ class StaticEagleDraft:
 
             drafts, qs = self._chain_core(steps, span, sample, self.rows)
             return drafts, torch.stack([target_q(self.model, q) for q in qs], 1)
-        key = ("chain", steps, span)
-        drafts = self._graphed(key, lambda: self._chain_core(steps, span, _greedy)[0], ())
+        fn = lambda s: self._chain_core(steps, s, _greedy)[0]  # noqa: E731
+        drafts = self._graphed(("chain", steps), fn, (), span)
         return drafts[: self.rows], None
 
     def propose_tree(self, steps: int, topk: int, num_nodes: int) -> DraftTree:
@@ -402,8 +402,8 @@ class StaticEagleDraft:
                 f"num_draft_tokens - 1 = {num_nodes} draft nodes; steps={steps}, topk={topk} make 1..{most}"
             )
         span = self._span(self.top + 1)  # tree nodes attend to verified slots only
-        key = ("tree", steps, topk, num_nodes, span)
-        out = self._graphed(key, lambda: self._tree_core(steps, topk, num_nodes, span), ())
+        fn = lambda s: self._tree_core(steps, topk, num_nodes, s)  # noqa: E731
+        out = self._graphed(("tree", steps, topk, num_nodes), fn, (), span)
         return DraftTree(*(t[: self.rows] for t in out))
 
     # -- CUDA graphs (GPU only; on CPU `_graphed` calls `fn` directly) -------------------------
@@ -427,32 +427,32 @@ class StaticEagleDraft:
                             torch.zeros(b, w, width, dtype=dtype, device=dev),
                             torch.arange(w, device=dev)[None].expand(b, w).contiguous(),
                             torch.ones(b, w, dtype=torch.bool, device=dev))  # fmt: skip
-                    self._graphed(
-                        ("extend", w, span), lambda *a, s=span: self._extend_core(*a, s), args
-                    )
+                    self._graphed(("extend", w), self._extend_core, args, span)
                 for steps, topk, tokens in shapes:
                     if topk == 1:
-                        fn = lambda s=span, k=steps: self._chain_core(k, s, _greedy)[0]  # noqa: E731
-                        self._graphed(("chain", steps, span), fn, ())
+                        fn = lambda s, k=steps: self._chain_core(k, s, _greedy)[0]  # noqa: E731
+                        self._graphed(("chain", steps), fn, (), span)
                     else:
-                        key = ("tree", steps, topk, tokens - 1, span)
-                        self._graphed(key, lambda k=key: self._tree_core(*k[1:]), ())
+                        key = ("tree", steps, topk, tokens - 1)
+                        self._graphed(key, lambda s, k=key: self._tree_core(*k[1:], s), (), span)
         self.start(1, self.capacity)  # what the warm-ups left in the state is no request's
         return self.captures - before
 
-    def _graphed(self, key: tuple, fn: Callable[..., Any], args: tuple[Tensor, ...]) -> Any:
-        """fn(*args), on CUDA through one graph per key: captured on first use over static
-        copies of `args` (after two warm-up runs on a side stream; every function here is
-        idempotent for the same state, so the warm-ups change nothing the replay does not),
-        then the arguments are copied in and the graph replayed. Outputs are copied out: the
-        graphs share one memory pool. Only runs on a GPU (tests/test_engine_static_draft.py's
+    def _graphed(
+        self, key: tuple, fn: Callable[..., Any], args: tuple[Tensor, ...], span: int
+    ) -> Any:
+        """fn(*args, span), on CUDA through one graph per (key, span): captured on first use
+        over static copies of `args` (after two warm-up runs on a side stream; every function
+        here is idempotent for the same state, so the warm-ups change nothing the replay does
+        not), then the arguments are copied in and the graph replayed. Outputs are copied out:
+        the graphs share one memory pool. Only runs on a GPU (tests/test_engine_static_draft.py's
         `gpu` test)."""
         if not self.use_graphs:
-            return self._compiled(key, fn)(*self._rows_dynamic(args))
-        g = self._graphs.get(key)
+            return self._compiled(key, fn)(*self._rows_dynamic(args), span)
+        g = self._graphs.get((*key, span))
         if g is None:  # compiled (when it is) only here: a replay needs no lookup
-            g = self._capture(self._compiled(key, fn), args)
-            self._graphs[key] = g
+            g = self._capture(self._compiled(key, fn), args, span)
+            self._graphs[(*key, span)] = g
             self.captures += 1
         for dst, src in zip(g.inputs, args, strict=True):
             dst.copy_(src, non_blocking=True)
@@ -464,15 +464,18 @@ class StaticEagleDraft:
         return g.outputs.clone()
 
     def _compiled(self, key: tuple, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """`fn` compiled (`compile_static`) once per key for one row and once for several (a
-        batch's buffers and arguments mark their rows dynamic), so every bucket of 2 and more
-        rows runs one code instead of compiling its own at start-up. `fn` itself without
+        """`fn(*args, span)` compiled (`compile_static`) once per key for one row and once for
+        several (a batch's buffers and arguments mark their rows dynamic), and once for every
+        span (`span_arg`: the span reaches the code as a dynamic size), so start-up compiles a
+        code per shape, not one per (shape, rows bucket, span). `fn` itself without
         `compile_backend`. It reads the buffers of the bucket in use."""
         if self.compile_backend is None:
             return fn
         full = (self.batch > 1, *key)
         if full not in self._compiled_fns:
-            self._compiled_fns[full] = compile_static(fn, self.compile_backend)
+            code = compile_static(lambda *a: fn(*a[:-1], a[-1].shape[0]), self.compile_backend)
+            dev = self.device
+            self._compiled_fns[full] = lambda *a: code(*a[:-1], span_arg(a[-1], dev))
         return self._compiled_fns[full]
 
     def _rows_dynamic(self, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -481,11 +484,11 @@ class StaticEagleDraft:
         dynamic_rows(self.batch, *((t, 0) for t in args))
         return args
 
-    def _capture(self, fn: Callable[..., Any], args: tuple[Tensor, ...]) -> _Graph:
+    def _capture(self, fn: Callable[..., Any], args: tuple[Tensor, ...], span: int) -> _Graph:
         inputs = self._rows_dynamic(tuple(a.clone() for a in args))  # a clone drops the marks
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph, outputs = capture_graph(lambda: fn(*inputs), self._pool)
+        graph, outputs = capture_graph(lambda: fn(*inputs, span), self._pool)
         return _Graph(graph, inputs, outputs)
 
     def graph_keys(self) -> list[tuple]:
