@@ -17,6 +17,7 @@ from serve.engine import (
     TargetRunner,
     random_drafter,
 )
+from serve.engine.drafting import tree_ancestors
 
 AUX = [0, 1, 2]
 K = 3
@@ -95,6 +96,7 @@ def test_static_drafter_equals_eager_over_ragged_extensions(target):
                 for a, b in [(ts.tokens, te.tokens), (ts.parents, te.parents),
                              (ts.depths, te.depths)]:  # fmt: skip
                     assert torch.equal(a, b), f"tree {steps}x{topk}x{n} differs at cycle {step}"
+                assert torch.equal(ts.ancestors, tree_ancestors(ts.parents))  # the verify mask
             acc = torch.randint(0, K + 1, (B,), generator=g)  # accepted drafts per row
             w = int(acc.max()) + 1
             keep = torch.arange(w)[None] <= acc[:, None]

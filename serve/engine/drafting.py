@@ -50,11 +50,14 @@ class DraftSource(Protocol):
 @dataclass
 class DraftTree:
     """Draft nodes per row, parents before children: tokens [B, M] (target ids), parents [B, M]
-    (index of the parent node, -1 = the root x_n), depths [B, M] (1 = child of the root)."""
+    (index of the parent node, -1 = the root x_n), depths [B, M] (1 = child of the root);
+    `ancestors` [B, M+1, M+1] (`tree_ancestors`, the root first) when the drafter made the
+    verify's mask with the tree (the static drafter: inside its graph, not ~25 launches after)."""
 
     tokens: Tensor
     parents: Tensor
     depths: Tensor
+    ancestors: Tensor | None = None
 
 
 def tree_problem(steps: int, topk: int, num_draft_tokens: int | None) -> str | None:

@@ -49,7 +49,6 @@ from serve.engine.drafting import (
     DraftTree,
     EagleDraft,
     tree_ancestors,
-    tree_ancestors_by_depth,
     tree_problem,
 )
 from serve.engine.eager import TargetRunner
@@ -428,8 +427,7 @@ class SpecEngine:
                 marks.append(_mark(cuda))
                 ids = torch.cat([x[:, None], t.tokens], 1)
                 vpos = pos[:, None] + torch.cat([torch.zeros_like(t.depths[:, :1]), t.depths], 1)
-                anc = tree_ancestors_by_depth(t.parents, k)
-                logits, aux = runner.verify(ids, vpos, anc, aux=True)
+                logits, aux = runner.verify(ids, vpos, t.ancestors, aux=True)
                 marks.append(_mark(cuda))
                 a, path, bonus = tree_greedy_accept_on_device(t, logits, k)
                 nodes = torch.cat([torch.zeros_like(path[:, :1]), path], 1)

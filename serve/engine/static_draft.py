@@ -45,7 +45,13 @@ from serve.engine.buckets import (
     span_arg,
     span_buckets,
 )
-from serve.engine.drafting import DraftTree, _last_true, pick_draft, target_q
+from serve.engine.drafting import (
+    DraftTree,
+    _last_true,
+    pick_draft,
+    target_q,
+    tree_ancestors_by_depth,
+)
 from serve.engine.law import Draws
 
 Pick = Callable[[Tensor], tuple[Tensor, Tensor | None]]
@@ -305,10 +311,11 @@ class StaticEagleDraft:
 
     def _tree_core(
         self, steps: int, topk: int, num_nodes: int, span: int
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """EagleDraft.propose_tree without host reads: (tokens, parents, depths) [B, num_nodes].
-        The ancestor bookkeeping compares against an arange instead of F.one_hot (whose bounds
-        check reads the device)."""
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """EagleDraft.propose_tree without host reads: (tokens, parents, depths) [B, num_nodes]
+        and the verify's ancestor mask [B, num_nodes + 1, num_nodes + 1], made here so that it is
+        part of the graph. The ancestor bookkeeping compares against an arange instead of
+        F.one_hot (whose bounds check reads the device)."""
         m, K = self.model, topk
         assert self.h is not None and self.k is not None
         B, dev = self.h.shape[0], self.h.device
@@ -346,7 +353,8 @@ class StaticEagleDraft:
         where = torch.full((B, n_nodes + 1), -1, device=dev)  # node id -> kept index
         where.scatter_(1, keep, torch.arange(num_nodes, device=dev).expand(B, num_nodes))
         kept_par = where.gather(1, par_id.gather(1, keep) % (n_nodes + 1))
-        return tok.gather(1, keep), kept_par, dep.gather(1, keep)
+        anc = tree_ancestors_by_depth(kept_par, steps)
+        return tok.gather(1, keep), kept_par, dep.gather(1, keep), anc
 
     # -- the DraftSource methods --------------------------------------------------------------
     def extend(self, ids: Tensor, aux: Tensor, positions: Tensor, write: Tensor) -> None:
