@@ -9,6 +9,8 @@ and tree siblings repeat tokens."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import tiny_llama_config
@@ -168,9 +170,12 @@ def test_tree_helpers_on_the_device_equal_the_host_walk():
         depth = int(tree.depths.max())
         logits = torch.randn(4, 13, 3, generator=g)
         want = tree_greedy_accept(tree, logits, depth)
-        got = tree_greedy_accept_on_device(tree, logits, depth)
-        for w, x in zip(want, got, strict=True):
-            assert torch.equal(w, x)
+        with_mask = replace(tree, ancestors=tree_ancestors(tree.parents))  # the static drafter's
+        for got in (tree_greedy_accept_on_device(tree, logits, depth),
+                    tree_greedy_accept_on_device(with_mask, logits, depth + 1)):  # fmt: skip
+            (a, path, bonus), (ga, gpath, gbonus) = want, got
+            assert torch.equal(a, ga) and torch.equal(bonus, gbonus)
+            assert torch.equal(path, gpath[:, :depth]) and not gpath[:, depth:].any()
         assert torch.equal(tree_ancestors_by_depth(tree.parents, depth),
                            tree_ancestors(tree.parents))  # fmt: skip
         accepted += int(want[0].sum())

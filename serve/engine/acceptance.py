@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from eagle3.cpu import top1
-from serve.engine.drafting import DraftTree
+from serve.engine.drafting import DraftTree, tree_ancestors_by_depth
 from serve.engine.law import Draws, draw, row_draws, sampling_probs, uniform
 
 # ----------------------------------------------------------------------------------------------
@@ -135,27 +135,29 @@ def tree_greedy_accept_on_device(
     tree: DraftTree, logits: Tensor, steps: int
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`tree_greedy_accept` in tensor ops on the logits' device (no host read, so the static
-    path's cycle runs on without a sync): the walk takes `steps` fixed rounds, each into the
-    first node (lowest index, as the host walk keeps) that hangs from the current one and
-    carries the target's argmax. Same (a, path, bonus), as device tensors; parity:
+    path's cycle runs on without a sync), without a loop over the levels (each level was ~10
+    small kernels): a node is on the walk when it carries the target's argmax after its parent
+    and no earlier sibling does (the host walk keeps the lowest index), and so does every
+    ancestor below the root (`tree.ancestors`, or `tree_ancestors_by_depth`), within `steps`
+    levels. Children come after their parents, so the path's deepest node has its highest index.
+    Same (a, path, bonus), as device tensors; parity with duplicate siblings:
     tests/test_engine_device_cycle.py."""
     top = top1(logits)  # [B, M+1]
     B, M = tree.tokens.shape
     dev = top.device
-    parent = tree.parents.to(dev) + 1  # node index (root = 0) of each node's parent
-    tokens = tree.tokens.to(dev)
-    node = torch.arange(1, M + 1, device=dev).expand(B, M)
-    cur = torch.zeros(B, dtype=torch.long, device=dev)
-    alive = torch.ones(B, dtype=torch.bool, device=dev)
-    path = []
-    for _ in range(steps):
-        match = (parent == cur[:, None]) & (tokens == top.gather(1, cur[:, None]))
-        first = torch.where(match, node, M + 1).min(1).values
-        alive = alive & (first <= M)  # a row that missed once stays stopped
-        path.append(torch.where(alive, first, 0))
-        cur = torch.where(alive, first, cur)
-    path_t = torch.stack(path, 1)
-    return (path_t > 0).sum(1), path_t, top.gather(1, cur[:, None]).squeeze(1)
+    par = tree.parents.to(dev) + 1  # node index (root = 0) of each node's parent
+    depths = tree.depths.to(dev)
+    anc = tree.ancestors if tree.ancestors is not None else tree_ancestors_by_depth(tree.parents, steps)  # fmt: skip
+    node = torch.arange(1, M + 1, device=dev)
+    hit = tree.tokens.to(dev) == top.gather(1, par)
+    earlier = (par[:, :, None] == par[:, None, :]) & (node[:, None] > node[None, :])
+    first = hit & ~(earlier & hit[:, None, :]).any(-1)
+    picked = torch.cat([torch.ones_like(first[:, :1]), first], 1)  # the root is always kept
+    on = ~(anc.to(dev)[:, 1:] & ~picked[:, None, :]).any(-1) & (depths <= steps)
+    level = on[:, :, None] & (depths[:, :, None] == torch.arange(1, steps + 1, device=dev))
+    path = (level * node[:, None]).sum(1)  # [B, steps]: at most one node a level
+    last = (on * node).max(1).values  # 0 (the root) when nothing was accepted
+    return on.sum(1), path, top.gather(1, last[:, None]).squeeze(1)
 
 
 def sample_token(
