@@ -176,7 +176,7 @@ def main() -> None:
         res = Results("engine_breakdown", device, {"target": args.target, "dtype": args.dtype,
                       "target_compile_mode": args.target_compile_mode})  # fmt: skip
         return profile_report(res, runner, args.steps)
-    engines = {}
+    engines, start_up = {}, {}
     built = [("eager_draft", False, None), ("static_draft", True, None)]
     if args.drafter_compile:
         built.append((COMPILED, True, args.drafter_compile))
@@ -184,10 +184,12 @@ def main() -> None:
     for mode, static_draft, backend in built:
         drafter = load_eagle(args.drafter, model)
         drafter.model.to(device)
+        t = time.perf_counter()  # start-up: compiles and graph captures (shared codes reused)
         engines[mode] = SpecEngine(model, drafter, runner=args.runner, static_draft=static_draft,
                                    static_capacity=args.capacity, static_batch=args.static_batch,
                                    drafter_compile=backend, target_compile_mode=args.target_compile_mode,
                                    **shape)  # fmt: skip
+        start_up[mode] = round(time.perf_counter() - t, 1)
         assert isinstance(engines[mode].drafter, StaticEagleDraft) == static_draft
     engines["plain"] = engines["eager_draft"]
     engines["static_draft_host_glue"] = engines["static_draft"]
@@ -221,7 +223,10 @@ def main() -> None:
         summary[str(b)] = {m: {k: round(rows[m][k], 3) for k in ("tok_per_s", "speedup",
                            "cycle_ms", "draft_ms", "verify_ms", "accept_ms", "overhead_ms")} for m in modes}  # fmt: skip
     late = {m: engines[m].late_captures() for m in modes}
-    res.emit({"mode": "summary", "by_batch": summary, "late_captures": late})
+    res.emit(
+        {"mode": "summary", "by_batch": summary, "late_captures": late, "start_up_s": start_up}
+    )
+    print(f"start-up s per engine: {start_up}")
     cols = ("tok_per_s", "speedup", "cycle_ms", "draft_ms", "verify_ms", "accept_ms", "overhead_ms")
     print("| batch | mode | " + " | ".join(cols) + " |\n|---|---|" + "---|" * len(cols))
     for b, by_mode in summary.items():
