@@ -180,6 +180,28 @@ def test_the_compiled_step_equals_the_eager_one_over_ragged_rows(tiny_lm):
     assert comp._fns["attn_in"] is not eager._fns["attn_in"]  # the compiled wrapper ran
 
 
+def test_a_compiled_runner_compiles_one_code_for_every_verify_width(tiny_lm):
+    """Start-up captures a verify of each shape's width (a chain of k verifies k + 1 tokens, the
+    tree 13): widths 2 to 13 of one row add no compiled code after the first of them, and plain
+    decoding's width 1 keeps a code of its own (its static kernels)."""
+    from torch._dynamo.utils import counters
+
+    from serve.engine import StaticTargetRunner
+
+    comp = StaticTargetRunner(tiny_lm, 128, compiled=True, compile_backend="aot_eager")
+    torch._dynamo.reset()  # codes another test compiled for the same functions would serve
+    g = torch.Generator().manual_seed(6)
+    _, _, _, valid = comp.prefill([torch.randint(3, 49152, (9,), generator=g).tolist()], aux=False)
+    made = []
+    for q in (1, 2, 3, 5, 13):
+        pos = valid.sum(1)[:, None] + torch.arange(q)
+        ids = torch.randint(3, 49152, (1, q), generator=g)
+        with torch.inference_mode():  # as the engine runs it
+            comp.forward(ids, pos, torch.ones(1, q, dtype=torch.bool))  # not committed
+        made.append(counters["stats"]["unique_graphs"])
+    assert made[2:] == [made[1]] * 3 and made[1] > made[0], f"codes after each width: {made}"
+
+
 def test_a_compiled_batch_compiles_one_code_for_every_row_count_and_span(tiny_lm):
     """Start-up captures every row bucket at every span; with one compiled code per (rows,
     width, span) that is dozens of compiles a server waits for (an H100, 2026-12-07: one 16-row

@@ -1,7 +1,7 @@
 """Row and span buckets shared by the static runner and the static drafter: the shapes their
 CUDA graphs are captured at, so a batch that grows or shrinks, or a context that lengthens,
 replays a few graphs instead of one per size; and how both compile their graphed code for them
-(`compile_static`, `dynamic_rows`)."""
+(`compile_static`, `dynamic_dims`, `span_arg`)."""
 
 from __future__ import annotations
 
@@ -41,20 +41,21 @@ def span_buckets(smallest: int, capacity: int) -> list[int]:
 
 def compile_static(fn: Callable[..., Any], backend: str, mode: str | None = None) -> Callable[..., Any]:  # fmt: skip
     """`fn` compiled by torch.compile at static shapes (the best kernels) but for the dims
-    `dynamic_rows` marks, as one graph (fullgraph: a failure to trace is an error, not a silent
+    `dynamic_dims` and `span_arg` mark, as one graph (fullgraph: a failure to trace is an error, not a silent
     fallback to eager). Each width, span and one-or-several rows is one specialisation, more
     than dynamo's default limit of 8, so the limit is raised."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
     return torch.compile(fn, backend=backend, mode=mode, dynamic=False, fullgraph=True)
 
 
-def dynamic_rows(rows: int, *marks: tuple) -> None:
-    """Mark the dims of each (tensor, dim, ...) dynamic for `compile_static` when a batch has
-    several `rows`: every row bucket (and span, where a mark names it) then runs one compiled
-    code instead of one per size, so start-up compiles a few codes, not dozens. One row stays
-    specialised (torch.compile specialises size 1 anyway): batch 1 keeps its static kernels.
+def dynamic_dims(size: int, *marks: tuple) -> None:
+    """Mark the dims of each (tensor, dim, ...) dynamic for `compile_static` when they are
+    larger than 1 (`size`: a batch's rows, a verify's width): every row bucket (and span, where
+    a mark names it) and every verify width then runs one compiled code instead of one per size,
+    so start-up compiles a few codes, not dozens. Size 1 stays specialised (torch.compile
+    specialises it anyway): one row, and plain decoding's one token, keep their static kernels.
     Marks are read when code is traced, so under CUDA graphs they matter at capture only."""
-    if rows > 1:
+    if size > 1:
         for t, *dims in marks:
             for dim in dims:
                 torch._dynamo.maybe_mark_dynamic(t, dim)

@@ -17,7 +17,7 @@ from torch import Tensor
 from eagle3.cuda_graph import capture_graph
 from serve.engine.buckets import (
     compile_static,
-    dynamic_rows,
+    dynamic_dims,
     moved_rows,
     row_bucket,
     span_buckets,
@@ -368,10 +368,16 @@ class StaticTargetRunner:
         heads_ix = torch.arange(self.n_kv, device=dev)[None, :, None]
         d = torch.zeros_like(x)
         states = []
-        dyn = functools.partial(dynamic_rows, B if self.compiled else 1)  # compiled: see there
-        dyn((mask, 0, 2), (cos, 0), (sin, 0))
+        # compiled: one code for every row count, verify width and span (`dynamic_dims`)
+        dyn = functools.partial(dynamic_dims, B if self.compiled else 1)
+        wide = functools.partial(dynamic_dims, q if self.compiled else 1)
+        spans = functools.partial(dynamic_dims, span if self.compiled else 1)
+        dyn((mask, 0), (cos, 0), (sin, 0))
+        wide((mask, 1), (cos, 1), (sin, 1))
+        spans((mask, 2))
         for i, w in enumerate(self.weights):
             dyn((x, 0), (d, 0))
+            wide((x, 1), (d, 1))
             x, rot = fns["attn_in"](x, d, w, cos, sin, heads, self.eps)
             queries, new_kv = _gqa_views(rot, heads)
             if self.split_attention and B == 1:  # also writes the new keys/values
@@ -381,15 +387,19 @@ class StaticTargetRunner:
                 kv[i][:, rows, heads_ix, slots[:, None]] = new_kv  # [2, B, Hkv, q, d]
                 queries = queries.reshape(B, self.n_kv, rep * q, self.head_dim)
                 scores = torch.matmul(queries, kv[i, 0, :, :, :span].transpose(2, 3))
-                dyn((scores, 0, 3))
+                dyn((scores, 0))
+                wide((scores, 2))
+                spans((scores, 3))
                 p = fns["probs"](scores, mask, self.scale, rep)
                 o = torch.matmul(p, kv[i, 1, :, :, :span])  # [B, Hkv, rep*q, d] = [B, H, q, d]
             dyn((o, 0), (x, 0))
+            wide((o, 2), (x, 1))
             x, d = fns["attn_out_mlp"](o, x, w, heads, self.eps)
             if aux and i in self.aux_ids:
                 states.append((i, x + d))
         norm, head = m.model.norm, m.get_output_embeddings()
         dyn((x, 0), (d, 0))
+        wide((x, 1), (d, 1))
         logits = fns["head"](
             x, d, norm.weight, float(norm.variance_epsilon), head.weight, head.bias
         )

@@ -39,7 +39,7 @@ from eagle3.cuda_graph import capture_graph
 from eagle3.model import Eagle3Drafter, rope_cos_sin
 from serve.engine.buckets import (
     compile_static,
-    dynamic_rows,
+    dynamic_dims,
     moved_rows,
     row_bucket,
     span_arg,
@@ -167,7 +167,7 @@ class StaticEagleDraft:
                 pos = torch.zeros(bucket, dtype=torch.long, device=w.device)
                 self._buckets[bucket] = (k, torch.zeros_like(k), w.new_zeros(bucket, cfg.hidden_size), pos, {})  # fmt: skip
                 # rows dynamic: one compiled code for every bucket of several rows (`_compiled`)
-                dynamic_rows(bucket, *((t, 0) for t in self._buckets[bucket][:4]))
+                dynamic_dims(bucket, *((t, 0) for t in self._buckets[bucket][:4]))
             self.k, self.v, self.h, self.pos, self._graphs = self._buckets[bucket]
             self.batch = bucket
         self.rows = batch
@@ -489,7 +489,7 @@ class StaticEagleDraft:
     def _rows_dynamic(self, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         """`args` with their rows marked dynamic in a batch of several rows, as the buffers'
         (`start`), so that one compiled code serves every bucket (`_compiled`)."""
-        dynamic_rows(self.batch, *((t, 0) for t in args))
+        dynamic_dims(self.batch, *((t, 0) for t in args))
         return args
 
     def _capture(self, fn: Callable[..., Any], args: tuple[Tensor, ...], span: int) -> _Graph:
