@@ -190,6 +190,7 @@ def main() -> None:
                                    drafter_compile=backend, target_compile_mode=args.target_compile_mode,
                                    **shape)  # fmt: skip
         start_up[mode] = round(time.perf_counter() - t, 1)
+        print(f"{mode} engine start-up {start_up[mode]} s", flush=True)  # a cut-off run says it
         assert isinstance(engines[mode].drafter, StaticEagleDraft) == static_draft
     engines["plain"] = engines["eager_draft"]
     engines["static_draft_host_glue"] = engines["static_draft"]
@@ -211,6 +212,7 @@ def main() -> None:
             for mode in modes:
                 breakdown(engines[mode], prompts[:b], GenParams(max_tokens=8, ignore_eos=True),
                           mode, device)  # fmt: skip
+    print("warm-up done", flush=True)
     summary = {}
     for b in batches:
         rows = {}
@@ -220,6 +222,8 @@ def main() -> None:
         for row in rows.values():
             row["speedup"] = row["tok_per_s"] / rows["plain"]["tok_per_s"]
             res.emit(row)
+            print(f"batch {b} {row['mode']}: {row['tok_per_s']:.1f} tok/s, {row['speedup']:.3f}x, "
+                  f"cycle {row['cycle_ms']:.3f} ms", flush=True)  # fmt: skip
         summary[str(b)] = {m: {k: round(rows[m][k], 3) for k in ("tok_per_s", "speedup",
                            "cycle_ms", "draft_ms", "verify_ms", "accept_ms", "overhead_ms")} for m in modes}  # fmt: skip
     late = {m: engines[m].late_captures() for m in modes}

@@ -98,6 +98,8 @@ def main() -> None:
                         drafter_dtype=args.drafter_dtype, static_batch=args.batch,
                         drafter_compile=args.drafter_compile)  # fmt: skip
     start_s = time.perf_counter() - t
+    # progress as it goes: a run cut off by its time limit still says where the time went
+    print(f"engine start-up {start_s:.1f} s", flush=True)
     res = Results("engine_shapes", device, {
         "target": args.target, "drafter": args.drafter, "dtype": args.dtype,
         "prompts_file": args.prompts_file, "prompts": len(prompts), "max_tokens": args.max_tokens,
@@ -120,6 +122,7 @@ def main() -> None:
         warm = GenParams(max_tokens=8, ignore_eos=True)
         for name, glue in runs:  # first calls: allocation, the drafter's cast, caches, and
             measure(engine, groups[0], warm, shapes[name], glue, device)  # the row bucket's graphs
+        print(f"warm-up done at {time.perf_counter() - t:.1f} s", flush=True)
         for group in groups:
             for name, glue in runs:
                 params = GenParams(max_tokens=args.max_tokens, ignore_eos=True)
