@@ -5,8 +5,8 @@ Each of `--prompts-file`'s first `--prompts` prompts (chat template) is generate
 `--max-tokens` tokens (ignore_eos), by plain decoding and by each draft shape; a shape is timed
 with its cycle's glue on the device (`glue: device`, the default) and, with `--host-glue`, also
 with the host-side cycle (`glue: host`, what main ran before). One engine serves all shapes: it is
-built with the tree shape configured and the chains in `capture_chains`, so start-up captures
-every graph (its `late_captures` is printed and must stay 0). The shapes run interleaved per
+built with the first tree configured, the chains in `capture_chains` and the other trees in
+`capture_trees`, so start-up captures every graph (its `late_captures` is printed and must stay 0). The shapes run interleaved per
 prompt, so drifting load hits them alike. `--batch N` decodes the prompts N at a time as one
 batch in the static runner's rows (an untimed first batch of each shape captures its row bucket).
 Each row also splits the time: prefill ms per call (the target's and the drafter's over the
@@ -15,7 +15,7 @@ garbage collector's pauses inside the calls.
 
     python benchmarks/engine_shapes.py --dtype bfloat16                      # an H200
     .venv/bin/python benchmarks/engine_shapes.py --device cpu --prompts 2 --max-tokens 8 \\
-        --shapes plain,chain-1,tree-3x2x4 --runner static --host-glue       # CPU smoke test
+        --shapes plain,chain-1,tree-3x2x4,tree-2x2x3 --runner static --host-glue  # CPU smoke test
 
 Prints one JSON line per (shape, glue) and a summary line with the markdown table
 (benchmarks/harness.py; also to $OUT/engine_shapes.jsonl when $OUT is set).
@@ -85,8 +85,6 @@ def main() -> None:
     shapes = {name: parse_shape(name) for name in args.shapes.split(",")}
     trees = [s for s in shapes.values() if s is not None and s[1] > 1]
     chains = tuple(s[0] for s in shapes.values() if s is not None and s[1] == 1)
-    if len(trees) > 1:
-        raise SystemExit("--shapes: one tree at most (start-up captures the configured one)")
     steps, topk, n_tok = trees[0] if trees else (max(chains or (1,)), 1, None)
     model, tok = load_target(args.target, dtype=args.dtype, device=str(device))
     convs = load_jsonl_prompts(Path(args.prompts_file))[: args.prompts]
@@ -94,6 +92,7 @@ def main() -> None:
     t = time.perf_counter()
     engine = SpecEngine(model, load_eagle(args.drafter, model), steps=steps, topk=topk,
                         num_draft_tokens=n_tok, capture_chains=chains or (1,),
+                        capture_trees=tuple(trees[1:]),
                         static_capacity=args.capacity, runner=args.runner,
                         drafter_dtype=args.drafter_dtype, static_batch=args.batch,
                         drafter_compile=args.drafter_compile)  # fmt: skip

@@ -82,6 +82,11 @@ if $PY -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('llm_smoll
     --dtype bfloat16 --target smollm2 --drafter drafters/smollm2-135m-base --prompts 24 \
     --max-tokens 96 --capacity 1024 --drafter-compile inductor \
     --shapes plain,chain-1,chain-2,chain-3,chain-4,chain-5,chain-6,tree-5x4x12
+  # smaller trees beside the 5x4x12 one at batch 1 (one engine captures them all)
+  step engine_shapes_trees 240 $PY benchmarks/engine_shapes.py --device cuda \
+    --dtype bfloat16 --target smollm2 --drafter drafters/smollm2-135m-base --prompts 24 \
+    --max-tokens 96 --capacity 1024 --drafter-compile inductor \
+    --shapes plain,chain-3,tree-5x4x12,tree-4x2x8,tree-3x3x8,tree-3x2x6
   # the same shapes with 16 requests decoded together (the shape choice at batch 16)
   step engine_shapes_16 360 $PY benchmarks/engine_shapes.py --device cuda --dtype bfloat16 \
     --target smollm2 --drafter drafters/smollm2-135m-base --prompts 32 --batch 16 \
@@ -129,6 +134,8 @@ fi
   echo; echo '## engine_shapes, the drafter compiled (--drafter-compile inductor)'
   grep '^|' "$DIR/engine_shapes_compiled.log" 2>/dev/null || echo "(not run or failed: see engine_shapes_compiled.log)"
   grep -o '"late_captures": [0-9]*' "$DIR/engine_shapes_compiled.log" 2>/dev/null | tail -1
+  echo; echo '## engine_shapes, trees of several sizes at batch 1 (the drafter compiled)'
+  grep '^|' "$DIR/engine_shapes_trees.log" 2>/dev/null || echo "(not run or failed: see engine_shapes_trees.log)"
   echo; echo '## engine_shapes at batch 16 (--batch 16, the drafter compiled)'
   grep '^|' "$DIR/engine_shapes_16.log" 2>/dev/null || echo "(not run or failed: see engine_shapes_16.log)"
   grep -o '"late_captures": [0-9]*' "$DIR/engine_shapes_16.log" 2>/dev/null | tail -1

@@ -265,11 +265,13 @@ def test_drafter_graph_bookkeeping_with_a_stand_in_graph(target, prompts):
     """The graph path of `StaticEagleDraft` on CPU, with `_capture` replaced by a stand-in whose
     replay reruns the function on the static inputs: the capture covers every key the shapes'
     requests use (no new key afterwards), and inputs copied in at each replay give the eager
-    drafter's drafts. (The real capture is CUDA's: the `gpu` tests.)"""
+    drafter's drafts, also of a second tree (`capture_trees`). (The real capture is CUDA's: the
+    `gpu` tests.)"""
     logs = []
     for graphs in (False, True):
         engine = SpecEngine(target, steps=3, topk=2, num_draft_tokens=6, runner="static",
-                            static_capacity=96, capture_chains=(1, 3))  # fmt: skip
+                            static_capacity=96, capture_chains=(1, 3),
+                            capture_trees=((2, 2, 4),))  # fmt: skip
         engine.set_drafter(drafter(target))
         d = engine.drafter
         if graphs:
@@ -278,7 +280,8 @@ def test_drafter_graph_bookkeeping_with_a_stand_in_graph(target, prompts):
             keys = d.graph_keys()
             assert {k[-1] for k in keys} == {32, 64, 96} and d.captures == len(keys)
         log = record(d)
-        for shape in (dict(), dict(steps=1, topk=1), dict(steps=3, topk=1)):
+        more = dict(steps=2, topk=2, num_draft_tokens=4)
+        for shape in (dict(), dict(steps=1, topk=1), dict(steps=3, topk=1), more):
             engine.generate(prompts, GenParams(max_tokens=40, **shape))
         logs.append(list(log))
         if graphs:

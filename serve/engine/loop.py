@@ -126,6 +126,7 @@ class SpecEngine:
         static_batch: int = 1,
         static_draft: bool | None = None,
         capture_chains: tuple[int, ...] = (1, 2, 3, 4, 5),
+        capture_trees: tuple[tuple[int, int, int], ...] = (),
         device_glue: bool = True,
         drafter_dtype: str = "serving",
         drafter_compile: str | None = None,
@@ -139,8 +140,9 @@ class SpecEngine:
         `EagleDraft` given to `set_drafter` runs as a `StaticEagleDraft` (static shapes; CUDA
         graphs on a GPU); None = wherever the static runner runs, False = never (the eager
         reference), True = also with the eager runner.
-        `capture_chains`: with CUDA graphs, `set_drafter` captures the graphs of the configured
-        shape and of these chains (bench.shape_chains' default) up front (`capture`).
+        `capture_chains`, `capture_trees`: with CUDA graphs, `set_drafter` captures the graphs of
+        the configured shape, these chains (bench.shape_chains' default) and these (steps, topk,
+        tokens per verify) trees up front (`capture`), at one row.
         `device_glue`: greedy requests on the static runner and drafter run `_device_cycles`
         (the cycle's glue on the device, one host read a cycle); False = the host-side cycles,
         the reference. `drafter_dtype`: "serving" = on a GPU a static drafter runs in the
@@ -168,7 +170,7 @@ class SpecEngine:
         self.static = StaticTargetRunner(target, static_capacity, max_batch=static_batch, compile_mode=target_compile_mode) if use_static else None  # fmt: skip
         self.static_draft = use_static if static_draft is None else static_draft
         self.static_capacity = static_capacity
-        self.capture_chains = tuple(capture_chains)
+        self.capture_chains, self.capture_trees = tuple(capture_chains), tuple(capture_trees)
         self.device_glue = device_glue
         if drafter_dtype not in ("serving", "float32"):
             raise ValueError(f"drafter_dtype={drafter_dtype!r}: use serving or float32")
@@ -205,8 +207,9 @@ class SpecEngine:
         self.capture()
 
     def capture_shapes(self) -> list[tuple[int, int, int]]:
-        """(steps, topk, tokens per verify) of the configured shape and `capture_chains`."""
-        return sorted({(c, 1, c + 1) for c in self.capture_chains} | {self.configured_shape()})
+        """(steps, topk, tokens per verify) of the configured shape and `capture_chains`/`_trees`."""
+        chains = {(c, 1, c + 1) for c in self.capture_chains}
+        return sorted(chains | set(self.capture_trees) | {self.configured_shape()})
 
     def configured_shape(self) -> tuple[int, int, int]:
         k, topk = self.steps, self.topk
@@ -642,7 +645,7 @@ class SpecEngine:
         request that joins a running batch must, as `_check_fits` checks a batch's)."""
         if self.static is None:
             return True
-        width = max(self.num_draft_tokens or 0, self.steps + 1, *self.capture_chains) + 1
+        width = max(max(n, k + 1) for k, _, n in self.capture_shapes())  # a tree drafts k too
         return self._need(prompt, max_tokens, width) <= self.static.capacity
 
     def _check_fits(self, prompts: list[list[int]], limits: list[int], width: int) -> None:
