@@ -41,9 +41,10 @@ def span_buckets(smallest: int, capacity: int) -> list[int]:
 
 def compile_static(fn: Callable[..., Any], backend: str, mode: str | None = None) -> Callable[..., Any]:  # fmt: skip
     """`fn` compiled by torch.compile at static shapes (the best kernels) but for the dims
-    `dynamic_dims` and `span_arg` mark, as one graph (fullgraph: a failure to trace is an error, not a silent
-    fallback to eager). Each width, span and one-or-several rows is one specialisation, more
-    than dynamo's default limit of 8, so the limit is raised."""
+    `dynamic_dims` and `span_arg` mark, as one graph (fullgraph: a failure to trace is an
+    error, not a silent fallback to eager). One row or several, one token or several, and each
+    drafted shape is a specialisation of the same function, more than dynamo's default limit
+    of 8, so the limit is raised."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
     return torch.compile(fn, backend=backend, mode=mode, dynamic=False, fullgraph=True)
 
@@ -64,8 +65,8 @@ def dynamic_dims(size: int, *marks: tuple) -> None:
 def span_arg(span: int, device: torch.device) -> Tensor:
     """`span` as the size of an empty [span, 0] tensor marked dynamic: a compiled function that
     reads its span from this argument's shape (`compile_static` specialises plain ints) runs one
-    code for every span bucket instead of compiling one per span at start-up. Spans are 256
-    slots and up, so the code is general in them, and its kernels take the span at run time."""
+    code for every span bucket instead of compiling one per span at start-up; its kernels take
+    the span at run time (under CUDA graphs, at capture)."""
     carrier = torch.empty(span, 0, device=device)
     torch._dynamo.maybe_mark_dynamic(carrier, 0)
     return carrier
