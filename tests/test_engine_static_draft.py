@@ -404,6 +404,20 @@ def test_a_compiled_drafter_drafts_what_the_eager_one_drafts(target, prompts, sh
     assert runs[1][:2] == runs[0][:2] and runs[0][2] == 0 and runs[1][2] > 0
 
 
+def capture_by_running(d: StaticEagleDraft, monkeypatch) -> None:
+    """`d` on the graph path on CPU through its real `_capture`, with CUDA's capture replaced by
+    running the function (at capture and at each replay): what `_capture` hands the compiled
+    code (its static copies of the arguments, their marks) is what runs."""
+    import serve.engine.static_draft as sd
+
+    class Replay:
+        def __init__(self, fn):
+            self.replay = fn
+
+    monkeypatch.setattr(sd, "capture_graph", lambda fn, pool: (Replay(fn), fn()))
+    d.use_graphs, d._pool = True, "stand-in"
+
+
 @pytest.mark.parametrize("graphs", [False, True], ids=["direct", "graph-path"])
 def test_a_compiled_drafter_compiles_one_code_for_every_row_bucket(target, prompts, monkeypatch, graphs):  # fmt: skip
     """Batches of 2, 3 and 5 rows (buckets of 2, 4 and 8) add no compiled drafter code after
@@ -414,8 +428,6 @@ def test_a_compiled_drafter_compiles_one_code_for_every_row_bucket(target, promp
     static copies of the arguments must keep the marks (a clone drops them)."""
     from torch._dynamo.utils import counters
 
-    import serve.engine.static_draft as sd
-
     # fast_linear off: the CPU-only fp32 trick pads 1 and 3 rows, specialising the rows (a GPU
     # never runs it)
     engine = SpecEngine(target, steps=K, runner="static", static_capacity=96, static_batch=8,
@@ -424,16 +436,7 @@ def test_a_compiled_drafter_compiles_one_code_for_every_row_bucket(target, promp
     engine.set_drafter(d)
     torch._dynamo.reset()  # codes another test compiled for the same functions would serve
     if graphs:
-
-        def capture(fn, pool):
-            class Replay:
-                def replay(self):
-                    fn()
-
-            return Replay(), fn()
-
-        monkeypatch.setattr(sd, "capture_graph", capture)
-        d.use_graphs, d._pool = True, "stand-in"
+        capture_by_running(d, monkeypatch)
     made = []
     for rows in (2, 3, 5):
         engine.generate([prompts[i % len(prompts)] for i in range(rows)], GenParams(max_tokens=6))
@@ -449,16 +452,9 @@ def test_a_compiled_drafter_compiles_one_code_for_every_span(target, monkeypatch
     stand-in for CUDA's capture that runs the function."""
     from torch._dynamo.utils import counters
 
-    import serve.engine.static_draft as sd
-
-    class Replay:
-        def __init__(self, fn):
-            self.replay = fn
-
-    monkeypatch.setattr(sd, "capture_graph", lambda fn, pool: (Replay(fn), fn()))
     d = StaticEagleDraft(drafter(target).model, 96, graphs=False, min_bucket=32,
                          compile_backend="aot_eager")  # fmt: skip
-    d.use_graphs, d._pool = True, "stand-in"
+    capture_by_running(d, monkeypatch)
     torch._dynamo.reset()  # codes another test compiled for the same functions would serve
     before = counters["stats"]["unique_graphs"]
     d.capture([(3, 1, 4), (2, 2, 4)])  # a chain of 3 and a tree of 3 nodes
