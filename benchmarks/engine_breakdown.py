@@ -230,7 +230,6 @@ def main() -> None:
     res.emit(
         {"mode": "summary", "by_batch": summary, "late_captures": late, "start_up_s": start_up}
     )
-    print(f"start-up s per engine: {start_up}")
     cols = ("tok_per_s", "speedup", "cycle_ms", "draft_ms", "verify_ms", "accept_ms", "overhead_ms")
     print("| batch | mode | " + " | ".join(cols) + " |\n|---|---|" + "---|" * len(cols))
     for b, by_mode in summary.items():

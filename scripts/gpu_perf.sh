@@ -119,7 +119,7 @@ fi
   grep '^|' "$DIR/engine_breakdown_batched.log" 2>/dev/null || echo "(not run or failed: see engine_breakdown_batched.log)"
   echo; echo '## engine_breakdown, the drafter compiled (--drafter-compile inductor)'
   grep '^|' "$DIR/engine_breakdown_compiled.log" 2>/dev/null || echo "(not run or failed: see engine_breakdown_compiled.log)"
-  grep '^start-up' "$DIR/engine_breakdown_compiled.log" 2>/dev/null
+  grep ' engine start-up ' "$DIR/engine_breakdown_compiled.log" 2>/dev/null
   echo; echo '## engine_breakdown, the tree 5x4x12 at batch 1 (the drafter compiled)'
   grep '^|' "$DIR/engine_breakdown_tree.log" 2>/dev/null || echo "(not run or failed: see engine_breakdown_tree.log)"
   for p in engine_profile engine_profile_autotune; do
