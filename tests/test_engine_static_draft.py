@@ -291,6 +291,13 @@ def test_drafter_graph_bookkeeping_with_a_stand_in_graph(target, prompts):
     assert logs[0] == logs[1]
 
 
+def test_a_tree_to_capture_that_cannot_be_drafted_is_refused_at_construction(target):
+    """`capture_trees` is checked as a request's shape is (`tree_problem`), before any capture,
+    naming the field and the tree."""
+    with pytest.raises(ValueError, match=r"capture_trees .*\(2, 2, 40\): num_draft_tokens=40"):
+        SpecEngine(target, runner="static", static_capacity=96, capture_trees=((2, 2, 40),))
+
+
 def test_a_swap_to_the_same_architecture_keeps_the_graphs(target, prompts):
     """The loop's swap between rounds' drafters (one architecture) copies the new weights into
     the graphed drafter's own tensors: no graph is captured again, and its replays draft what a

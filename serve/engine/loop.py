@@ -171,6 +171,8 @@ class SpecEngine:
         self.static_draft = use_static if static_draft is None else static_draft
         self.static_capacity = static_capacity
         self.capture_chains, self.capture_trees = tuple(capture_chains), tuple(capture_trees)
+        if bad := [f"{t}: {p}" for t in self.capture_trees if (p := tree_problem(*t))]:
+            raise ValueError(f"capture_trees (steps, topk, tokens per verify) {'; '.join(bad)}")
         self.device_glue = device_glue
         if drafter_dtype not in ("serving", "float32"):
             raise ValueError(f"drafter_dtype={drafter_dtype!r}: use serving or float32")
