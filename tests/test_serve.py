@@ -388,19 +388,24 @@ def test_a_client_that_hangs_up_is_dropped_by_the_engine(endpoint):
 def test_slow_clients_neither_stall_health_nor_keep_their_slot(endpoint):
     """Issue 43: 70 clients that sent headers and 10 bytes of a body filled the replica's 64
     slots, and /health and a good request timed out. Now the replica holds them beside
-    /health, and each gets a 408 once serve.body_timeout_s (10 s) has passed."""
+    /health, and each gets a 408 once serve.body_timeout_s (10 s) has passed. The clients come
+    in waves of 10 with a /health after each: Serve's proxy queues a request until it is handed
+    to the replica, and a burst of 70 at once outran that queue's bound (32) on a loaded 2-core
+    VM, so /health drew a 503 from the burst itself, not from slots held (a clean-clone CI,
+    2026-12-07)."""
     import socket
 
     host, port = endpoint.url.removeprefix("http://").split(":")
     socks = []
     try:
-        for _ in range(70):
-            s = socket.create_connection((host, int(port)), timeout=60)
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                      b"application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\":")  # fmt: skip
-            socks.append(s)
         with httpx.Client(base_url=endpoint.url, timeout=60) as c:
-            assert c.get("/health").json() == {"status": "ok"}
+            for _ in range(7):
+                for _ in range(10):
+                    s = socket.create_connection((host, int(port)), timeout=60)
+                    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                              b"application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\":")  # fmt: skip
+                    socks.append(s)
+                assert c.get("/health").json() == {"status": "ok"}
             out = c.post("/v1/chat/completions", json=dict(CHAT, ignore_eos=True)).json()
         assert out["usage"]["completion_tokens"] == 10
         raw = b""  # waits for the body deadline; the headers and the body may come apart
