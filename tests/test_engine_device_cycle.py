@@ -1,4 +1,4 @@
-"""The static path's cycle with its glue on the device (`SpecEngine._device_cycles`, issue 50)
+"""The static path's cycle with its glue on the device (serve/engine/device.py, issue 50)
 against the host-side cycle it replaces (`device_glue=False`, the reference): the same drafts,
 tokens and accept histograms, greedy, chains and trees; and the device helpers (the tree walk,
 the ancestor mask) against their host references. On CPU the same code runs without graphs.

@@ -1,7 +1,7 @@
 """Requests that join a running batch between cycles (continuous batching) on the static runner:
 their prompts are prefilled into the rows after the batch's own, whose caches stay, and they run
-the next cycle with it. Greedy batches on the device paths (`SpecEngine._device_cycles`,
-`_device_plain`) and sampled ones on the host cycles with the static drafter (a seeded request
+the next cycle with it. Greedy batches on the device paths (`device_cycles`,
+`device_plain` in serve/engine/device.py) and sampled ones on the host cycles with the static drafter (a seeded request
 draws from its own generator, as alone); on the eager runner a request waits for the batch to
 end (`SpecEngine.takes_joins`)."""
 

@@ -18,9 +18,9 @@ attention mask hides them, the common tail is cropped, and the cache is compacte
 up. `plain_generate` runs the same target path without speculation (the benchmark baseline).
 
 On the static runner with the static drafter (the GPU path), a greedy batch keeps the cycle's
-glue on the device (`_device_cycles`: acceptance, the cache update and the drafter's next input
+glue on the device (serve/engine/device.py: acceptance, the cache update and the drafter's next input
 are tensor ops between the graphs, one host read a cycle; plain decoding reads once per 8 steps,
-`_device_plain`). The host-side cycle is the reference (`device_glue=False`) and runs sampling
+`device_plain`). The host-side cycle is the reference (`device_glue=False`) and runs sampling
 and the eager runner.
 
 Accounting follows SGLang: accept_len = completion_tokens / verify passes (the first token comes
@@ -32,7 +32,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,9 +40,9 @@ from serve.engine.acceptance import (
     greedy_accept,
     rejection_accept,
     tree_greedy_accept,
-    tree_greedy_accept_on_device,
     tree_sample_accept,
 )
+from serve.engine.device import device_cycles, device_plain, drop_finished
 from serve.engine.drafting import (
     DraftSource,
     DraftTree,
@@ -66,35 +65,10 @@ from serve.engine.requests import (
 from serve.engine.runner import Runner
 from serve.engine.static import StaticTargetRunner, static_runner_problem
 from serve.engine.static_draft import StaticEagleDraft
-from serve.engine.timing import _mark, _marks_ms
+from serve.engine.timing import ms_since
 
 # ----------------------------------------------------------------------------------------------
 # The engine
-
-
-def _drop_finished(
-    done: list[bool],
-    rows: Rows,
-    runner: TargetRunner,
-    drafter: DraftSource | None,
-    *tensors: Tensor,
-) -> tuple[Tensor, ...]:
-    """Remove finished requests from the batch: target cache, drafter state and per-row tensors."""
-    if not any(done):
-        return tensors
-    for req in [r for r, d in zip(rows.active, done, strict=True) if d]:
-        rows.finish(req)
-    keep = torch.tensor([i for i, d in enumerate(done) if not d], dtype=torch.long)
-    rows.active = [rows.active[i] for i in keep.tolist()]
-    if rows.active:
-        runner.select(keep)
-        if drafter is not None:
-            drafter.select(keep)
-    return tuple(t[keep] for t in tensors)
-
-
-def _ms(t: float) -> float:
-    return (time.perf_counter() - t) * 1000
 
 
 @dataclass
@@ -143,7 +117,7 @@ class SpecEngine:
         `capture_chains`, `capture_trees`: with CUDA graphs, `set_drafter` captures the graphs of
         the configured shape, these chains (bench.shape_chains' default) and these (steps, topk,
         tokens per verify) trees up front (`capture`), at one row.
-        `device_glue`: greedy requests on the static runner and drafter run `_device_cycles`
+        `device_glue`: greedy requests on the static runner and drafter run `device_cycles`
         (the cycle's glue on the device, one host read a cycle); False = the host-side cycles,
         the reference. `drafter_dtype`: "serving" = on a GPU a static drafter runs in the
         target's dtype (its rotary frequencies stay fp32); "float32" = as loaded.
@@ -301,17 +275,20 @@ class SpecEngine:
         t = time.perf_counter()
         logits, aux, ids, valid = runner.prefill(prompts, aux=True)
         x_next = host_sample(logits, params, rows.draws())
-        rows.charge("prefill_ms", _ms(t))
+        rows.charge("prefill_ms", ms_since(t))
         t = time.perf_counter()
         drafter.start(len(prompts), max(map(len, prompts)) + max(rows.limits) + k + 2)
         positions = (valid.long().cumsum(1) - 1).clamp(min=0)
         drafter.extend(torch.cat([ids[:, 1:], x_next[:, None]], 1), aux, positions, valid)
-        rows.charge("prefill_ms", _ms(t))  # the drafter's prompt extend is prefill work
+        rows.charge("prefill_ms", ms_since(t))  # the drafter's prompt extend is prefill work
         pos_next = valid.sum(1)  # position of x_next, not yet in the target cache
         done = [rows.append(r, [int(x_next[r])]) for r in range(len(prompts))]
-        x_next, pos_next = _drop_finished(done, rows, runner, drafter, x_next, pos_next)
+        x_next, pos_next = drop_finished(done, rows, runner, drafter, x_next, pos_next)
         if rows.active and self._on_device(params):
-            self._device_cycles(rows, x_next, pos_next, k, topk, n_tokens, tree, joins)
+            assert self.static is not None and isinstance(drafter, StaticEagleDraft)
+            device_cycles(
+                self.static, drafter, rows, x_next, pos_next, k, topk, n_tokens, tree, joins
+            )
             runner.release()
             return rows.results()
 
@@ -321,7 +298,7 @@ class SpecEngine:
             if takes:  # between cycles: requests that arrived join the batch (sampled ones)
                 assert joins is not None and self.static is not None
                 x_next, pos_next, done, _ = admit(joins, rows, self.static, drafter, x_next, pos_next, k)  # fmt: skip
-                x_next, pos_next = _drop_finished(done, rows, runner, drafter, x_next, pos_next)
+                x_next, pos_next = drop_finished(done, rows, runner, drafter, x_next, pos_next)
                 if not rows.active:
                     break
             if tree:
@@ -349,7 +326,7 @@ class SpecEngine:
             ext_pos = pos_next[:, None] + j
             x_next, pos_next = cyc.bonus, pos_next + cyc.a + 1
             keep_rows = torch.tensor([not d for d in done])
-            x_next, pos_next = _drop_finished(done, rows, runner, drafter, x_next, pos_next)
+            x_next, pos_next = drop_finished(done, rows, runner, drafter, x_next, pos_next)
             if rows.active:
                 t = time.perf_counter()
                 # only the slots some row keeps: the drafter's extend is a forward over every
@@ -361,7 +338,7 @@ class SpecEngine:
                     ext_pos[keep_rows, :w],
                     keep[keep_rows, :w],
                 )
-                rows.charge("draft_ms", _ms(t))
+                rows.charge("draft_ms", ms_since(t))
         runner.release()
         return rows.results()
 
@@ -374,111 +351,13 @@ class SpecEngine:
         )
 
     def _on_device(self, params: GenParams) -> bool:
-        """Whether a batch runs `_device_cycles`: the static runner and drafter, greedy."""
+        """Whether a batch runs `device_cycles`: the static runner and drafter, greedy."""
         return (
             self.device_glue
             and self.static is not None
             and isinstance(self.drafter, StaticEagleDraft)
             and params.temperature <= 0
         )
-
-    def _device_cycles(
-        self,
-        rows: Rows,
-        x_next: Tensor,
-        pos_next: Tensor,
-        k: int,
-        topk: int,
-        n_tokens: int,
-        tree: bool,
-        joins: Joins | None = None,
-    ) -> None:
-        """The cycles of a batch of greedy requests on the static runner and drafter, with the
-        glue on the device (issue 50): acceptance, the cache update and the next draft's input
-        are tensor ops between the graphs, and the host reads the cycle's outcome (each row's
-        accepted count, the path's tokens, the bonus) once, from a pinned buffer, after the
-        drafter's extension is queued behind it. The host keeps what sizes the graphs (the
-        committed lengths, an upper bound of the drafter's top position) from those reads alone.
-        The drafter's extension is always k + 1 wide (rejected entries masked), so its width
-        needs no device value; a finished row leaves the batch after the read. Same tokens,
-        drafts and statistics as the host-side cycles (the reference, `device_glue=False`):
-        tests/test_engine_device_cycle.py, tests/test_engine_static_batch.py."""
-        runner, drafter = self.static, self.drafter
-        assert runner is not None and isinstance(drafter, StaticEagleDraft)
-        dev = runner.device
-        cuda = dev.type == "cuda"
-        j = torch.arange(k + 1, device=dev)
-        x, pos = (
-            x_next.to(dev),
-            pos_next.to(dev),
-        )  # [B] each: the token after the cache, its position
-        tops = pos_next.tolist()  # host: each row's pos, as known after the last read
-        host = torch.empty(runner.max_batch * (k + 2), dtype=torch.long, pin_memory=cuda)
-        copied = torch.cuda.Event() if cuda else None
-        timed: list[tuple[tuple[Any, ...], list[int]]] = []  # each cycle's marks, its requests
-        while rows.active:
-            if joins is not None:  # between cycles: requests that arrived join the batch
-                x, pos, done, new_tops = admit(joins, rows, runner, drafter, x, pos, k)
-                tops += new_tops
-                if any(done):
-                    tops = [tops[r] for r, d in enumerate(done) if not d]
-                    x, pos = _drop_finished(done, rows, runner, drafter, x, pos)
-                if not rows.active:
-                    break
-            B = len(rows.active)
-            marks = [_mark(cuda)]  # start, drafted, verified, accepted, extended
-            if tree:
-                t = drafter.propose_tree(k, topk, n_tokens - 1)
-                marks.append(_mark(cuda))
-                ids = torch.cat([x[:, None], t.tokens], 1)
-                vpos = pos[:, None] + torch.cat([torch.zeros_like(t.depths[:, :1]), t.depths], 1)
-                logits, aux = runner.verify(ids, vpos, t.ancestors, aux=True)
-                marks.append(_mark(cuda))
-                a, path, bonus = tree_greedy_accept_on_device(t, logits, k)
-                nodes = torch.cat([torch.zeros_like(path[:, :1]), path], 1)
-                runner.keep_path(nodes, pos)
-                toks = ids.gather(1, path)
-                aux = aux.gather(1, nodes[..., None].expand(*nodes.shape, aux.shape[-1]))
-            else:
-                drafts, _ = drafter.propose(k, 0.0, None)
-                marks.append(_mark(cuda))
-                ids = torch.cat([x[:, None], drafts], 1)
-                logits, aux = runner.verify(ids, pos[:, None] + j, None, aux=True)
-                marks.append(_mark(cuda))
-                a, bonus = greedy_accept(drafts, logits)
-                toks = drafts
-            out = host[: B * (k + 2)].view(B, k + 2)
-            out.copy_(torch.cat([a[:, None], toks, bonus[:, None]], 1), non_blocking=True)
-            if copied is not None:
-                copied.record()  # the one host read
-            marks.append(_mark(cuda))
-            # slot pos + i gets the token after it: the i-th accepted draft, then the bonus
-            ext = torch.cat([torch.where(j[None, :k] < a[:, None], toks, bonus[:, None]), bonus[:, None]], 1)  # fmt: skip
-            keep = j[None] <= a[:, None]
-            drafter.extend_on_device(ext, aux, pos[:, None] + j, keep, max(tops) + k)
-            marks.append(_mark(cuda))
-            x, pos = bonus, pos + a + 1
-            if copied is not None:
-                copied.synchronize()
-            got = out.tolist()
-            runner.advance([r[0] + 1 for r in got])
-            timed.append((tuple(marks), list(rows.active)))
-            done = []
-            for r, (n, *rest) in enumerate(got):
-                st = rows.stats[rows.active[r]]
-                st.spec_verify_ct += 1
-                st.accepted_drafts += n
-                st.accept_hist[n] += 1
-                tops[r] += n + 1
-                done.append(rows.append(r, rest[:n] + [rest[k]]))
-            if any(done):
-                tops = [tops[r] for r, d in enumerate(done) if not d]
-                x, pos = _drop_finished(done, rows, runner, drafter, x, pos)
-        for marks, reqs in timed:  # read once the cycles ran: no sync inside them
-            ms = _marks_ms([marks], cuda)
-            for req in reqs:
-                st = rows.stats[req]
-                st.draft_ms, st.verify_ms, st.accept_ms = (a + b for a, b in zip((st.draft_ms, st.verify_ms, st.accept_ms), ms, strict=True))  # fmt: skip
 
     def _chain_cycle(
         self,
@@ -491,7 +370,7 @@ class SpecEngine:
         t = time.perf_counter()
         drafts, q = self.drafter.propose(k, params.temperature, gen, params.top_p, params.top_k)
         drafts, q = drafts.cpu(), (q.cpu() if q is not None else None)  # bookkeeping on the host
-        draft_ms, t = _ms(t), time.perf_counter()
+        draft_ms, t = ms_since(t), time.perf_counter()
         vpos = pos_next[:, None] + torch.arange(k + 1)
         ones = torch.ones_like(vpos, dtype=torch.bool)
         logits, aux = self._runner.forward(
@@ -505,7 +384,7 @@ class SpecEngine:
                 drafts, q, logits.cpu(), params.temperature, gen, params.top_p, top_k=params.top_k
             )
         self._runner.commit(torch.arange(k + 1)[None] <= a[:, None])
-        return _Cycle(a, drafts, bonus, aux, draft_ms, _ms(t))
+        return _Cycle(a, drafts, bonus, aux, draft_ms, ms_since(t))
 
     def _tree_cycle(
         self,
@@ -523,7 +402,7 @@ class SpecEngine:
         t = time.perf_counter()
         tree = self.drafter.propose_tree(k, topk, n_tokens - 1)
         tree = DraftTree(tree.tokens.cpu(), tree.parents.cpu(), tree.depths.cpu())
-        draft_ms, t = _ms(t), time.perf_counter()
+        draft_ms, t = ms_since(t), time.perf_counter()
         B = x_next.shape[0]
         ids = torch.cat([x_next[:, None], tree.tokens], 1)
         vpos = pos_next[:, None] + torch.cat([torch.zeros(B, 1, dtype=torch.long), tree.depths], 1)
@@ -546,7 +425,7 @@ class SpecEngine:
         self._runner.commit(keep)
         nodes = torch.cat([torch.zeros(B, 1, dtype=torch.long), path], 1).to(aux.device)
         path_aux = aux.gather(1, nodes[..., None].expand(B, k + 1, aux.shape[-1]))
-        return _Cycle(a, ids.gather(1, path), bonus, path_aux, draft_ms, _ms(t))
+        return _Cycle(a, ids.gather(1, path), bonus, path_aux, draft_ms, ms_since(t))
 
     @torch.inference_mode()
     def plain_generate(
@@ -574,17 +453,17 @@ class SpecEngine:
         t = time.perf_counter()
         logits, _, _, valid = runner.prefill(prompts, aux=False)
         x = host_sample(logits, params, rows.draws())
-        rows.charge("prefill_ms", _ms(t))
+        rows.charge("prefill_ms", ms_since(t))
         pos = valid.sum(1)
         done = [rows.append(r, [int(x[r])]) for r in range(len(prompts))]
-        x, pos = _drop_finished(done, rows, runner, None, x, pos)
+        x, pos = drop_finished(done, rows, runner, None, x, pos)
         if rows.active and self.device_glue and self.static is not None and params.temperature <= 0:
-            self._device_plain(rows, x, pos, joins)
+            device_plain(self.static, rows, x, pos, joins)
         while rows.active:
             if joins is not None and self.takes_joins(params, False):  # sampled: between steps
                 assert self.static is not None
                 x, pos, done, _ = admit(joins, rows, self.static, None, x, pos)
-                x, pos = _drop_finished(done, rows, runner, None, x, pos)
+                x, pos = drop_finished(done, rows, runner, None, x, pos)
                 if not rows.active:
                     break
             t = time.perf_counter()
@@ -593,50 +472,11 @@ class SpecEngine:
             runner.commit(ones)
             x = host_sample(logits[:, -1], params, rows.draws())
             pos = pos + 1
-            rows.charge("verify_ms", _ms(t))
+            rows.charge("verify_ms", ms_since(t))
             done = [rows.append(r, [int(x[r])]) for r in range(len(rows.active))]
-            x, pos = _drop_finished(done, rows, runner, None, x, pos)
+            x, pos = drop_finished(done, rows, runner, None, x, pos)
         runner.release()
         return rows.results()
-
-    PLAIN_STEPS_PER_READ = 8
-
-    def _device_plain(self, rows: Rows, x: Tensor, pos: Tensor, joins: Joins | None = None) -> None:
-        """Greedy plain decoding of the batch on the static runner with the argmax fed back on
-        the device and the host reading the tokens once per `PLAIN_STEPS_PER_READ` steps (as
-        `BatchDecoder` does): never past a request's token limit, and a stop token ends its
-        request at the next read (the steps after it are wasted, not emitted), where its row
-        leaves the batch. Same tokens as the host loop (`device_glue=False`):
-        tests/test_engine_device_cycle.py and tests/test_engine_static_batch.py."""
-        runner = self.static
-        assert runner is not None
-        dev = runner.device
-        cuda = dev.type == "cuda"
-        x, p = x.to(dev), pos.to(dev)  # [B] each
-        host = torch.empty(self.PLAIN_STEPS_PER_READ * runner.max_batch, dtype=torch.long, pin_memory=cuda)  # fmt: skip
-        copied = torch.cuda.Event() if cuda else None
-        while rows.active:
-            if joins is not None:  # between reads: requests that arrived join the batch
-                x, p, done, _ = admit(joins, rows, runner, None, x, p)
-                x, p = _drop_finished(done, rows, runner, None, x, p)
-                if not rows.active:
-                    break
-            t, B = time.perf_counter(), len(rows.active)
-            n = min(self.PLAIN_STEPS_PER_READ, *(rows.limits[r] - len(rows.out[r]) for r in rows.active))  # fmt: skip
-            toks = []
-            for _ in range(n):
-                logits, _ = runner.verify(x[:, None], p[:, None], None, aux=False)
-                runner.advance(1)
-                x, p = logits[:, -1].argmax(-1), p + 1
-                toks.append(x)
-            got = host[: n * B].view(B, n)
-            got.copy_(torch.stack(toks, 1), non_blocking=True)
-            if copied is not None:
-                copied.record()
-                copied.synchronize()
-            rows.charge("verify_ms", _ms(t))
-            done = [rows.append(r, toks_r) for r, toks_r in enumerate(got.tolist())]
-            x, p = _drop_finished(done, rows, runner, None, x, p)
 
     def _need(self, prompt: list[int], max_tokens: int, width: int) -> int:
         """Static cache slots a request takes: prompt + completion + one verify's spare entries."""

@@ -33,3 +33,8 @@ def _marks_ms(marks: list[tuple[Any, ...]], cuda: bool) -> tuple[float, float, f
         span = lambda a, b: (b - a) * 1000  # noqa: E731
     draft = sum(span(m[0], m[1]) + span(m[3], m[4]) for m in marks)
     return draft, sum(span(m[1], m[2]) for m in marks), sum(span(m[2], m[3]) for m in marks)
+
+
+def ms_since(t: float) -> float:
+    """Milliseconds of the host clock since `t` (a `time.perf_counter()`)."""
+    return (time.perf_counter() - t) * 1000
