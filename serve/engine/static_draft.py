@@ -398,8 +398,8 @@ class StaticEagleDraft:
 
             drafts, qs = self._chain_core(steps, span, sample, self.rows)
             return drafts, torch.stack([target_q(self.model, q) for q in qs], 1)
-        fn = lambda s: self._chain_core(steps, s, _greedy)[0]  # noqa: E731
-        drafts = self._graphed(("chain", steps), fn, (), span)
+        key = ("chain", steps)
+        drafts = self._graphed(key, self._drafting(key), (), span)
         return drafts[: self.rows], None
 
     def propose_tree(self, steps: int, topk: int, num_nodes: int) -> DraftTree:
@@ -410,8 +410,8 @@ class StaticEagleDraft:
                 f"num_draft_tokens - 1 = {num_nodes} draft nodes; steps={steps}, topk={topk} make 1..{most}"
             )
         span = self._span(self.top + 1)  # tree nodes attend to verified slots only
-        fn = lambda s: self._tree_core(steps, topk, num_nodes, s)  # noqa: E731
-        out = self._graphed(("tree", steps, topk, num_nodes), fn, (), span)
+        key = ("tree", steps, topk, num_nodes)
+        out = self._graphed(key, self._drafting(key), (), span)
         return DraftTree(*(t[: self.rows] for t in out))
 
     # -- CUDA graphs (GPU only; on CPU `_graphed` calls `fn` directly) -------------------------
@@ -437,14 +437,22 @@ class StaticEagleDraft:
                             torch.ones(b, w, dtype=torch.bool, device=dev))  # fmt: skip
                     self._graphed(("extend", w), self._extend_core, args, span)
                 for steps, topk, tokens in shapes:
-                    if topk == 1:
-                        fn = lambda s, k=steps: self._chain_core(k, s, _greedy)[0]  # noqa: E731
-                        self._graphed(("chain", steps), fn, (), span)
-                    else:
-                        key = ("tree", steps, topk, tokens - 1)
-                        self._graphed(key, lambda s, k=key: self._tree_core(*k[1:], s), (), span)
+                    key = ("chain", steps) if topk == 1 else ("tree", steps, topk, tokens - 1)
+                    self._graphed(key, self._drafting(key), (), span)
         self.start(1, self.capacity)  # what the warm-ups left in the state is no request's
         return self.captures - before
+
+    def _drafting(self, key: tuple) -> Callable[[int], Any]:
+        """The greedy chain's or tree's function of `key` (its span the argument), its shape in
+        closure cells: torch.compile guards those, while torch 2.11 does not guard a function's
+        constant defaults (`skip_guards_on_constant_func_defaults`), so functions told apart by
+        a default argument shared the first one's compiled code (an H100's trees of 6, 8 and 12
+        tokens all drafted the first captured tree's 6)."""
+        if key[0] == "chain":
+            steps = key[1]
+            return lambda s: self._chain_core(steps, s, _greedy)[0]
+        steps, topk, nodes = key[1:]
+        return lambda s: self._tree_core(steps, topk, nodes, s)
 
     def _graphed(
         self, key: tuple, fn: Callable[..., Any], args: tuple[Tensor, ...], span: int
