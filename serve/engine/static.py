@@ -342,14 +342,24 @@ class StaticTargetRunner:
             self._graphs.clear()  # the aux outputs are part of each captured graph
 
     # -- the forward ------------------------------------------------------------------------
-    def _core(self, inputs: Tensor, q: int, span: int, aux: bool) -> tuple[Tensor, Tensor | None]:
+    def _core(
+        self,
+        inputs: Tensor,
+        q: int,
+        span: int,
+        aux: bool,
+        first: int = 0,
+        last: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
         """One forward of q entries per row from the packed int64 `inputs` [B, 2q + 1 + q*q]
-        (ids, positions, the row's base slot, tree), attending over slots [0, span). Graph-safe:
-        no host reads, fixed shapes for fixed (B, q, span)."""
+        (ids, positions, the row's base slot, tree), attending over slots [0, span) of cache
+        rows first..first+B-1. `last` [B] (a prefill): the logits of each row's entry there only
+        ([B, 1, V]), attention by the batched products (the split kernel is for a few entries).
+        Graph-safe: no host reads, fixed shapes for fixed (B, q, span)."""
         m, dev, fns = self.model, self.device, self._fns
         assert self.kv is not None
         B = inputs.shape[0]
-        kv = self.kv[:, :, :B]  # a view: the graphs of every B read the one cache
+        kv = self.kv[:, :, first : first + B]  # a view: the graphs of every B read the one cache
         ids, pos = inputs[:, :q], inputs[:, q : 2 * q]
         base = inputs[:, 2 * q]
         tree = inputs[:, 2 * q + 1 :].view(B, q, q).bool()
@@ -380,7 +390,7 @@ class StaticTargetRunner:
             wide((x, 1), (d, 1))
             x, rot = fns["attn_in"](x, d, w, cos, sin, heads, self.eps)
             queries, new_kv = _gqa_views(rot, heads)
-            if self.split_attention and B == 1:  # also writes the new keys/values
+            if self.split_attention and B == 1 and last is None:  # also writes the new keys/values
                 o = _split_attention(queries[0], kv[i, 0, 0], kv[i, 1, 0], new_kv[:, 0],
                                      base, mask[0], self.scale)[None]  # fmt: skip
             else:
@@ -398,6 +408,9 @@ class StaticTargetRunner:
             if aux and i in self.aux_ids:
                 states.append((i, x + d))
         norm, head = m.model.norm, m.get_output_embeddings()
+        if last is not None:  # a prefill: each row's last prompt entry only (not q x vocab)
+            at = last[:, None, None].expand(B, 1, x.shape[-1])
+            x, d, wide = x.gather(1, at), d.gather(1, at), functools.partial(dynamic_dims, 1)
         dyn((x, 0), (d, 0))
         wide((x, 1), (d, 1))
         logits = fns["head"](
@@ -448,6 +461,9 @@ class StaticTargetRunner:
                     ids = torch.zeros(b, q, dtype=torch.long)
                     self._graph(q, span, aux, self._pack(ids, torch.arange(q).expand(b, q), None))
                     n += 1
+            for b, n in itertools.product({min(r, 2) for r in rows}, (1, 2)):  # the prefill's
+                ids = torch.zeros(b, n, dtype=torch.long, device=self.device)  # codes: one row,
+                self._prefill(ids, torch.full((b,), n, device=self.device), aux=False)  # several
         finally:
             self.lengths = saved
         return n
@@ -619,48 +635,40 @@ class StaticTargetRunner:
         self.lengths = self.lengths[:first] + lens.tolist()
         return logits, states, ids, valid
 
+    # A prefill runs in chunks of at most this many tokens: its attention materialises scores
+    # [heads, chunk, span] (the batched products), not [heads, prompt, span].
+    PREFILL_CHUNK = 512
+
     def _prefill(
         self, ids: Tensor, lens: Tensor, aux: bool, first: int = 0
     ) -> tuple[Tensor, Tensor | None]:
-        """The right-padded prompts [B, L] in one eager pass: the model's own modules (their
-        q/k/v and gate/up weights are views of the fused ones) and causal SDPA; each row's keys
-        and values go to its cache row, from row `first` on (a padding column's to slots past
-        the row's length, which no query reads before a forward overwrites them). Returns (each
-        row's last logits [B, V], the aux states [B, L, 3·Ht] or None)."""
-        m, (B, L), kv = self.model, ids.shape, self.kv
-        assert kv is not None
-        pos = torch.arange(L, device=self.device)[None].expand(B, L)
-        x = m.get_input_embeddings()(ids)
-        cos, sin = m.model.rotary_emb(x, pos)
-        cos, sin = cos[:, None], sin[:, None]
-        H, Hkv, d = self.n_heads, self.n_kv, self.head_dim
-        states = {}
-        for i, layer in enumerate(self.layers):
-            at = layer.self_attn
-            h = layer.input_layernorm(x)
-            qs = at.q_proj(h).view(B, L, H, d).transpose(1, 2)
-            ks = at.k_proj(h).view(B, L, Hkv, d).transpose(1, 2)
-            vs = at.v_proj(h).view(B, L, Hkv, d).transpose(1, 2)
-            if hasattr(at, "q_norm"):
-                qs, ks = at.q_norm(qs), at.k_norm(ks)
-            qs = qs * cos + _rotate_half(qs) * sin
-            ks = ks * cos + _rotate_half(ks) * sin
-            kv[i, 0, first : first + B, :, :L] = ks
-            kv[i, 1, first : first + B, :, :L] = vs
-            o = F.scaled_dot_product_attention(
-                qs,
-                ks.repeat_interleave(H // Hkv, 1),
-                vs.repeat_interleave(H // Hkv, 1),
-                is_causal=True,
-                scale=self.scale,
-            )
-            x = x + at.o_proj(o.transpose(1, 2).reshape(B, L, H * d))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-            if aux and i in self.aux_ids:
-                states[i] = x
-        last = x[torch.arange(B, device=x.device), lens - 1][:, None]
-        logits = m.get_output_embeddings()(m.model.norm(last)).float()[:, 0]
-        return logits, (torch.cat([states[k] for k in self.aux_ids], -1) if aux else None)
+        """The right-padded prompts [B, L] through the step's own functions (`_core`, without a
+        graph), in chunks each causal over its entries and attending to the chunks before it,
+        from slot 0 of cache rows first..first+B-1 (a padding column's entries go to slots past
+        the row's length, which no query reads before a forward overwrites them). Compiled (a
+        GPU), every prompt length runs the code every verify width runs: about 14 kernels a
+        layer where the model's own modules launched about 45, each with its host dispatch
+        (29 ms of an H100's prefill of an everyday prompt). Returns (each row's last logits
+        [B, V], the aux states [B, L, 3·Ht] or None)."""
+        (B, L), dev, C = ids.shape, self.device, self.PREFILL_CHUNK
+        ends = [min(e, L) for e in range(C, L + C, C)]
+        if len(ends) > 1 and ends[-1] - ends[-2] == 1:  # no one-token chunk: its own code
+            ends.pop(-2)
+        logits, states, s = torch.empty(0), [], 0
+        for e in ends:
+            q = e - s
+            causal = torch.ones(q, q, dtype=torch.long, device=dev).tril().reshape(1, -1)
+            base = torch.full((B, 1), s, dtype=torch.long, device=dev)
+            pos = torch.arange(s, e, device=dev).expand(B, q)
+            packed = torch.cat([ids[:, s:e], pos, base, causal.expand(B, q * q)], 1)
+            last = (lens - 1).clamp(s, e - 1) - s  # each row's last prompt entry, if here
+            # span >= 2: a one-token prompt attends like any other (a span of 1 would specialise)
+            out, st = self._core(packed, q, max(e, 2), aux, first, last)
+            mine = (lens - 1 >= s)[:, None]
+            logits = out[:, 0] if s == 0 else torch.where(mine, out[:, 0], logits)
+            states.append(st)
+            s = e
+        return logits, (torch.cat(states, 1) if aux and self.aux_ids else None)
 
     def commit(self, keep: Tensor) -> None:
         """Keep each row's accepted entries of the last forward ([B, q] bool, the root first): a
