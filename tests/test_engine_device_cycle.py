@@ -67,11 +67,14 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, V, (int(n),), generator=g).tolist() for n in (3, 11, 40, 7)]
 
 
-def run(target, shape: dict, device_glue: bool, seed: int = 5):
-    """(drafts log, generations, plain generations) of one static engine."""
+def run(target, shape: dict, device_glue: bool, seed: int = 5, batch: int = 1, glue=None):
+    """(drafts log, generations, plain generations) of one static engine of `batch` rows
+    (`glue`: its device cycle's CycleGlue)."""
     engine = SpecEngine(target, steps=shape.get("steps", 3), topk=shape.get("topk", 1),
                         num_draft_tokens=shape.get("num_draft_tokens"), runner="static",
-                        static_capacity=160, stop_ids=set(), device_glue=device_glue)  # fmt: skip
+                        static_capacity=160, stop_ids=set(), device_glue=device_glue,
+                        static_batch=batch)  # fmt: skip
+    engine.glue = glue or engine.glue
     engine.set_drafter(two_token_drafter(target, seed))
     assert isinstance(engine.drafter, StaticEagleDraft)
     log = record(engine.drafter)
@@ -108,6 +111,24 @@ def test_device_cycle_equals_the_host_cycle(two_token_lm, shape):
     assert hist[0] > 0 and sum(hist[2:]) > 0, hist  # rejections and paths of 2 or more
     assert all(g.stats.draft_ms > 0 and g.stats.verify_ms > 0 and g.stats.accept_ms > 0
                for g in dev[1])  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", SHAPES[::2], ids=["chain-3", "tree-5x4x12"])
+def test_the_compiled_acceptance_equals_the_host_cycle(two_token_lm, shape):
+    """The device cycle's acceptance compiled (`CycleGlue`; aot_eager here, the trace without
+    code generation; inductor on a GPU) in a batch of 4 rows that shrinks as requests end:
+    the host cycle's drafts, tokens and accept histograms, with one code for one row and one
+    for several (not one per row count)."""
+    from torch._dynamo.utils import counters
+
+    from serve.engine.device import CycleGlue
+
+    ref = run(two_token_lm, shape, False, batch=4)
+    torch._dynamo.reset()  # codes another test compiled for the same functions would serve
+    before = counters["stats"]["unique_graphs"]
+    dev = run(two_token_lm, shape, True, batch=4, glue=CycleGlue("aot_eager"))
+    assert differences(ref, dev) == []
+    assert counters["stats"]["unique_graphs"] - before == 2
 
 
 @pytest.mark.gpu

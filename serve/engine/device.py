@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from serve.engine.acceptance import greedy_accept, tree_greedy_accept_on_device
-from serve.engine.drafting import DraftSource
+from serve.engine.buckets import compile_static, dynamic_dims
+from serve.engine.drafting import DraftSource, DraftTree
 from serve.engine.joining import Joins, admit
 from serve.engine.requests import Rows
 from serve.engine.runner import Runner
@@ -48,6 +49,66 @@ def drop_finished(
     return tuple(t[keep] for t in tensors)
 
 
+Outcome = tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor, Tensor, Tensor]
+
+
+def chain_outcome(drafts: Tensor, logits: Tensor, aux: Tensor, steps: int) -> Outcome:
+    """A greedy chain's cycle after its verify: (a [B] accepted, bonus [B], None, the kept
+    entries' aux [B, k+1, A], the drafter's extension [B, k+1] and its mask, and what the host
+    reads [B, k+2]: a, the k tokens, the bonus)."""
+    a, bonus = greedy_accept(drafts, logits)
+    return (a, bonus, None, aux, *_extension(a, drafts, bonus, steps))
+
+
+def tree_outcome(
+    tokens: Tensor,
+    parents: Tensor,
+    depths: Tensor,
+    ancestors: Tensor,
+    x: Tensor,
+    logits: Tensor,
+    aux: Tensor,
+    steps: int,
+) -> Outcome:
+    """A greedy tree's cycle after its verify (`chain_outcome`'s, the third the offsets of the
+    root and the accepted path [B, k+1] that the target's cache keeps, `keep_path`)."""
+    t = DraftTree(tokens, parents, depths, ancestors)
+    a, path, bonus = tree_greedy_accept_on_device(t, logits, steps)
+    nodes = torch.cat([torch.zeros_like(path[:, :1]), path], 1)
+    toks = torch.cat([x[:, None], tokens], 1).gather(1, path)
+    kept = aux.gather(1, nodes[..., None].expand(*nodes.shape, aux.shape[-1]))
+    return (a, bonus, nodes, kept, *_extension(a, toks, bonus, steps))
+
+
+def _extension(a: Tensor, toks: Tensor, bonus: Tensor, steps: int) -> tuple[Tensor, Tensor, Tensor]:
+    # slot pos + i gets the token after it: the i-th accepted draft, then the bonus
+    j = torch.arange(steps + 1, device=a.device)
+    ext = torch.cat([torch.where(j[None, :steps] < a[:, None], toks, bonus[:, None]), bonus[:, None]], 1)  # fmt: skip
+    return ext, j[None] <= a[:, None], torch.cat([a[:, None], toks, bonus[:, None]], 1)
+
+
+class CycleGlue:
+    """`chain_outcome` and `tree_outcome`, compiled by `backend` (`compile_static`: a few fused
+    kernels where eager ran about 60 small ones a tree cycle, 0.15 ms of an H100's 1.8 ms) or
+    eager (None); a batch of several rows marks them dynamic, so each shape compiles one code
+    for one row and one for several (SpecEngine.capture runs a request of each first)."""
+
+    def __init__(self, backend: str | None):
+        self.backend = backend
+        self._chain = chain_outcome if backend is None else compile_static(chain_outcome, backend)
+        self._tree = tree_outcome if backend is None else compile_static(tree_outcome, backend)
+
+    def chain(self, drafts: Tensor, logits: Tensor, aux: Tensor, steps: int) -> Outcome:
+        dynamic_dims(drafts.shape[0], (drafts, 0), (logits, 0), (aux, 0))
+        return self._chain(drafts, logits, aux, steps)
+
+    def tree(self, t: DraftTree, x: Tensor, logits: Tensor, aux: Tensor, steps: int) -> Outcome:
+        assert t.ancestors is not None  # the static drafter's tree carries its mask
+        args = (t.tokens, t.parents, t.depths, t.ancestors, x, logits, aux)
+        dynamic_dims(x.shape[0], *((v, 0) for v in args))
+        return self._tree(*args, steps)
+
+
 def device_cycles(
     runner: StaticTargetRunner,
     drafter: StaticEagleDraft,
@@ -59,6 +120,7 @@ def device_cycles(
     n_tokens: int,
     tree: bool,
     joins: Joins | None = None,
+    glue: CycleGlue | None = None,
 ) -> None:
     """The cycles of a batch of greedy requests on the static runner and drafter, with the
     glue on the device (issue 50): acceptance, the cache update and the next draft's input
@@ -72,6 +134,7 @@ def device_cycles(
     tests/test_engine_device_cycle.py, tests/test_engine_static_batch.py."""
     dev = runner.device
     cuda = dev.type == "cuda"
+    glue = glue or CycleGlue(None)
     j = torch.arange(k + 1, device=dev)
     x, pos = (
         x_next.to(dev),
@@ -99,27 +162,21 @@ def device_cycles(
             vpos = pos[:, None] + torch.cat([torch.zeros_like(t.depths[:, :1]), t.depths], 1)
             logits, aux = runner.verify(ids, vpos, t.ancestors, aux=True)
             marks.append(_mark(cuda))
-            a, path, bonus = tree_greedy_accept_on_device(t, logits, k)
-            nodes = torch.cat([torch.zeros_like(path[:, :1]), path], 1)
+            a, bonus, nodes, aux, ext, keep, packed = glue.tree(t, x, logits, aux, k)
+            assert nodes is not None
             runner.keep_path(nodes, pos)
-            toks = ids.gather(1, path)
-            aux = aux.gather(1, nodes[..., None].expand(*nodes.shape, aux.shape[-1]))
         else:
             drafts, _ = drafter.propose(k, 0.0, None)
             marks.append(_mark(cuda))
             ids = torch.cat([x[:, None], drafts], 1)
             logits, aux = runner.verify(ids, pos[:, None] + j, None, aux=True)
             marks.append(_mark(cuda))
-            a, bonus = greedy_accept(drafts, logits)
-            toks = drafts
+            a, bonus, _, aux, ext, keep, packed = glue.chain(drafts, logits, aux, k)
         out = host[: B * (k + 2)].view(B, k + 2)
-        out.copy_(torch.cat([a[:, None], toks, bonus[:, None]], 1), non_blocking=True)
+        out.copy_(packed, non_blocking=True)
         if copied is not None:
             copied.record()  # the one host read
         marks.append(_mark(cuda))
-        # slot pos + i gets the token after it: the i-th accepted draft, then the bonus
-        ext = torch.cat([torch.where(j[None, :k] < a[:, None], toks, bonus[:, None]), bonus[:, None]], 1)  # fmt: skip
-        keep = j[None] <= a[:, None]
         drafter.extend_on_device(ext, aux, pos[:, None] + j, keep, max(tops) + k)
         marks.append(_mark(cuda))
         x, pos = bonus, pos + a + 1

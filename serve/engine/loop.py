@@ -29,6 +29,7 @@ from prefill, the bonus token of each cycle is counted).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from serve.engine.acceptance import (
     tree_greedy_accept,
     tree_sample_accept,
 )
-from serve.engine.device import device_cycles, device_plain, drop_finished
+from serve.engine.device import CycleGlue, device_cycles, device_plain, drop_finished
 from serve.engine.drafting import (
     DraftSource,
     DraftTree,
@@ -151,6 +152,7 @@ class SpecEngine:
         if drafter_dtype not in ("serving", "float32"):
             raise ValueError(f"drafter_dtype={drafter_dtype!r}: use serving or float32")
         self.drafter_dtype, self.drafter_compile = drafter_dtype, drafter_compile
+        self.glue = CycleGlue(drafter_compile)  # the device cycle's acceptance, compiled with it
         self._runner: Runner = self.static or self.target
         self.drafter: DraftSource | None = None
         self._captures_at_start = 0  # graph_captures() when `capture` last finished
@@ -217,8 +219,18 @@ class SpecEngine:
                 out["target"] = out.get("target", 0) + self.static.capture(widths, rows)
             if isinstance(self.drafter, StaticEagleDraft) and self.drafter.use_graphs:
                 out["drafter"] = out.get("drafter", 0) + self.drafter.capture(these, rows)
+                self._warm_glue(these, rows)
         self._captures_at_start = self.graph_captures()
         return out
+
+    def _warm_glue(self, shapes: list[tuple[int, int, int]], rows: tuple[int, ...]) -> None:
+        """A request of each shape, one row and (where the batch holds more) two, so that the
+        device cycle's compiled acceptance (`CycleGlue`) compiles here, not in a request."""
+        if self.glue.backend is None or self.static is None:
+            return
+        for (k, topk, n), b in itertools.product(shapes, sorted({min(r, 2) for r in rows})):
+            params = GenParams(max_tokens=2, ignore_eos=True, steps=k, topk=topk, num_draft_tokens=n)  # fmt: skip
+            self.generate([[0, 1]] * b, params)
 
     def graph_captures(self) -> int:
         """CUDA graphs the target runner and the drafter have captured so far."""
@@ -286,9 +298,7 @@ class SpecEngine:
         x_next, pos_next = drop_finished(done, rows, runner, drafter, x_next, pos_next)
         if rows.active and self._on_device(params):
             assert self.static is not None and isinstance(drafter, StaticEagleDraft)
-            device_cycles(
-                self.static, drafter, rows, x_next, pos_next, k, topk, n_tokens, tree, joins
-            )
+            device_cycles(self.static, drafter, rows, x_next, pos_next, k, topk, n_tokens, tree, joins, self.glue)  # fmt: skip
             runner.release()
             return rows.results()
 
