@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from serve.engine.acceptance import greedy_accept, tree_greedy_accept_on_device
-from serve.engine.buckets import compile_static, dynamic_dims
+from serve.engine.buckets import compile_static, dynamic_dims, span_arg
 from serve.engine.drafting import DraftSource, DraftTree
 from serve.engine.joining import Joins, admit
 from serve.engine.requests import Rows
@@ -52,12 +52,12 @@ def drop_finished(
 Outcome = tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor, Tensor, Tensor]
 
 
-def chain_outcome(drafts: Tensor, logits: Tensor, aux: Tensor, steps: int) -> Outcome:
+def chain_outcome(drafts: Tensor, logits: Tensor, aux: Tensor) -> Outcome:
     """A greedy chain's cycle after its verify: (a [B] accepted, bonus [B], None, the kept
     entries' aux [B, k+1, A], the drafter's extension [B, k+1] and its mask, and what the host
     reads [B, k+2]: a, the k tokens, the bonus)."""
     a, bonus = greedy_accept(drafts, logits)
-    return (a, bonus, None, aux, *_extension(a, drafts, bonus, steps))
+    return (a, bonus, None, aux, *_extension(a, drafts, bonus, drafts.shape[1]))
 
 
 def tree_outcome(
@@ -68,10 +68,12 @@ def tree_outcome(
     x: Tensor,
     logits: Tensor,
     aux: Tensor,
-    steps: int,
+    levels: Tensor,
 ) -> Outcome:
     """A greedy tree's cycle after its verify (`chain_outcome`'s, the third the offsets of the
-    root and the accepted path [B, k+1] that the target's cache keeps, `keep_path`)."""
+    root and the accepted path [B, k+1] that the target's cache keeps, `keep_path`), within
+    k = `levels.shape[0]` levels (`span_arg`: a size, so that it can be dynamic)."""
+    steps = levels.shape[0]
     t = DraftTree(tokens, parents, depths, ancestors)
     a, path, bonus = tree_greedy_accept_on_device(t, logits, steps)
     nodes = torch.cat([torch.zeros_like(path[:, :1]), path], 1)
@@ -90,23 +92,28 @@ def _extension(a: Tensor, toks: Tensor, bonus: Tensor, steps: int) -> tuple[Tens
 class CycleGlue:
     """`chain_outcome` and `tree_outcome`, compiled by `backend` (`compile_static`: a few fused
     kernels where eager ran about 60 small ones a tree cycle, 0.15 ms of an H100's 1.8 ms) or
-    eager (None); a batch of several rows marks them dynamic, so each shape compiles one code
-    for one row and one for several (SpecEngine.capture runs a request of each first)."""
+    eager (None). A batch's rows, a chain's length and a tree's nodes and levels are dynamic
+    where they are more than one, so every chain of 2 or more drafts runs one code, every tree
+    another, each for one row and for several (SpecEngine.capture runs a request of each
+    shape first, so none compiles in a request)."""
 
     def __init__(self, backend: str | None):
         self.backend = backend
         self._chain = chain_outcome if backend is None else compile_static(chain_outcome, backend)
         self._tree = tree_outcome if backend is None else compile_static(tree_outcome, backend)
 
-    def chain(self, drafts: Tensor, logits: Tensor, aux: Tensor, steps: int) -> Outcome:
+    def chain(self, drafts: Tensor, logits: Tensor, aux: Tensor) -> Outcome:
         dynamic_dims(drafts.shape[0], (drafts, 0), (logits, 0), (aux, 0))
-        return self._chain(drafts, logits, aux, steps)
+        dynamic_dims(drafts.shape[1], (drafts, 1), (logits, 1), (aux, 1))
+        return self._chain(drafts, logits, aux)
 
     def tree(self, t: DraftTree, x: Tensor, logits: Tensor, aux: Tensor, steps: int) -> Outcome:
         assert t.ancestors is not None  # the static drafter's tree carries its mask
         args = (t.tokens, t.parents, t.depths, t.ancestors, x, logits, aux)
         dynamic_dims(x.shape[0], *((v, 0) for v in args))
-        return self._tree(*args, steps)
+        nodes = (t.tokens, 1), (t.parents, 1), (t.depths, 1), (t.ancestors, 1, 2), (logits, 1), (aux, 1)  # fmt: skip
+        dynamic_dims(t.tokens.shape[1], *nodes)
+        return self._tree(*args, span_arg(steps, x.device))
 
 
 def device_cycles(
@@ -171,7 +178,7 @@ def device_cycles(
             ids = torch.cat([x[:, None], drafts], 1)
             logits, aux = runner.verify(ids, pos[:, None] + j, None, aux=True)
             marks.append(_mark(cuda))
-            a, bonus, _, aux, ext, keep, packed = glue.chain(drafts, logits, aux, k)
+            a, bonus, _, aux, ext, keep, packed = glue.chain(drafts, logits, aux)
         out = host[: B * (k + 2)].view(B, k + 2)
         out.copy_(packed, non_blocking=True)
         if copied is not None:
