@@ -32,6 +32,14 @@ import torch
 
 from actors.ports import free_port  # noqa: F401  (tests import it from here)
 
+# The GPU hosts run torch 2.11, whose dynamo guards less than this VM's: it skips guards on a
+# function's constant defaults and trusts a dict whose tag is unchanged. Code compiled here must
+# be right under those guards too (start-up's capture once told its trees apart by a default
+# argument alone: right on 2.13, while on an H100 every tree drafted the first), so the tests
+# compile with 2.11's settings.
+torch._dynamo.config.skip_guards_on_constant_func_defaults = True
+torch._dynamo.config.use_recursive_dict_tags_for_guards = True
+
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Ray Train's controller polls its workers every 2 s, and a worker's `ray.train.report` waits
