@@ -57,7 +57,7 @@ def chain_outcome(drafts: Tensor, logits: Tensor, aux: Tensor) -> Outcome:
     entries' aux [B, k+1, A], the drafter's extension [B, k+1] and its mask, and what the host
     reads [B, k+2]: a, the k tokens, the bonus)."""
     a, bonus = greedy_accept(drafts, logits)
-    return (a, bonus, None, aux, *_extension(a, drafts, bonus, drafts.shape[1]))
+    return (a, bonus, None, aux, *extension(a, drafts, bonus), _packed(a, drafts, bonus))
 
 
 def tree_outcome(
@@ -79,14 +79,21 @@ def tree_outcome(
     nodes = torch.cat([torch.zeros_like(path[:, :1]), path], 1)
     toks = torch.cat([x[:, None], tokens], 1).gather(1, path)
     kept = aux.gather(1, nodes[..., None].expand(*nodes.shape, aux.shape[-1]))
-    return (a, bonus, nodes, kept, *_extension(a, toks, bonus, steps))
+    return (a, bonus, nodes, kept, *extension(a, toks, bonus), _packed(a, toks, bonus))
 
 
-def _extension(a: Tensor, toks: Tensor, bonus: Tensor, steps: int) -> tuple[Tensor, Tensor, Tensor]:
-    # slot pos + i gets the token after it: the i-th accepted draft, then the bonus
-    j = torch.arange(steps + 1, device=a.device)
-    ext = torch.cat([torch.where(j[None, :steps] < a[:, None], toks, bonus[:, None]), bonus[:, None]], 1)  # fmt: skip
-    return ext, j[None] <= a[:, None], torch.cat([a[:, None], toks, bonus[:, None]], 1)
+def extension(a: Tensor, toks: Tensor, bonus: Tensor) -> tuple[Tensor, Tensor]:
+    """The drafter's extension after a cycle that accepted a [B] of the k drafted `toks`
+    [B, k] and then `bonus` [B]: slot pos + i gets the token after it, the i-th accepted draft,
+    then the bonus ([B, k+1]); and which of those k + 1 entries it keeps (i <= a)."""
+    j = torch.arange(toks.shape[1] + 1, device=a.device)
+    ext = torch.where(j[None, :-1] < a[:, None], toks, bonus[:, None])
+    return torch.cat([ext, bonus[:, None]], 1), j[None] <= a[:, None]
+
+
+def _packed(a: Tensor, toks: Tensor, bonus: Tensor) -> Tensor:
+    """What the host reads of a cycle [B, k+2]: a, the k tokens, the bonus."""
+    return torch.cat([a[:, None], toks, bonus[:, None]], 1)
 
 
 class CycleGlue:
@@ -126,8 +133,8 @@ def device_cycles(
     topk: int,
     n_tokens: int,
     tree: bool,
+    glue: CycleGlue,
     joins: Joins | None = None,
-    glue: CycleGlue | None = None,
 ) -> None:
     """The cycles of a batch of greedy requests on the static runner and drafter, with the
     glue on the device (issue 50): acceptance, the cache update and the next draft's input
@@ -141,7 +148,6 @@ def device_cycles(
     tests/test_engine_device_cycle.py, tests/test_engine_static_batch.py."""
     dev = runner.device
     cuda = dev.type == "cuda"
-    glue = glue or CycleGlue(None)
     j = torch.arange(k + 1, device=dev)
     x, pos = (
         x_next.to(dev),

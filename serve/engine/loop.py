@@ -43,7 +43,7 @@ from serve.engine.acceptance import (
     tree_greedy_accept,
     tree_sample_accept,
 )
-from serve.engine.device import CycleGlue, device_cycles, device_plain, drop_finished
+from serve.engine.device import CycleGlue, device_cycles, device_plain, drop_finished, extension
 from serve.engine.drafting import (
     DraftSource,
     DraftTree,
@@ -298,7 +298,7 @@ class SpecEngine:
         x_next, pos_next = drop_finished(done, rows, runner, drafter, x_next, pos_next)
         if rows.active and self._on_device(params):
             assert self.static is not None and isinstance(drafter, StaticEagleDraft)
-            device_cycles(self.static, drafter, rows, x_next, pos_next, k, topk, n_tokens, tree, joins, self.glue)  # fmt: skip
+            device_cycles(self.static, drafter, rows, x_next, pos_next, k, topk, n_tokens, tree, self.glue, joins)  # fmt: skip
             runner.release()
             return rows.results()
 
@@ -324,15 +324,7 @@ class SpecEngine:
                 st.accepted_drafts += ar
                 st.accept_hist[ar] += 1
                 done.append(rows.append(r, cyc.path[r, :ar].tolist() + [int(cyc.bonus[r])]))
-            # slot n+j gets the token after it: the j-th accepted draft, then the bonus
-            keep = j[None] <= cyc.a[:, None]
-            ext_ids = torch.cat(
-                [
-                    torch.where(j[None, :k] < cyc.a[:, None], cyc.path, cyc.bonus[:, None]),
-                    cyc.bonus[:, None],
-                ],
-                1,
-            )
+            ext_ids, keep = extension(cyc.a, cyc.path, cyc.bonus)
             ext_pos = pos_next[:, None] + j
             x_next, pos_next = cyc.bonus, pos_next + cyc.a + 1
             keep_rows = torch.tensor([not d for d in done])

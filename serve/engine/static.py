@@ -461,9 +461,9 @@ class StaticTargetRunner:
                     ids = torch.zeros(b, q, dtype=torch.long)
                     self._graph(q, span, aux, self._pack(ids, torch.arange(q).expand(b, q), None))
                     n += 1
-            for b, n in itertools.product({min(r, 2) for r in rows}, (1, 2)):  # the prefill's
-                ids = torch.zeros(b, n, dtype=torch.long, device=self.device)  # codes: one row,
-                self._prefill(ids, torch.full((b,), n, device=self.device), aux=False)  # several
+            for b, n in itertools.product({min(r, 2) for r in rows}, (1, 2)):  # prefill's codes
+                ids = torch.zeros(b, n, dtype=torch.long, device=self.device)
+                self._prefill(ids, torch.full((b,), n, device=self.device), aux=False)
         finally:
             self.lengths = saved
         return n
