@@ -6,9 +6,12 @@ Each of `--prompts-file`'s first `--prompts` prompts (chat template) is generate
 with its cycle's glue on the device (`glue: device`, the default) and, with `--host-glue`, also
 with the host-side cycle (`glue: host`, what main ran before). One engine serves all shapes: it is
 built with the first tree configured, the chains in `capture_chains` and the other trees in
-`capture_trees`, so start-up captures every graph (its `late_captures` is printed and must stay 0). The shapes run interleaved per
-prompt, so drifting load hits them alike. `--batch N` decodes the prompts N at a time as one
-batch in the static runner's rows (an untimed first batch of each shape captures its row bucket).
+`capture_trees`, so start-up captures every graph at batch 1 (`late_captures` is printed and
+must stay 0). The shapes run interleaved per prompt, so drifting load hits them alike. `--batch N`
+decodes the prompts N at a time as one batch in the static runner's rows: start-up captures plain
+and the configured shape in every row bucket, and an untimed first batch of each shape, whole
+requests, captures the rest (`warm_up_captures`; `late_captures` - `warm_up_captures` were
+captured while timed, and must be 0).
 Each row also splits the time: prefill ms per call (the target's and the drafter's over the
 prompt), decode ms per token (the rest, per position of each call's longest request), and the
 garbage collector's pauses inside the calls.
@@ -118,9 +121,13 @@ def main() -> None:
     outs: dict[tuple[str, str], list[list[int]]] = {r: [] for r in runs}
     groups = [prompts[i : i + args.batch] for i in range(0, len(prompts), args.batch)]
     with torch.inference_mode():
-        warm = GenParams(max_tokens=8, ignore_eos=True)
-        for name, glue in runs:  # first calls: allocation, the drafter's cast, caches, and
-            measure(engine, groups[0], warm, shapes[name], glue, device)  # the row bucket's graphs
+        # First calls: allocation, the drafter's cast, caches, and the graphs of the shapes that
+        # start-up captured for one row only (a batch captures plain and the configured shape):
+        # whole requests, so a batch that shrinks as its rows end captures each row bucket here.
+        warm = GenParams(max_tokens=8 if args.batch == 1 else args.max_tokens, ignore_eos=True)
+        for name, glue in runs:
+            measure(engine, groups[0], warm, shapes[name], glue, device)
+        warm_captures = engine.late_captures()
         print(f"warm-up done at {time.perf_counter() - t:.1f} s", flush=True)
         for group in groups:
             for name, glue in runs:
@@ -164,7 +171,8 @@ def main() -> None:
               f"{r['speedup']} | {r['accept_len']} | {r['prefill_ms_per_call']} | "
               f"{r['decode_ms_per_token']} | {r['gc_ms_total']} |" for r in rows]  # fmt: skip
     res.emit({"shape": "summary", "start_up_s": round(start_s, 1),
-              "late_captures": engine.late_captures(), "table": "\n".join(table)})  # fmt: skip
+              "late_captures": engine.late_captures(), "warm_up_captures": warm_captures,
+              "table": "\n".join(table)})  # fmt: skip
     print("\n".join(table))
 
 

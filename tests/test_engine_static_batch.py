@@ -32,6 +32,7 @@ def _engine(target, shape: dict | None, batch: int) -> tuple[SpecEngine, list[in
         engine.set_drafter(two_token_drafter(target))
         assert isinstance(engine.drafter, StaticEagleDraft)
     engine.static.bucket_rows = True  # as with graphs: 3 rows run as 4, padded (CPU: no graphs)
+    engine.static.padded_prefill = True  # and prompts padded to a length bucket
     seen: list[int] = []  # the rows of each target pass, host-side (forward) or device (verify)
     forward, verify = engine.static.forward, engine.static.verify
 
@@ -226,16 +227,19 @@ def test_a_compiled_batch_compiles_one_code_for_every_row_count_and_span(tiny_lm
     assert made[1:] == [made[0]] * 3, f"compiled codes after each batch: {made}"
 
 
-def test_a_compiled_prefill_compiles_one_code_for_every_prompt_length(tiny_lm):
+@pytest.mark.parametrize("padded", [False, True], ids=["chunks", "padded"])
+def test_a_compiled_prefill_compiles_one_code_for_every_prompt_length(tiny_lm, padded):
     """A prefill runs the step's own functions (`_core`): compiled, prompts of every length add
     no code after the first prefill of one row and the first of several (the model's modules
     launched about 45 kernels a layer, 29 ms of an H100's prefill of an everyday prompt), and
-    its last logits and aux states are the eager runner's (`TargetRunner`)."""
+    its last logits and aux states are the eager runner's (`TargetRunner`); in chunks and
+    padded to length buckets (the graphed prefill's forward)."""
     from torch._dynamo.utils import counters
 
     from serve.engine import StaticTargetRunner, TargetRunner
 
     comp = StaticTargetRunner(tiny_lm, 128, max_batch=4, compiled=True, compile_backend="aot_eager")
+    comp.bucket_rows = comp.padded_prefill = padded
     comp.set_aux_layers([0, 1, 2])
     eager = TargetRunner(tiny_lm)
     eager.set_aux_layers([0, 1, 2])
@@ -254,6 +258,72 @@ def test_a_compiled_prefill_compiles_one_code_for_every_prompt_length(tiny_lm):
         torch.testing.assert_close(aux * valid[..., None], ref_aux * valid[..., None], atol=2e-4, rtol=1e-4)  # fmt: skip
     assert before < made[0] < made[3], f"the prefill runs the compiled step: {before}, {made}"
     assert made[1:3] == [made[0]] * 2 and made[4:] == [made[3]] * 2, f"codes after each: {made}"
+
+
+def test_a_padded_prefill_equals_the_eager_one_and_a_join_writes_only_its_rows(tiny_lm):
+    """The prefill GPUs replay as one graph (`serve/engine/prefill.py`), run here without one:
+    prompts padded to a length bucket, 3 rows run as 4 (the padding row repeats the first),
+    give the eager runner's last logits and aux states; 3 prompts that join a running row run
+    as 4 rows from row 1 (the padding past the last row repeats row 1), get what they get alone,
+    and leave row 0's cache as it was."""
+    from serve.engine import StaticTargetRunner, TargetRunner
+
+    comp = StaticTargetRunner(tiny_lm, 128, max_batch=4)
+    comp.bucket_rows = comp.padded_prefill = True
+    comp.set_aux_layers([0, 1, 2])
+    eager = TargetRunner(tiny_lm)
+    eager.set_aux_layers([0, 1, 2])
+    g = torch.Generator().manual_seed(9)
+
+    def check(ps, got):
+        logits, aux, _, valid = got
+        ref_logits, ref_aux, _, _ = eager.prefill(ps, aux=True)
+        torch.testing.assert_close(logits, ref_logits, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(aux * valid[..., None], ref_aux * valid[..., None], atol=2e-4, rtol=1e-4)  # fmt: skip
+
+    for lengths in ((3,), (17,), (2, 5, 9), (40, 33)):
+        ps = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in lengths]
+        check(ps, comp.prefill(ps, aux=True))
+        comp.release()
+    ps = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (6, 20, 4, 11)]
+    comp.prefill(ps[:1], aux=True)
+    assert comp.kv is not None
+    row0 = comp.kv[:, :, 0].clone()
+    check(ps[1:], comp.prefill(ps[1:], aux=True, join=True))
+    assert torch.equal(comp.kv[:, :, 0], row0), "a join wrote into a running row"
+    assert comp.lengths == [6, 20, 4, 11]
+
+
+@pytest.mark.gpu
+@cuda
+def test_the_graphed_prefill_equals_the_ungraphed_one_on_cuda():
+    """On CUDA (fp32, TF32 off) start-up captures the prefill graph of every row and length
+    bucket; prompts of several lengths, batches of 1 to 3 rows and a join then replay them
+    (no capture) and give the last logits and aux states of the runner without graphs."""
+    from test_gpu_perf_paths import tiny_llama
+
+    from serve.engine import StaticTargetRunner
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    target = tiny_llama("cuda")
+    graphed = StaticTargetRunner(target, 128, max_batch=4)
+    bare = StaticTargetRunner(target, 128, max_batch=4, graphs=False, compiled=False)
+    for r in (graphed, bare):
+        r.set_aux_layers([0, 1])
+    graphed.capture([(1, False)], rows=(1, 2, 3, 4))
+    n = graphed.captures
+    g = torch.Generator().manual_seed(10)
+    for lengths, join in (((3,), False), ((40,), False), ((5, 17, 9), False), ((12, 30), True)):
+        ps = [torch.randint(3, 100, (k,), generator=g).tolist() for k in lengths]
+        if join:
+            for r in (graphed, bare):
+                r.prefill([[5, 6, 7]], aux=True)
+        outs = [r.prefill(ps, aux=True, join=join) for r in (graphed, bare)]
+        for a, b in zip(*outs, strict=True):
+            torch.testing.assert_close(a, b.to(a.device), atol=1e-4, rtol=1e-4)
+        for r in (graphed, bare):
+            r.release()
+    assert graphed.captures == n, "a prefill captured a graph after start-up"
 
 
 def test_a_long_prompt_is_prefilled_in_chunks(tiny_lm):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from eagle3.cuda_graph import capture_graph
+from serve.engine import prefill
 from serve.engine.buckets import (
     compile_static,
     dynamic_dims,
@@ -262,6 +263,7 @@ class StaticTargetRunner:
     (same values; see `_fuse_linears`)."""
 
     MIN_BUCKET = 256
+    PREFILL_CHUNK = 512  # the longest prefill in one graph, and the chunk of longer ones
 
     def __init__(
         self,
@@ -301,7 +303,7 @@ class StaticTargetRunner:
         self.aux_ids: list[int] = []
         self.lengths = [0]  # each row's committed slots (host)
         self.kv: Tensor | None = None  # [L, 2, max_batch, Hkv, capacity, d], made on first use
-        self._graphs: dict[tuple[int, int, int, bool], _Graph] = {}
+        self._graphs: dict[tuple, Any] = {}  # (rows, q, span, aux): _Graph; prefill's too
         self.captures = 0  # graphs captured so far (SpecEngine.late_captures reads it)
         self._pool: Any = None
         self._causal: dict[tuple[int, str], Tensor] = {}  # (q, device type) -> the chain's mask
@@ -311,6 +313,7 @@ class StaticTargetRunner:
         # their first slots is never read: a prefill writes a row before it is read); their
         # outputs are dropped.
         self.bucket_rows = self.use_graphs
+        self.padded_prefill = self.use_graphs  # prompts up to PREFILL_CHUNK: one graph (prefill.py)
 
     @staticmethod
     def _step_functions(compiled: bool, backend: str, mode: str | None) -> dict[str, Callable]:
@@ -348,18 +351,19 @@ class StaticTargetRunner:
         q: int,
         span: int,
         aux: bool,
-        first: int = 0,
+        rows: Tensor | None = None,
         last: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """One forward of q entries per row from the packed int64 `inputs` [B, 2q + 1 + q*q]
         (ids, positions, the row's base slot, tree), attending over slots [0, span) of cache
-        rows first..first+B-1. `last` [B] (a prefill): the logits of each row's entry there only
+        rows 0..B-1, or of `rows` [B] (a prefill's: it may join a batch, and its padding rows
+        repeat a row). `last` [B] (a prefill): the logits of each row's entry there only
         ([B, 1, V]), attention by the batched products (the split kernel is for a few entries).
         Graph-safe: no host reads, fixed shapes for fixed (B, q, span)."""
         m, dev, fns = self.model, self.device, self._fns
         assert self.kv is not None
         B = inputs.shape[0]
-        kv = self.kv[:, :, first : first + B]  # a view: the graphs of every B read the one cache
+        kv = self.kv[:, :, :B] if rows is None else self.kv  # the graphs of every B: one cache
         ids, pos = inputs[:, :q], inputs[:, q : 2 * q]
         base = inputs[:, 2 * q]
         tree = inputs[:, 2 * q + 1 :].view(B, q, q).bool()
@@ -374,7 +378,8 @@ class StaticTargetRunner:
         cos, sin = cos[:, :, None], sin[:, :, None]  # [B, q, 1, d]
         heads = (self.n_heads, self.n_kv, self.head_dim)
         rep = self.n_heads // self.n_kv
-        rows = torch.arange(B, device=dev)[:, None, None]  # with heads_ix and slots: [B, Hkv, q]
+        at = torch.arange(B, device=dev) if rows is None else rows
+        rows_ix = at[:, None, None]  # with heads_ix and slots: [B, Hkv, q]
         heads_ix = torch.arange(self.n_kv, device=dev)[None, :, None]
         d = torch.zeros_like(x)
         states = []
@@ -394,14 +399,15 @@ class StaticTargetRunner:
                 o = _split_attention(queries[0], kv[i, 0, 0], kv[i, 1, 0], new_kv[:, 0],
                                      base, mask[0], self.scale)[None]  # fmt: skip
             else:
-                kv[i][:, rows, heads_ix, slots[:, None]] = new_kv  # [2, B, Hkv, q, d]
+                kv[i][:, rows_ix, heads_ix, slots[:, None]] = new_kv  # [2, B, Hkv, q, d]
+                cache = kv[i][:, :, :, :span] if rows is None else kv[i][:, rows, :, :span]
                 queries = queries.reshape(B, self.n_kv, rep * q, self.head_dim)
-                scores = torch.matmul(queries, kv[i, 0, :, :, :span].transpose(2, 3))
+                scores = torch.matmul(queries, cache[0].transpose(2, 3))
                 dyn((scores, 0))
                 wide((scores, 2))
                 spans((scores, 3))
                 p = fns["probs"](scores, mask, self.scale, rep)
-                o = torch.matmul(p, kv[i, 1, :, :, :span])  # [B, Hkv, rep*q, d] = [B, H, q, d]
+                o = torch.matmul(p, cache[1])  # [B, Hkv, rep*q, d] = [B, H, q, d]
             dyn((o, 0), (x, 0))
             wide((o, 2), (x, 1))
             x, d = fns["attn_out_mlp"](o, x, w, heads, self.eps)
@@ -461,9 +467,11 @@ class StaticTargetRunner:
                     ids = torch.zeros(b, q, dtype=torch.long)
                     self._graph(q, span, aux, self._pack(ids, torch.arange(q).expand(b, q), None))
                     n += 1
-            for b, n in itertools.product({min(r, 2) for r in rows}, (1, 2)):  # prefill's codes
-                ids = torch.zeros(b, n, dtype=torch.long, device=self.device)
-                self._prefill(ids, torch.full((b,), n, device=self.device), aux=False)
+            buckets = sorted({row_bucket(r, self.max_batch) for r in rows})
+            n += prefill.capture(self, buckets)
+            for b in {min(r, 2) for r in rows}:  # the chunks' codes (longer prompts), 2 tokens
+                ids = torch.zeros(b, 2, dtype=torch.long, device=self.device)
+                prefill.chunked(self, ids, torch.full((b,), 2, device=self.device), False, 0)
         finally:
             self.lengths = saved
         return n
@@ -605,7 +613,8 @@ class StaticTargetRunner:
     def prefill(
         self, prompts: list[list[int]], aux: bool, join: bool = False
     ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
-        """Prefill of up to `max_batch` prompts, each in its own row, in one eager pass; returns
+        """Prefill of up to `max_batch` prompts, each in its own row (`serve/engine/prefill.py`:
+        one graph replay for prompts up to PREFILL_CHUNK tokens, else chunks); returns
         (last logits [B, V], aux [B, L, 3·Ht], ids [B, L], valid [B, L]) like
         `TargetRunner.prefill`: left-padded to the longest prompt, so each row's last column is
         its last token. `join`: the prompts join the running batch in the rows after its own,
@@ -624,7 +633,8 @@ class StaticTargetRunner:
         right = torch.zeros(B, L, dtype=torch.long)  # slot i of each row holds its position i
         for r, p in enumerate(prompts):
             right[r, : len(p)] = torch.tensor(p, dtype=torch.long)
-        logits, states = self._prefill(right.to(self.device), lens.to(self.device), aux, first)
+        run = prefill.padded if prefill.fits(self, L) else prefill.chunked
+        logits, states = run(self, right.to(self.device), lens.to(self.device), aux, first)
         # right-padded -> left-padded: column j of row r is its token j - (L - len_r)
         src = (torch.arange(L)[None] - (L - lens)[:, None]).clamp(min=0)
         valid = torch.arange(L)[None] >= (L - lens)[:, None]
@@ -634,41 +644,6 @@ class StaticTargetRunner:
             states = states.gather(1, at) * valid.to(self.device)[..., None]
         self.lengths = self.lengths[:first] + lens.tolist()
         return logits, states, ids, valid
-
-    # A prefill runs in chunks of at most this many tokens: its attention materialises scores
-    # [heads, chunk, span] (the batched products), not [heads, prompt, span].
-    PREFILL_CHUNK = 512
-
-    def _prefill(
-        self, ids: Tensor, lens: Tensor, aux: bool, first: int = 0
-    ) -> tuple[Tensor, Tensor | None]:
-        """The right-padded prompts [B, L] through the step's own functions (`_core`, without a
-        graph), in chunks each causal over its entries and attending to the chunks before it,
-        from slot 0 of cache rows first..first+B-1 (a padding column's entries go to slots past
-        the row's length, which no query reads before a forward overwrites them). Compiled (a
-        GPU), every prompt length runs the code every verify width runs: about 14 kernels a
-        layer where the model's own modules launched about 45, each with its host dispatch
-        (29 ms of an H100's prefill of an everyday prompt). Returns (each row's last logits
-        [B, V], the aux states [B, L, 3·Ht] or None)."""
-        (B, L), dev, C = ids.shape, self.device, self.PREFILL_CHUNK
-        ends = [min(e, L) for e in range(C, L + C, C)]
-        if len(ends) > 1 and ends[-1] - ends[-2] == 1:  # no one-token chunk: its own code
-            ends.pop(-2)
-        logits, states, s = torch.empty(0), [], 0
-        for e in ends:
-            q = e - s
-            causal = torch.ones(q, q, dtype=torch.long, device=dev).tril().reshape(1, -1)
-            base = torch.full((B, 1), s, dtype=torch.long, device=dev)
-            pos = torch.arange(s, e, device=dev).expand(B, q)
-            packed = torch.cat([ids[:, s:e], pos, base, causal.expand(B, q * q)], 1)
-            last = (lens - 1).clamp(s, e - 1) - s  # each row's last prompt entry, if here
-            # span >= 2: a one-token prompt attends like any other (a span of 1 would specialise)
-            out, st = self._core(packed, q, max(e, 2), aux, first, last)
-            mine = (lens - 1 >= s)[:, None]
-            logits = out[:, 0] if s == 0 else torch.where(mine, out[:, 0], logits)
-            states.append(st)
-            s = e
-        return logits, (torch.cat(states, 1) if aux and self.aux_ids else None)
 
     def commit(self, keep: Tensor) -> None:
         """Keep each row's accepted entries of the last forward ([B, q] bool, the root first): a
