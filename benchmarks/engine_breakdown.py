@@ -21,7 +21,8 @@ engine's start-up (each one a capture inside a request's time; 0 when start-up c
 shape; batches of several rows capture their buckets in an untimed warm-up call first). With the static runner (a GPU, or `--runner static`) a batch runs in groups of
 `--static-batch` rows (1: one request after the other, `batched: false` in the record).
 `--target-compile-mode MODE` compiles the static runner's step with torch.compile's MODE
-(max-autotune-no-cudagraphs: triton matmul templates, autotuned at start-up). `--profile` (CUDA)
+(max-autotune-no-cudagraphs: triton matmul templates, autotuned at start-up); `--fused-matmuls`
+runs its steps' matmuls in serve/engine/kernels.py's few-rows kernel. `--profile` (CUDA)
 adds the kernels of one target step at batch 1, plain (1 entry) and verify (steps + 1 entries,
 with the aux states): kernels a step, their summed µs against the graph's replay µs (the rest is
 gaps between kernels), and the kernels that cost most.
@@ -149,6 +150,8 @@ def main() -> None:
                     help="adds mode static_draft_compiled: the static drafter compiled by this backend")  # fmt: skip
     ap.add_argument("--target-compile-mode", default=None,
                     help="torch.compile mode of the static runner's step (max-autotune-no-cudagraphs)")  # fmt: skip
+    ap.add_argument("--fused-matmuls", action="store_true",
+                    help="the static runner's matmuls in the few-rows kernel (norms, SwiGLU inside)")  # fmt: skip
     ap.add_argument("--profile", action="store_true", help="the kernels of one target step (CUDA)")
     ap.add_argument("--profile-only", action="store_true",
                     help="only --profile, on a runner that compiles just the profiled shapes")  # fmt: skip
@@ -171,10 +174,12 @@ def main() -> None:
     if args.profile_only:  # a bare runner: no engine start-up compiling every shape
         from serve.engine import StaticTargetRunner
 
-        runner = StaticTargetRunner(model, args.capacity, compile_mode=args.target_compile_mode)
+        runner = StaticTargetRunner(model, args.capacity, compile_mode=args.target_compile_mode,
+                                    fused_matmuls=args.fused_matmuls)  # fmt: skip
         runner.set_aux_layers(load_eagle(args.drafter, model).aux_layer_ids)
         res = Results("engine_breakdown", device, {"target": args.target, "dtype": args.dtype,
-                      "target_compile_mode": args.target_compile_mode})  # fmt: skip
+                      "target_compile_mode": args.target_compile_mode,
+                      "fused_matmuls": args.fused_matmuls})  # fmt: skip
         return profile_report(res, runner, args.steps)
     engines, start_up = {}, {}
     built = [("eager_draft", False, None), ("static_draft", True, None)]
@@ -188,7 +193,7 @@ def main() -> None:
         engines[mode] = SpecEngine(model, drafter, runner=args.runner, static_draft=static_draft,
                                    static_capacity=args.capacity, static_batch=args.static_batch,
                                    drafter_compile=backend, target_compile_mode=args.target_compile_mode,
-                                   **shape)  # fmt: skip
+                                   target_fused_matmuls=args.fused_matmuls, **shape)  # fmt: skip
         start_up[mode] = round(time.perf_counter() - t, 1)
         print(f"{mode} engine start-up {start_up[mode]} s", flush=True)  # a cut-off run says it
         assert isinstance(engines[mode].drafter, StaticEagleDraft) == static_draft
@@ -201,7 +206,8 @@ def main() -> None:
         "runner": "static" if e.static is not None else "eager", "batched": batched,
         "graphs": bool(e.static is not None and e.static.use_graphs), "max_tokens": args.max_tokens,
         "threads": torch.get_num_threads(), "drafter_compile": args.drafter_compile,
-        "target_compile_mode": args.target_compile_mode, **shape,
+        "target_compile_mode": args.target_compile_mode, "fused_matmuls": args.fused_matmuls,
+        **shape,
     })  # fmt: skip
     params = GenParams(max_tokens=args.max_tokens, ignore_eos=True)
     with torch.inference_mode():

@@ -70,6 +70,8 @@ def main() -> None:
     ap.add_argument("--drafter-dtype", default="serving", choices=["serving", "float32"],
                     help="serving: the drafter in the target's dtype on a GPU (the default)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--fused-matmuls", action="store_true",
+                    help="the static runner's matmuls in serve/engine/kernels.py's few-rows kernel")  # fmt: skip
     ap.add_argument("--drafter-compile", default=None,
                     help="torch.compile backend of the static drafter's graphs (inductor)")  # fmt: skip
     ap.add_argument("--batch", type=int, default=1,
@@ -98,7 +100,8 @@ def main() -> None:
                         capture_trees=tuple(trees[1:]),
                         static_capacity=args.capacity, runner=args.runner,
                         drafter_dtype=args.drafter_dtype, static_batch=args.batch,
-                        drafter_compile=args.drafter_compile)  # fmt: skip
+                        drafter_compile=args.drafter_compile,
+                        target_fused_matmuls=args.fused_matmuls)  # fmt: skip
     start_s = time.perf_counter() - t
     # progress as it goes: a run cut off by its time limit still says where the time went
     print(f"engine start-up {start_s:.1f} s", flush=True)
@@ -109,6 +112,7 @@ def main() -> None:
         "graphs": bool(engine.static is not None and engine.static.use_graphs),
         "drafter_dtype": str(next(engine.drafter.model.parameters()).dtype),
         "drafter_compile": args.drafter_compile, "batch": args.batch,
+        "fused_matmuls": args.fused_matmuls,
     })  # fmt: skip
     glues = ["device", "host"] if args.host_glue else ["device"]
     runs = [(name, glue) for name, s in shapes.items() for glue in (glues if s else ["-"])]

@@ -49,7 +49,7 @@ step env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --f
   $PY -c 'import torch, transformers, triton; print(\"torch\", torch.__version__, \"transformers\", \
   transformers.__version__, \"triton\", triton.__version__, \"cuda\", torch.cuda.is_available())'; git log -1 --format=%h"
 
-TESTS="tests/test_engine_static_draft.py tests/test_engine_device_cycle.py tests/test_gpu_perf_paths.py tests/test_engine_static_batch.py tests/test_engine_joins.py tests/test_engine.py tests/test_batch_decode.py tests/test_fast_paths.py"
+TESTS="tests/test_kernels.py tests/test_engine_static_draft.py tests/test_engine_device_cycle.py tests/test_gpu_perf_paths.py tests/test_engine_static_batch.py tests/test_engine_joins.py tests/test_engine.py tests/test_batch_decode.py tests/test_fast_paths.py"
 LIMIT=420
 [ "${RAY:-0}" = 1 ] && TESTS="tests" LIMIT=900  # the whole `pytest -m gpu`, Ray's tests too
 step pytest-gpu $LIMIT $PY -m pytest -q -m gpu -p no:cacheprovider $TESTS
@@ -100,6 +100,14 @@ if $PY -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('llm_smoll
   step engine_profile_autotune 300 $PY benchmarks/engine_breakdown.py --device cuda \
     --dtype bfloat16 --target smollm2 --capacity 1024 --profile-only \
     --target-compile-mode max-autotune-no-cudagraphs
+  # the step's matmuls in serve/engine/kernels.py's few-rows kernel (norms, SwiGLU inside): its
+  # kernels, then the shapes on the everyday prompts against plain decoding with it
+  step engine_profile_fused 150 $PY benchmarks/engine_breakdown.py --device cuda --dtype bfloat16 \
+    --target smollm2 --capacity 1024 --profile-only --fused-matmuls
+  step engine_shapes_fused 240 $PY benchmarks/engine_shapes.py --device cuda --dtype bfloat16 \
+    --target smollm2 --drafter drafters/smollm2-135m-base --prompts 24 --max-tokens 96 \
+    --capacity 1024 --drafter-compile inductor --fused-matmuls \
+    --shapes plain,chain-3,tree-3x3x8,tree-5x4x12
   if [ "${DRAFTER_FP32:-0}" = 1 ]; then  # acceptance of an fp32 drafter beside the bf16 one
     step engine_shapes_fp32_drafter 150 $PY benchmarks/engine_shapes.py --device cuda \
       --dtype bfloat16 --drafter-dtype float32 --shapes plain,chain-3,tree-5x4x12 --prompts 24 \
@@ -122,7 +130,7 @@ fi
   grep ' engine start-up ' "$DIR/engine_breakdown_compiled.log" 2>/dev/null
   echo; echo '## engine_breakdown, the tree 5x4x12 at batch 1 (the drafter compiled)'
   grep '^|' "$DIR/engine_breakdown_tree.log" 2>/dev/null || echo "(not run or failed: see engine_breakdown_tree.log)"
-  for p in engine_profile engine_profile_autotune; do
+  for p in engine_profile engine_profile_autotune engine_profile_fused; do
     echo; echo "## $p (kernels of one target step at batch 1)"; echo '```'
     grep -A13 '^target step' "$DIR/$p.log" 2>/dev/null || echo "(not run or failed: see $p.log)"; echo '```'
   done
@@ -139,6 +147,8 @@ fi
   echo; echo '## engine_shapes at batch 16 (--batch 16, the drafter compiled)'
   grep '^|' "$DIR/engine_shapes_16.log" 2>/dev/null || echo "(not run or failed: see engine_shapes_16.log)"
   grep -o '"late_captures": [0-9]*' "$DIR/engine_shapes_16.log" 2>/dev/null | tail -1
+  echo; echo '## engine_shapes with the few-rows matmul kernel (--fused-matmuls)'
+  grep '^|' "$DIR/engine_shapes_fused.log" 2>/dev/null || echo "(not run or failed: see engine_shapes_fused.log)"
   if [ -f "$DIR/engine_shapes_fp32_drafter.log" ]; then
     echo; echo '## engine_shapes with the drafter in fp32 (DRAFTER_FP32=1)'
     grep '^|' "$DIR/engine_shapes_fp32_drafter.log" || echo "(failed: see its log)"

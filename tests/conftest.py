@@ -28,7 +28,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
+
+# Without a GPU, triton's kernels (serve/engine/kernels.py) run under triton's interpreter (numpy),
+# so their tests run here too. Set before torch's import, which may import triton.
+if not Path("/dev/nvidiactl").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
 
 from actors.ports import free_port  # noqa: F401  (tests import it from here)
 

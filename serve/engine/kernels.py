@@ -3,6 +3,8 @@ cache at batch 1, then a merge of the slices."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -184,3 +186,144 @@ def _split_attention(
     )
     _attn_merge_kernel[(Hkv, R)](part, stats, out, R, BLOCK_R=block_r, D=D, SPLITS=ATTN_SPLITS)
     return out
+
+
+# Matmuls of a few rows (decode and verify steps: one to FUSED_ROWS rows) with the elementwise
+# work before them done on the way in. An H100 profile of SmolLM2's step (2026-12-08): each of a
+# layer's four cuBLAS matmuls took 3.8 us at one to four rows, half of the step, and the norms and
+# SwiGLU before them took three kernels more. Here one program per BLOCK_N columns of W [N, K]
+# loads the rows' inputs and
+#   PRO 0: uses them as they are;
+#   PRO 1 (add + RMSNorm): h = x + d (written by program 0: the new residual), then HF's Llama
+#          RMSNorm of h with the weight `nw` (fp32 statistics, rounded as the eager module does);
+#   PRO 2 (SwiGLU): silu(g) * u of the gate/up matmul's output [M, 2K],
+# then multiplies by W in fp32 (tl.dot) and rounds to the output dtype.
+FUSED_ROWS = 64
+
+if triton is not None:
+
+    @triton.jit
+    def _rounded(v, dt: tl.constexpr, DOWN: tl.constexpr):
+        """v (fp32) in the output dtype, rounded to nearest even as torch rounds (a bare .to() may
+        truncate, as triton's CPU interpreter does)."""
+        if DOWN:
+            return v.to(dt, fp_downcast_rounding="rtne")
+        return v.to(dt)
+
+    @triton.jit
+    def _few_rows_linear_kernel(
+        X,
+        D,
+        NW,
+        W,
+        Bias,
+        H,
+        Y,
+        M,
+        N,
+        K,
+        eps,
+        stride_x,
+        stride_w,
+        PRO: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PREC: tl.constexpr,
+        DOWN: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        rows = tl.arange(0, BLOCK_M)
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = rows < M
+        dt = Y.dtype.element_ty
+        r = tl.zeros([BLOCK_M], tl.float32)
+        if PRO == 1:  # the rows' sum of squares first: the norm needs all of K
+            ss = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                at = live[:, None] & (ks < K)[None, :]
+                x = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=at, other=0.0)
+                d = tl.load(D + rows[:, None] * K + ks[None, :], mask=at, other=0.0)
+                h = _rounded(x.to(tl.float32) + d.to(tl.float32), dt, DOWN)
+                tl.store(H + rows[:, None] * K + ks[None, :], h, mask=at & (pid == 0))
+                hf = h.to(tl.float32)
+                ss += tl.sum(hf * hf, 1)
+            r = 1.0 / tl.sqrt(ss / K + eps)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            at = live[:, None] & (ks < K)[None, :]
+            x = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=at, other=0.0)
+            if PRO == 1:
+                d = tl.load(D + rows[:, None] * K + ks[None, :], mask=at, other=0.0)
+                h = _rounded(x.to(tl.float32) + d.to(tl.float32), dt, DOWN)
+                a = _rounded(h.to(tl.float32) * r[:, None], dt, DOWN)
+                nw = tl.load(NW + ks, mask=ks < K, other=0.0)
+                a = _rounded(nw.to(tl.float32)[None, :] * a.to(tl.float32), dt, DOWN)
+            elif PRO == 2:
+                u = tl.load(X + rows[:, None] * stride_x + K + ks[None, :], mask=at, other=0.0)
+                g = x.to(tl.float32)
+                s = _rounded(g / (1.0 + tl.exp(-g)), dt, DOWN)
+                a = _rounded(s.to(tl.float32) * u.to(tl.float32), dt, DOWN)
+            else:
+                a = x.to(dt)
+            w = tl.load(W + cols[None, :] * stride_w + ks[:, None], mask=(ks < K)[:, None] & (cols < N)[None, :], other=0.0)  # fmt: skip
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision=PREC)
+        if HAS_BIAS:
+            acc += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        out = _rounded(acc, dt, DOWN)
+        tl.store(
+            Y + rows[:, None] * N + cols[None, :], out, mask=live[:, None] & (cols < N)[None, :]
+        )
+
+
+def fused_matmuls_problem(device: torch.device) -> str | None:
+    """Why `few_rows_linear` cannot run on `device`, or None: it needs triton, and on a CPU
+    triton's interpreter (TRITON_INTERPRET=1 before triton is imported; the tests' way)."""
+    if triton is None:
+        return "needs triton (pip install triton)"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"runs on CUDA (on {device.type} only with TRITON_INTERPRET=1, for tests)"
+    return None
+
+
+def few_rows_linear(
+    x: Tensor,
+    w: Tensor,
+    bias: Tensor | None = None,
+    residual: Tensor | None = None,
+    norm: tuple[Tensor, float] | None = None,
+    swiglu: bool = False,
+) -> tuple[Tensor | None, Tensor]:
+    """(h, y) for rows x [..., K] (at most FUSED_ROWS of them) and a weight w [N, K], in one
+    kernel: with `residual` d and `norm` (weight, eps), h = x + d and y = RMSNorm(h) @ w.T (+
+    bias); with `swiglu`, x is a gate/up output [..., 2K] and y = (silu(gate) * up) @ w.T, h None;
+    else y = x @ w.T, h None. Rounded as the eager modules round (tests/test_kernels.py)."""
+    lead, K = x.shape[:-1], w.shape[1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M, N = x2.shape[0], w.shape[0]
+    assert M <= FUSED_ROWS and w.stride(-1) == 1 and x2.shape[1] == (2 * K if swiglu else K)
+    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    h = d = nw = None
+    eps = 0.0
+    if norm is not None:
+        assert residual is not None
+        d = residual.reshape(M, K).contiguous()
+        h = torch.empty(M, K, device=x.device, dtype=x.dtype)
+        nw, eps = norm
+    block_m = max(16, triton.next_power_of_2(M))
+    block_n = 32 if N <= 4096 else 64
+    _few_rows_linear_kernel[(triton.cdiv(N, block_n),)](
+        x2, d if d is not None else x2, nw if nw is not None else w, w,
+        bias if bias is not None else w, h if h is not None else y, y,
+        M, N, K, float(eps), x2.stride(0), w.stride(0),
+        PRO=1 if norm is not None else 2 if swiglu else 0, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(128, triton.next_power_of_2(K)),
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", DOWN=x.dtype != torch.float32,
+    )  # fmt: skip
+    y = y.view(*lead, N)
+    return (h.view(*lead, K) if h is not None else None), y

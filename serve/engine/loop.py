@@ -106,6 +106,7 @@ class SpecEngine:
         drafter_dtype: str = "serving",
         drafter_compile: str | None = None,
         target_compile_mode: str | None = None,
+        target_fused_matmuls: bool = False,
     ):
         """`runner`: "auto" = the static-cache, CUDA-graph runner when the target is on a GPU
         and Llama-like, else the eager batched `TargetRunner`; "eager" or "static" force one
@@ -124,7 +125,8 @@ class SpecEngine:
         target's dtype (its rotary frequencies stay fp32); "float32" = as loaded.
         `drafter_compile`: a torch.compile backend ("inductor") for the static drafter's graphed
         functions (StaticEagleDraft.compile_backend); None = eager. `target_compile_mode`: the
-        static runner's torch.compile mode (StaticTargetRunner's `compile_mode`)."""
+        static runner's torch.compile mode (StaticTargetRunner's `compile_mode`);
+        `target_fused_matmuls`: its `fused_matmuls` (the few-rows matmul kernel; opt-in)."""
         self.device = next(target.parameters()).device
         # An MKL trick for fp32 on CPU only. In bf16 (oneDNN) F.linear is already fast for few
         # rows and W @ x^T is not: SmolLM2 decode 20.7 vs 31.1 ms, 10-token verify 23.5 vs 24.0.
@@ -142,7 +144,7 @@ class SpecEngine:
             and self.device.type == "cuda"
             and static_runner_problem(target) is None
         )
-        self.static = StaticTargetRunner(target, static_capacity, max_batch=static_batch, compile_mode=target_compile_mode) if use_static else None  # fmt: skip
+        self.static = StaticTargetRunner(target, static_capacity, max_batch=static_batch, compile_mode=target_compile_mode, fused_matmuls=target_fused_matmuls) if use_static else None  # fmt: skip
         self.static_draft = use_static if static_draft is None else static_draft
         self.static_capacity = static_capacity
         self.capture_chains, self.capture_trees = tuple(capture_chains), tuple(capture_trees)

@@ -8,10 +8,9 @@ import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from eagle3.cuda_graph import capture_graph
@@ -24,16 +23,27 @@ from serve.engine.buckets import (
     span_buckets,
 )
 from serve.engine.eager import decoder_layers
-from serve.engine.kernels import _split_attention, triton_attention_ok
+from serve.engine.kernels import (
+    FUSED_ROWS,
+    _split_attention,
+    few_rows_linear,
+    fused_matmuls_problem,
+    triton_attention_ok,
+)
 from serve.engine.runner import _check_aux_ids
+from serve.engine.step import (
+    _attn_in,
+    _attn_out_mlp,
+    _gqa_views,
+    _head,
+    _LayerWeights,
+    _merged_heads,
+    _probs,
+    _rotated,
+)
 
 # ----------------------------------------------------------------------------------------------
 # The target on a GPU: a preallocated KV cache and one CUDA graph per (rows, width, span)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
 
 
 # HF's Llama-family RMSNorm classes: one code (fp32 statistics, cast back, then the weight), which
@@ -77,149 +87,6 @@ def static_runner_problem(model: torch.nn.Module) -> str | None:
         if not silu or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
             return f"{type(model).__name__}: an MLP that is not SwiGLU (gate/up/down, SiLU)"
     return None
-
-
-def _fuse_linears(owner: torch.nn.Module, name: str, mods: list[torch.nn.Linear]) -> Tensor:
-    """One [sum of outputs, in] weight for linears that read the same input (q/k/v, gate/up), so
-    a step runs one matmul instead of three or two. The modules' own weights become views of it:
-    the model computes exactly as before and no memory is added. Cached on `owner` (a second
-    runner on the same model reuses it). Biases stay with the modules (see `_fused_bias`)."""
-    cached = owner.__dict__.get(name)
-    if cached is not None:
-        offs, o = [], 0
-        for m in mods:
-            offs.append(o)
-            o += m.weight.shape[0]
-        if all(
-            m.weight.data_ptr() == cached[o].data_ptr() for m, o in zip(mods, offs, strict=True)
-        ):
-            return cached
-    with torch.inference_mode(False), torch.no_grad():
-        fused = torch.cat([m.weight for m in mods])
-        for m, part in zip(mods, fused.split([m.weight.shape[0] for m in mods]), strict=True):
-            m.weight = torch.nn.Parameter(part, requires_grad=m.weight.requires_grad)
-    owner.__dict__[name] = fused
-    return fused
-
-
-def _fused_bias(mods: list[torch.nn.Linear]) -> Tensor | None:
-    if all(m.bias is None for m in mods):
-        return None
-    return torch.cat(
-        [m.bias if m.bias is not None else m.weight.new_zeros(m.weight.shape[0]) for m in mods]
-    )
-
-
-class _LayerWeights(NamedTuple):
-    """One decoder layer's tensors as the static runner's pure functions take them (a tuple, so
-    torch.compile treats its tensors as inputs: one compiled code for every layer)."""
-
-    norm_in: Tensor
-    qkv: Tensor  # [(H + 2 Hkv) d, hidden]
-    qkv_bias: Tensor | None
-    q_norm: Tensor | None  # Qwen3-style per-head norms
-    k_norm: Tensor | None
-    o: Tensor
-    o_bias: Tensor | None
-    norm_post: Tensor
-    gate_up: Tensor  # [2 I, hidden]
-    gate_up_bias: Tensor | None
-    down: Tensor
-    down_bias: Tensor | None
-
-    @classmethod
-    def of(cls, layer: torch.nn.Module) -> _LayerWeights:
-        at, mlp = layer.self_attn, layer.mlp
-        qkv = [at.q_proj, at.k_proj, at.v_proj]
-        gu = [mlp.gate_proj, mlp.up_proj]
-        return cls(
-            norm_in=layer.input_layernorm.weight,
-            qkv=_fuse_linears(at, "_static_qkv", qkv),
-            qkv_bias=_fused_bias(qkv),
-            q_norm=at.q_norm.weight if hasattr(at, "q_norm") else None,
-            k_norm=at.k_norm.weight if hasattr(at, "k_norm") else None,
-            o=at.o_proj.weight,
-            o_bias=at.o_proj.bias,
-            norm_post=layer.post_attention_layernorm.weight,
-            gate_up=_fuse_linears(mlp, "_static_gate_up", gu),
-            gate_up_bias=_fused_bias(gu),
-            down=mlp.down_proj.weight,
-            down_bias=mlp.down_proj.bias,
-        )
-
-
-# The static runner's step, as pure functions of tensors (no modules, no host reads), so that
-# torch.compile can fuse each one's elementwise work (norms, residual adds, RoPE, the masked
-# softmax, SwiGLU) into a few kernels, and one compiled code serves all layers. The matmuls stay
-# cuBLAS calls. `heads` = (H, Hkv, head dim); `eps` = (norm eps, q/k norm eps).
-
-
-def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    """HF's Llama RMSNorm: fp32 statistics, cast back to x's dtype, then the weight."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return w * h.to(x.dtype)
-
-
-def _attn_in(
-    x: Tensor,
-    d: Tensor,
-    w: _LayerWeights,
-    cos: Tensor,
-    sin: Tensor,
-    heads: tuple[int, int, int],
-    eps: tuple[float, float],
-) -> tuple[Tensor, Tensor]:
-    """Add the previous layer's MLP output `d` to the residual `x`, norm, q/k/v in one matmul,
-    q/k norms, RoPE. Returns (x, the rotated queries, rotated keys and values [q, H + 2 Hkv, d]
-    in one tensor [B, q, H + 2 Hkv, d], so one kernel writes them; `_gqa_views` splits it)."""
-    H, Hkv, dh = heads
-    B, q = x.shape[:2]
-    x = x + d
-    qkv = F.linear(_rms(x, w.norm_in, eps[0]), w.qkv, w.qkv_bias)
-    qs, ks, vs = qkv.split([H * dh, Hkv * dh, Hkv * dh], -1)
-    qs, ks, vs = qs.view(B, q, H, dh), ks.view(B, q, Hkv, dh), vs.view(B, q, Hkv, dh)
-    if w.q_norm is not None and w.k_norm is not None:
-        qs, ks = _rms(qs, w.q_norm, eps[1]), _rms(ks, w.k_norm, eps[1])
-    qs = qs * cos + _rotate_half(qs) * sin  # cos, sin: [B, q, 1, d]
-    ks = ks * cos + _rotate_half(ks) * sin
-    return x, torch.cat([qs, ks, vs], dim=2)
-
-
-def _gqa_views(rot: Tensor, heads: tuple[int, int, int]) -> tuple[Tensor, Tensor]:
-    """Views of `_attn_in`'s [B, q, H + 2 Hkv, d]: queries [B, Hkv, rep, q, d] (the rep query
-    heads of a KV head; flattened, rep x q rows) and the new keys/values [2, B, Hkv, q, d]."""
-    H, Hkv, dh = heads
-    B, q = rot.shape[:2]
-    queries = rot[:, :, :H].view(B, q, Hkv, H // Hkv, dh).permute(0, 2, 3, 1, 4)
-    return queries, rot[:, :, H:].view(B, q, 2, Hkv, dh).permute(2, 0, 3, 1, 4)
-
-
-def _probs(scores: Tensor, mask: Tensor, scale: float, rep: int) -> Tensor:
-    """Softmax over key slots in fp32 with the additive mask [B, q, span] (GQA rows: rep x q)."""
-    B, Hkv, rows, span = scores.shape
-    s = scores.float().view(B, Hkv, rep, rows // rep, span) * scale + mask[:, None, None]
-    return torch.softmax(s, dim=-1).to(scores.dtype).view(B, Hkv, rows, span)
-
-
-def _attn_out_mlp(
-    o: Tensor, x: Tensor, w: _LayerWeights, heads: tuple[int, int, int], eps: tuple[float, float]
-) -> tuple[Tensor, Tensor]:
-    """o_proj and its residual add, the post-attention norm, gate/up in one matmul, SwiGLU and
-    down_proj. Returns (x, the MLP output): the next layer's `_attn_in` adds it to x."""
-    H, _, dh = heads
-    B, q = x.shape[:2]
-    o = o.view(B, H, q, dh).transpose(1, 2).reshape(B, q, H * dh)
-    x = x + F.linear(o, w.o, w.o_bias)
-    g, u = F.linear(_rms(x, w.norm_post, eps[0]), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-    return x, F.linear(F.silu(g) * u, w.down, w.down_bias)
-
-
-def _head(
-    x: Tensor, d: Tensor, norm: Tensor, eps: float, head: Tensor, head_bias: Tensor | None
-) -> Tensor:
-    """Last residual add, final norm, lm_head; float logits."""
-    return F.linear(_rms(x + d, norm, eps), head, head_bias).float()
 
 
 @dataclass
@@ -275,6 +142,7 @@ class StaticTargetRunner:
         max_batch: int = 1,
         compile_backend: str = "inductor",
         compile_mode: str | None = None,
+        fused_matmuls: bool = False,
     ):
         if (problem := static_runner_problem(model)) is not None:
             raise ValueError(f"StaticTargetRunner: {problem}; use TargetRunner")
@@ -299,6 +167,11 @@ class StaticTargetRunner:
         if split_attention and not can_split:
             raise ValueError("split_attention needs triton, CUDA and a power-of-two head dim")
         self.split_attention = can_split if split_attention is None else bool(split_attention)
+        # steps of up to FUSED_ROWS rows: the matmuls in kernels.py's few-rows kernel, norms and
+        # SwiGLU inside (opt-in until measured on a GPU; on a CPU only under triton's interpreter)
+        if fused_matmuls and (problem := fused_matmuls_problem(self.device)):
+            raise ValueError(f"fused_matmuls: {problem}")
+        self.fused_matmuls = bool(fused_matmuls)
         self._fns = self._step_functions(self.compiled, compile_backend, compile_mode)
         self.aux_ids: list[int] = []
         self.lengths = [0]  # each row's committed slots (host)
@@ -317,7 +190,8 @@ class StaticTargetRunner:
 
     @staticmethod
     def _step_functions(compiled: bool, backend: str, mode: str | None) -> dict[str, Callable]:
-        fns = {"attn_in": _attn_in, "probs": _probs, "attn_out_mlp": _attn_out_mlp, "head": _head}
+        fns = {"attn_in": _attn_in, "probs": _probs, "attn_out_mlp": _attn_out_mlp, "head": _head,
+               "rotated": _rotated}  # fmt: skip
         if not compiled:
             return fns
         # `mode` "max-autotune-no-cudagraphs": inductor times triton matmul templates that may
@@ -390,10 +264,17 @@ class StaticTargetRunner:
         dyn((mask, 0), (cos, 0), (sin, 0))
         wide((mask, 1), (cos, 1), (sin, 1))
         spans((mask, 2))
+        fused = self.fused_matmuls and B * q <= FUSED_ROWS
         for i, w in enumerate(self.weights):
             dyn((x, 0), (d, 0))
             wide((x, 1), (d, 1))
-            x, rot = fns["attn_in"](x, d, w, cos, sin, heads, self.eps)
+            if fused:  # the norm and its residual add inside the matmul's kernel (kernels.py)
+                x, qkv = few_rows_linear(x, w.qkv, w.qkv_bias, d, (w.norm_in, self.eps[0]))
+                dyn((qkv, 0))
+                wide((qkv, 1))
+                rot = fns["rotated"](qkv, w, cos, sin, heads, self.eps)
+            else:
+                x, rot = fns["attn_in"](x, d, w, cos, sin, heads, self.eps)
             queries, new_kv = _gqa_views(rot, heads)
             if self.split_attention and B == 1 and last is None:  # also writes the new keys/values
                 o = _split_attention(queries[0], kv[i, 0, 0], kv[i, 1, 0], new_kv[:, 0],
@@ -410,7 +291,12 @@ class StaticTargetRunner:
                 o = torch.matmul(p, cache[1])  # [B, Hkv, rep*q, d] = [B, H, q, d]
             dyn((o, 0), (x, 0))
             wide((o, 2), (x, 1))
-            x, d = fns["attn_out_mlp"](o, x, w, heads, self.eps)
+            if fused:
+                o = few_rows_linear(_merged_heads(o, heads), w.o, w.o_bias)[1]
+                x, gu = few_rows_linear(x, w.gate_up, w.gate_up_bias, o, (w.norm_post, self.eps[0]))  # fmt: skip
+                d = few_rows_linear(gu, w.down, w.down_bias, swiglu=True)[1]
+            else:
+                x, d = fns["attn_out_mlp"](o, x, w, heads, self.eps)
             if aux and i in self.aux_ids:
                 states.append((i, x + d))
         norm, head = m.model.norm, m.get_output_embeddings()
