@@ -159,26 +159,31 @@ def test_the_compiled_step_equals_the_eager_one_over_ragged_rows(tiny_lm):
 
     eager = StaticTargetRunner(tiny_lm, 64, max_batch=4)
     comp = StaticTargetRunner(tiny_lm, 64, max_batch=4, compiled=True, compile_backend="aot_eager")
-    g = torch.Generator().manual_seed(3)
-    ps = [torch.randint(3, 49152, (int(n),), generator=g).tolist() for n in (5, 12, 8)]
-    ids = torch.randint(3, 49152, (3, 4), generator=g)
-    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-    keep = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-    outs = []
-    for r in (eager, comp):
-        r.set_aux_layers([2, 0, 1])
-        r.bucket_rows = True
-        _, _, _, valid = r.prefill(ps, aux=True)
-        pos = valid.sum(1)[:, None] + torch.arange(4)
-        ones = torch.ones(3, 4, dtype=torch.bool)
-        a = r.forward(ids, pos, ones, aux=True)
-        b = r.forward(ids, pos, ones, aux=True, tree=tree.expand(3, 4, 4))
-        r.commit(keep)
-        c = r.forward(ids, pos + keep.sum(1, keepdim=True), ones, aux=True)
-        outs.append([t for pair in (a, b, c) for t in pair])
-    for e, c in zip(*outs, strict=True):
+    for e, c in zip(ragged_steps(eager, 3), ragged_steps(comp, 3), strict=True):
         torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-4)
     assert comp._fns["attn_in"] is not eager._fns["attn_in"]  # the compiled wrapper ran
+
+
+def ragged_steps(r, seed: int, vocab: int = 49152) -> list[torch.Tensor]:
+    """Logits and aux states of a static runner's steps over 3 ragged rows run as 4: a prefill, a
+    chain verify, a tree verify, a commit of a different path in each row, a chain again and a
+    one-token step (plain decoding's)."""
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in (5, 12, 8)]
+    ids = torch.randint(3, vocab, (3, 4), generator=g)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    keep = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    r.set_aux_layers([2, 0, 1])
+    r.bucket_rows = True
+    _, _, _, valid = r.prefill(ps, aux=True)
+    pos = valid.sum(1)[:, None] + torch.arange(4)
+    ones = torch.ones(3, 4, dtype=torch.bool)
+    a = r.forward(ids, pos, ones, aux=True)
+    b = r.forward(ids, pos, ones, aux=True, tree=tree.expand(3, 4, 4))
+    r.commit(keep)
+    c = r.forward(ids, pos + keep.sum(1, keepdim=True), ones, aux=True)
+    one = r.forward(ids[:, :1], pos[:, :1] + 4, ones[:, :1])
+    return [t for pair in (a, b, c, one) for t in pair if t is not None]
 
 
 def test_a_compiled_runner_compiles_one_code_for_every_verify_width(tiny_lm):

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from test_engine_static_batch import ragged_steps  # noqa: E402
+
 from serve.engine.kernels import few_rows_linear  # noqa: E402
 from serve.engine.step import _rms  # noqa: E402
 
@@ -50,21 +52,6 @@ def test_few_rows_linear_computes_what_the_eager_modules_do(dtype, rows):
     torch.testing.assert_close(few_rows_linear(x, w)[1], F.linear(x, w), **_close(dtype))
 
 
-def _verify_steps(r, ps, ids, tree, keep):
-    """A prefill of ragged rows, a chain verify, a tree verify, a commit, a chain again."""
-    r.set_aux_layers([2, 0, 1])
-    r.bucket_rows = True
-    _, _, _, valid = r.prefill(ps, aux=True)
-    pos = valid.sum(1)[:, None] + torch.arange(4)
-    ones = torch.ones(3, 4, dtype=torch.bool)
-    a = r.forward(ids, pos, ones, aux=True)
-    b = r.forward(ids, pos, ones, aux=True, tree=tree.expand(3, 4, 4))
-    r.commit(keep)
-    c = r.forward(ids, pos + keep.sum(1, keepdim=True), ones, aux=True)
-    one = r.forward(ids[:, :1], pos[:, :1] + 4, ones[:, :1])  # plain decoding's one token
-    return [t for pair in (a, b, c, one) for t in pair if t is not None]
-
-
 def test_a_runner_with_fused_matmuls_equals_the_one_without(tiny_lm, monkeypatch):
     """The static runner's steps through the few-rows kernel (norms and SwiGLU inside) give the
     logits and aux states of its steps without it, over 3 ragged rows run as 4: a chain, a tree,
@@ -72,10 +59,6 @@ def test_a_runner_with_fused_matmuls_equals_the_one_without(tiny_lm, monkeypatch
     from serve.engine import StaticTargetRunner, static
 
     g = torch.Generator().manual_seed(4)
-    ps = [torch.randint(3, 49152, (int(n),), generator=g).tolist() for n in (5, 12, 8)]
-    ids = torch.randint(3, 49152, (3, 4), generator=g)
-    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-    keep = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     target = copy.deepcopy(tiny_lm)
     with torch.no_grad():  # norms of ones would hide a norm read from the wrong weight
         for name, p in target.named_parameters():
@@ -85,9 +68,9 @@ def test_a_runner_with_fused_matmuls_equals_the_one_without(tiny_lm, monkeypatch
     fused = StaticTargetRunner(target, 64, max_batch=4, fused_matmuls=True)
     calls = []
     monkeypatch.setattr(static, "few_rows_linear", lambda *a, **k: calls.append(1) or few_rows_linear(*a, **k))  # fmt: skip
-    want = _verify_steps(bare, ps, ids, tree, keep)
+    want = ragged_steps(bare, 4)
     assert not calls
-    got = _verify_steps(fused, ps, ids, tree, keep)
+    got = ragged_steps(fused, 4)
     assert len(calls) >= 4 * 4 * 2, "the fused runner's steps ran the kernel"  # 4 a layer
     for e, f in zip(want, got, strict=True):
         torch.testing.assert_close(f, e, rtol=1e-4, atol=1e-4)
@@ -102,15 +85,10 @@ def test_fused_matmuls_on_cuda_with_graphs():
     from serve.engine import StaticTargetRunner
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    g = torch.Generator().manual_seed(5)
-    ps = [torch.randint(3, 500, (int(n),), generator=g).tolist() for n in (5, 12, 8)]
-    ids = torch.randint(3, 500, (3, 4), generator=g)
-    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-    keep = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     for dtype in (torch.float32, torch.bfloat16):
         target = tiny_llama("cuda").to(dtype)
         bare = StaticTargetRunner(target, 128, max_batch=4)
         fused = StaticTargetRunner(target, 128, max_batch=4, fused_matmuls=True)
-        want, got = (_verify_steps(r, ps, ids, tree, keep) for r in (bare, fused))
+        want, got = (ragged_steps(r, 5, vocab=500) for r in (bare, fused))
         for e, f in zip(want, got, strict=True):
             torch.testing.assert_close(f, e, **_close(dtype))
