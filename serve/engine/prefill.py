@@ -71,7 +71,7 @@ def padded(
         g.graph.replay()
         logits, states = g.logits, g.aux
     else:
-        logits, states = runner._core(_packed(pad, dev), Q, Q, has_aux, rows, last)
+        logits, states = runner._core(_packed(pad, 0), Q, Q, has_aux, rows, last)
     keep = states[:B, :L].clone() if aux and states is not None else None
     return logits[:B, 0].clone(), keep
 
@@ -82,7 +82,7 @@ def graph(runner: StaticTargetRunner, b: int, Q: int) -> PrefillGraph:
     if key in runner._graphs:
         return runner._graphs[key]
     dev = runner.device
-    inputs = _packed(torch.zeros(b, Q, dtype=torch.long, device=dev), dev)
+    inputs = _packed(torch.zeros(b, Q, dtype=torch.long, device=dev), 0)
     last = torch.full((b,), Q - 1, dtype=torch.long, device=dev)
     rows = torch.zeros(b, dtype=torch.long, device=dev)
     if runner._pool is None:
@@ -122,10 +122,7 @@ def chunked(
     logits, states, s = torch.empty(0), [], 0
     for e in ends:
         q = e - s
-        causal = torch.ones(q, q, dtype=torch.long, device=dev).tril().reshape(1, -1)
-        base = torch.full((B, 1), s, dtype=torch.long, device=dev)
-        pos = torch.arange(s, e, device=dev).expand(B, q)
-        packed = torch.cat([ids[:, s:e], pos, base, causal.expand(B, q * q)], 1)
+        packed = _packed(ids[:, s:e], s)
         last = (lens - 1).clamp(s, e - 1) - s  # each row's last prompt entry, if here
         # span >= 2: a one-token prompt attends like any other (a span of 1 would specialise)
         out, st = runner._core(packed, q, max(e, 2), aux, rows, last)
@@ -136,9 +133,11 @@ def chunked(
     return logits, (torch.cat(states, 1) if aux and runner.aux_ids else None)
 
 
-def _packed(ids: Tensor, dev: torch.device) -> Tensor:
-    """`_core`'s inputs for prompts [b, Q] from slot 0: ids, positions 0..Q-1, base 0, causal."""
-    b, Q = ids.shape
-    causal = torch.ones(Q, Q, dtype=torch.long, device=dev).tril().reshape(1, -1)
-    pos = torch.arange(Q, device=dev).expand(b, Q)
-    return torch.cat([ids, pos, torch.zeros(b, 1, dtype=torch.long, device=dev), causal.expand(b, Q * Q)], 1)  # fmt: skip
+def _packed(ids: Tensor, start: int) -> Tensor:
+    """`_core`'s inputs for prompt entries [b, q] at slots start..start+q-1 of their rows: ids,
+    positions, base slot `start`, causal among themselves."""
+    (b, q), dev = ids.shape, ids.device
+    causal = torch.ones(q, q, dtype=torch.long, device=dev).tril().reshape(1, -1)
+    pos = torch.arange(start, start + q, device=dev).expand(b, q)
+    base = torch.full((b, 1), start, dtype=torch.long, device=dev)
+    return torch.cat([ids, pos, base, causal.expand(b, q * q)], 1)

@@ -252,8 +252,8 @@ class StaticTargetRunner:
         cos, sin = cos[:, :, None], sin[:, :, None]  # [B, q, 1, d]
         heads = (self.n_heads, self.n_kv, self.head_dim)
         rep = self.n_heads // self.n_kv
-        at = torch.arange(B, device=dev) if rows is None else rows
-        rows_ix = at[:, None, None]  # with heads_ix and slots: [B, Hkv, q]
+        # each row's cache row; with heads_ix and slots: [B, Hkv, q]
+        rows_ix = (torch.arange(B, device=dev) if rows is None else rows)[:, None, None]
         heads_ix = torch.arange(self.n_kv, device=dev)[None, :, None]
         d = torch.zeros_like(x)
         states = []
